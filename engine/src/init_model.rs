@@ -1,0 +1,371 @@
+//! Random-weight Kimi Linear models in the published Hugging Face layout (`config.json`,
+//! bf16 `model.safetensors`, a tokenizer, `generation_config.json`), deterministic by seed.
+//!
+//! Their output is meaningless text: they exist so that every command, test and benchmark has a
+//! real checkpoint to load without downloading one. The `tiny` preset is the embedded default
+//! model that commands use when `--model` is not given.
+
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use serde_json::json;
+
+use crate::config::{AttnKind, FfnKind, ModelConfig};
+use crate::error::{EngineError, Result};
+use crate::rng::Rng;
+use crate::tokenizer::tiny as tiny_tokenizer;
+
+/// Bumped whenever presets or initialisation change, so cached default models are rebuilt.
+const DEFAULT_MODEL_VERSION: &str = "tiny-v1";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preset {
+    /// About 1 M parameters: the embedded default, fast enough for every test.
+    Tiny,
+    /// About 50 M parameters: for CPU benchmarks.
+    Small,
+}
+
+impl std::str::FromStr for Preset {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "tiny" => Ok(Preset::Tiny),
+            "small" => Ok(Preset::Small),
+            other => Err(format!("unknown preset `{other}` (expected tiny or small)")),
+        }
+    }
+}
+
+struct Dims {
+    vocab: usize,
+    hidden: usize,
+    inter: usize,
+    layers: usize,
+    /// 1-based, as checkpoints list them.
+    mla_layers: Vec<usize>,
+    kda_heads: usize,
+    kda_head_dim: usize,
+    mla_heads: usize,
+    nope: usize,
+    rope: usize,
+    v: usize,
+    kv_rank: usize,
+    experts: usize,
+    top_k: usize,
+    moe_inter: usize,
+}
+
+fn dims(p: Preset) -> Dims {
+    match p {
+        Preset::Tiny => Dims {
+            vocab: 1024,
+            hidden: 128,
+            inter: 384,
+            layers: 4,
+            mla_layers: vec![4],
+            kda_heads: 4,
+            kda_head_dim: 32,
+            mla_heads: 4,
+            nope: 32,
+            rope: 16,
+            v: 32,
+            kv_rank: 64,
+            experts: 8,
+            top_k: 2,
+            moe_inter: 64,
+        },
+        Preset::Small => Dims {
+            vocab: 4096,
+            hidden: 512,
+            inter: 1536,
+            layers: 8,
+            mla_layers: vec![4, 8],
+            kda_heads: 8,
+            kda_head_dim: 64,
+            mla_heads: 8,
+            nope: 64,
+            rope: 32,
+            v: 64,
+            kv_rank: 128,
+            experts: 16,
+            top_k: 4,
+            moe_inter: 256,
+        },
+    }
+}
+
+fn config_json(d: &Dims) -> serde_json::Value {
+    let specials = tiny_tokenizer::special_ids(d.vocab);
+    let kda: Vec<usize> = (1..=d.layers).filter(|l| !d.mla_layers.contains(l)).collect();
+    json!({
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "dtype": "bfloat16",
+        "vocab_size": d.vocab,
+        "hidden_size": d.hidden,
+        "intermediate_size": d.inter,
+        "num_hidden_layers": d.layers,
+        "num_attention_heads": d.mla_heads,
+        "num_key_value_heads": d.mla_heads,
+        "q_lora_rank": null,
+        "kv_lora_rank": d.kv_rank,
+        "qk_nope_head_dim": d.nope,
+        "qk_rope_head_dim": d.rope,
+        "v_head_dim": d.v,
+        "mla_use_nope": true,
+        "linear_attn_config": {
+            "kda_layers": kda,
+            "full_attn_layers": d.mla_layers,
+            "num_heads": d.kda_heads,
+            "head_dim": d.kda_head_dim,
+            "short_conv_kernel_size": 4
+        },
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_experts": d.experts,
+        "num_experts_per_token": d.top_k,
+        "moe_intermediate_size": d.moe_inter,
+        "num_shared_experts": 1,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "moe_renormalize": true,
+        "moe_router_activation_func": "sigmoid",
+        "use_grouped_topk": true,
+        "routed_scaling_factor": 2.446,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": false,
+        "bos_token_id": specials.bos,
+        "eos_token_id": specials.eos,
+        "pad_token_id": specials.pad,
+        "model_max_length": 1048576,
+        "initializer_range": 0.02,
+        "tessera_note": "random weights written by `tessera init-model`; its output is meaningless"
+    })
+}
+
+/// How a tensor is initialised (mirrors the reference implementation's `_init_weights`).
+#[derive(Clone, Copy)]
+enum Init {
+    Normal(f64),
+    Ones,
+    Zeros,
+    Uniform(f64, f64),
+    /// `log(U(1, 16))`.
+    ALog,
+    /// Inverse softplus of `exp(U(log 1e-3, log 1e-1))`.
+    DtBias,
+}
+
+struct TensorSpec {
+    name: String,
+    shape: Vec<usize>,
+    init: Init,
+}
+
+fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
+    let d = cfg.hidden_size;
+    let proj = Init::Normal(0.04);
+    let mut v = Vec::new();
+    let mut t = |name: String, shape: Vec<usize>, init: Init| v.push(TensorSpec { name, shape, init });
+    t("model.embed_tokens.weight".into(), vec![cfg.vocab_size, d], Init::Normal(1.0));
+    for l in 0..cfg.num_layers() {
+        let p = format!("model.layers.{l}.");
+        t(format!("{p}input_layernorm.weight"), vec![d], Init::Ones);
+        t(format!("{p}post_attention_layernorm.weight"), vec![d], Init::Ones);
+        let a = format!("{p}self_attn.");
+        match cfg.attn[l] {
+            AttnKind::Kda => {
+                let (h, dk, k) = (cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.conv_kernel);
+                let pd = h * dk;
+                for n in ["q_proj", "k_proj", "v_proj"] {
+                    t(format!("{a}{n}.weight"), vec![pd, d], proj);
+                }
+                let bound = 1.0 / (k as f64).sqrt();
+                for n in ["q_conv1d", "k_conv1d", "v_conv1d"] {
+                    t(format!("{a}{n}.weight"), vec![pd, 1, k], Init::Uniform(-bound, bound));
+                }
+                t(format!("{a}A_log"), vec![1, 1, h, 1], Init::ALog);
+                t(format!("{a}dt_bias"), vec![pd], Init::DtBias);
+                t(format!("{a}f_a_proj.weight"), vec![dk, d], proj);
+                t(format!("{a}f_b_proj.weight"), vec![pd, dk], proj);
+                t(format!("{a}b_proj.weight"), vec![h, d], proj);
+                t(format!("{a}g_a_proj.weight"), vec![dk, d], proj);
+                t(format!("{a}g_b_proj.weight"), vec![pd, dk], proj);
+                t(format!("{a}o_norm.weight"), vec![dk], Init::Ones);
+                t(format!("{a}o_proj.weight"), vec![d, pd], proj);
+            }
+            AttnKind::Mla => {
+                let m = &cfg.mla;
+                t(format!("{a}q_proj.weight"), vec![m.num_heads * m.qk_head_dim(), d], proj);
+                t(format!("{a}kv_a_proj_with_mqa.weight"), vec![m.latent_dim(), d], proj);
+                t(format!("{a}kv_a_layernorm.weight"), vec![m.kv_lora_rank], Init::Ones);
+                t(
+                    format!("{a}kv_b_proj.weight"),
+                    vec![m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank],
+                    proj,
+                );
+                t(format!("{a}o_proj.weight"), vec![d, m.num_heads * m.v_head_dim], proj);
+            }
+        }
+        let f = format!("{p}block_sparse_moe.");
+        match cfg.ffn[l] {
+            FfnKind::Dense => {
+                let i = cfg.intermediate_size;
+                t(format!("{p}mlp.gate_proj.weight"), vec![i, d], proj);
+                t(format!("{p}mlp.up_proj.weight"), vec![i, d], proj);
+                t(format!("{p}mlp.down_proj.weight"), vec![d, i], proj);
+            }
+            FfnKind::Moe => {
+                let m = &cfg.moe;
+                t(format!("{f}gate.weight"), vec![m.num_experts, d], proj);
+                t(format!("{f}gate.e_score_correction_bias"), vec![m.num_experts], Init::Zeros);
+                for e in 0..m.num_experts {
+                    t(format!("{f}experts.{e}.w1.weight"), vec![m.intermediate_size, d], proj);
+                    t(format!("{f}experts.{e}.w3.weight"), vec![m.intermediate_size, d], proj);
+                    t(format!("{f}experts.{e}.w2.weight"), vec![d, m.intermediate_size], proj);
+                }
+                let si = m.intermediate_size * m.num_shared_experts;
+                t(format!("{f}shared_experts.gate_proj.weight"), vec![si, d], proj);
+                t(format!("{f}shared_experts.up_proj.weight"), vec![si, d], proj);
+                t(format!("{f}shared_experts.down_proj.weight"), vec![d, si], proj);
+            }
+        }
+    }
+    t("model.norm.weight".into(), vec![d], Init::Ones);
+    t("lm_head.weight".into(), vec![cfg.vocab_size, d], proj);
+    v
+}
+
+/// Published Kimi checkpoints keep the small recurrence and routing tensors in F32.
+fn stored_as_f32(name: &str) -> bool {
+    ["A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias"]
+        .iter()
+        .any(|suffix| name.ends_with(suffix))
+}
+
+fn fill(init: Init, n: usize, rng: &mut Rng) -> Vec<f32> {
+    (0..n)
+        .map(|_| match init {
+            Init::Normal(std) => (rng.normal() * std) as f32,
+            Init::Ones => 1.0,
+            Init::Zeros => 0.0,
+            Init::Uniform(lo, hi) => (lo + (hi - lo) * rng.uniform()) as f32,
+            Init::ALog => (1.0 + 15.0 * rng.uniform()).ln() as f32,
+            Init::DtBias => {
+                let (lo, hi) = (1e-3f64.ln(), 1e-1f64.ln());
+                let dt = (lo + (hi - lo) * rng.uniform()).exp().max(1e-4);
+                (dt + (-(-dt).exp_m1()).ln()) as f32
+            }
+        })
+        .collect()
+}
+
+/// Writes a random-weight model of `preset` into `out` (created if missing).
+pub fn write_model(out: &Path, preset: Preset, seed: u64) -> Result<()> {
+    let d = dims(preset);
+    std::fs::create_dir_all(out).map_err(|e| EngineError::io(out, e))?;
+    let cfg_json = config_json(&d);
+    let cfg_text = serde_json::to_string_pretty(&cfg_json).expect("config serialises");
+    let cfg = ModelConfig::from_json_str(&cfg_text, &out.join("config.json"))?;
+
+    let mut rng = Rng::new(seed);
+    let specs = tensor_specs(&cfg);
+    let data: Vec<Vec<u8>> = specs
+        .iter()
+        .map(|s| {
+            let values = fill(s.init, s.shape.iter().product(), &mut rng);
+            if stored_as_f32(&s.name) {
+                values.into_iter().flat_map(f32::to_le_bytes).collect()
+            } else {
+                values.into_iter().flat_map(|x| half::bf16::from_f32(x).to_le_bytes()).collect()
+            }
+        })
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = specs
+        .iter()
+        .zip(&data)
+        .map(|(s, bytes)| {
+            let dtype = if stored_as_f32(&s.name) { Dtype::F32 } else { Dtype::BF16 };
+            let view = TensorView::new(dtype, s.shape.clone(), bytes).expect("sizes match by construction");
+            (s.name.clone(), view)
+        })
+        .collect();
+    let st_path = out.join("model.safetensors");
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(views, Some(meta), &st_path).map_err(|e| EngineError::CorruptCheckpoint {
+        path: st_path.clone(),
+        message: e.to_string(),
+    })?;
+
+    write_text(&out.join("config.json"), &cfg_text)?;
+    let specials = tiny_tokenizer::special_ids(d.vocab);
+    let gen = json!({
+        "bos_token_id": specials.bos,
+        "eos_token_id": [specials.eos, specials.im_end],
+        "pad_token_id": specials.pad,
+    });
+    write_text(&out.join("generation_config.json"), &serde_json::to_string_pretty(&gen).unwrap())?;
+    tiny_tokenizer::write_tiny_tokenizer(out, d.vocab)?;
+    Ok(())
+}
+
+fn write_text(path: &Path, text: &str) -> Result<()> {
+    std::fs::write(path, text).map_err(|e| EngineError::io(path, e))
+}
+
+/// Where the embedded default model lives: `$TESSERA_CACHE_DIR`, else `$XDG_CACHE_HOME/tessera`,
+/// else `~/.cache/tessera`, else the system temp dir.
+pub fn default_model_dir() -> PathBuf {
+    let base = std::env::var_os("TESSERA_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|p| PathBuf::from(p).join("tessera")))
+        .or_else(|| std::env::var_os("HOME").map(|p| PathBuf::from(p).join(".cache/tessera")))
+        .unwrap_or_else(|| std::env::temp_dir().join("tessera"));
+    base.join("models").join(DEFAULT_MODEL_VERSION)
+}
+
+/// The embedded default (`tiny`, seed 0), written on first use. Written into a temporary
+/// directory and renamed, so concurrent first uses never see a half-written model.
+pub fn ensure_default_model() -> Result<PathBuf> {
+    let dir = default_model_dir();
+    if dir.join("config.json").exists() && dir.join("model.safetensors").exists() {
+        return Ok(dir);
+    }
+    let parent = dir.parent().expect("has a parent");
+    std::fs::create_dir_all(parent).map_err(|e| EngineError::io(parent, e))?;
+    let tmp = parent.join(format!(".{DEFAULT_MODEL_VERSION}.{}", std::process::id()));
+    write_model(&tmp, Preset::Tiny, 0)?;
+    match std::fs::rename(&tmp, &dir) {
+        Ok(()) => {}
+        // Another process won the race: its copy is identical.
+        Err(_) if dir.join("config.json").exists() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        Err(e) => return Err(EngineError::io(&dir, e)),
+    }
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_model_is_deterministic_and_loads() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        write_model(a.path(), Preset::Tiny, 0).unwrap();
+        write_model(b.path(), Preset::Tiny, 0).unwrap();
+        let fa = std::fs::read(a.path().join("model.safetensors")).unwrap();
+        let fb = std::fs::read(b.path().join("model.safetensors")).unwrap();
+        assert!(fa == fb, "same seed must give the same bytes");
+        let m = crate::model::Model::load(a.path()).unwrap();
+        assert_eq!(m.config.vocab_size, 1024);
+        let c = tempfile::tempdir().unwrap();
+        write_model(c.path(), Preset::Tiny, 1).unwrap();
+        assert!(std::fs::read(c.path().join("model.safetensors")).unwrap() != fa);
+    }
+}

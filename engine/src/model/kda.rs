@@ -1,0 +1,142 @@
+//! Kimi Delta Attention layer: q/k/v projections through a causal short convolution (SiLU),
+//! per-channel forget gate `g = −exp(A_log)·softplus(f_b(f_a(x)) + dt_bias)`, input gate
+//! `β = σ(b(x))`, L2-normalised q and k, the delta-rule recurrence (chunked for prompts,
+//! recurrent for single tokens), a sigmoid-gated RMSNorm per head and the output projection.
+
+use tessera_kernels::cpu;
+
+use super::linear::{Linear, Norm};
+use super::Rows;
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::state::KdaState;
+
+/// FLA's chunk length for the chunked KDA form.
+const CHUNK: usize = 64;
+/// Softplus returns its input above this, as FLA and `transformers` do.
+const SOFTPLUS_THRESHOLD: f32 = 20.0;
+const QK_L2_EPS: f32 = 1e-6;
+
+pub struct KdaLayer {
+    heads: usize,
+    head_dim: usize,
+    kernel: usize,
+    /// q, k and v projections stacked: `[3P, D]`.
+    qkv: Linear,
+    /// Depthwise conv weights for q, k, v stacked: `[3P, kernel]`.
+    conv: Vec<f32>,
+    f_a: Linear,
+    f_b: Linear,
+    dt_bias: Vec<f32>,
+    /// `exp(A_log)` per head.
+    decay_rate: Vec<f32>,
+    b: Linear,
+    g_a: Linear,
+    g_b: Linear,
+    o_norm: Norm,
+    o: Linear,
+}
+
+impl KdaLayer {
+    /// `prefix` ends with a dot, e.g. `model.layers.0.self_attn.`.
+    pub fn load(ck: &Checkpoint, prefix: &str, cfg: &ModelConfig) -> Result<Self> {
+        let (h, dk, d) = (cfg.kda.num_heads, cfg.kda.head_dim, cfg.hidden_size);
+        let p = h * dk;
+        let kernel = cfg.kda.conv_kernel;
+        let n = |s: &str| format!("{prefix}{s}");
+        let qkv = Linear::stack(vec![
+            Linear::load(ck, &n("q_proj.weight"), p, d)?,
+            Linear::load(ck, &n("k_proj.weight"), p, d)?,
+            Linear::load(ck, &n("v_proj.weight"), p, d)?,
+        ]);
+        let mut conv = Vec::with_capacity(3 * p * kernel);
+        for which in ["q_conv1d", "k_conv1d", "v_conv1d"] {
+            conv.extend(ck.f32(&n(&format!("{which}.weight")), &[p, 1, kernel])?);
+        }
+        let (a_log, _) = ck.f32_numel(&n("A_log"), h)?;
+        Ok(KdaLayer {
+            heads: h,
+            head_dim: dk,
+            kernel,
+            qkv,
+            conv,
+            f_a: Linear::load(ck, &n("f_a_proj.weight"), dk, d)?,
+            f_b: Linear::load(ck, &n("f_b_proj.weight"), p, dk)?,
+            dt_bias: ck.f32(&n("dt_bias"), &[p])?,
+            decay_rate: a_log.iter().map(|a| a.exp()).collect(),
+            b: Linear::load(ck, &n("b_proj.weight"), h, d)?,
+            g_a: Linear::load(ck, &n("g_a_proj.weight"), dk, d)?,
+            g_b: Linear::load(ck, &n("g_b_proj.weight"), p, dk)?,
+            o_norm: Norm::load(ck, &n("o_norm.weight"), dk, cfg.rms_norm_eps)?,
+            o: Linear::load(ck, &n("o_proj.weight"), d, p)?,
+        })
+    }
+
+    pub fn parameter_count(&self) -> usize {
+        [&self.qkv, &self.f_a, &self.f_b, &self.b, &self.g_a, &self.g_b, &self.o]
+            .iter()
+            .map(|l| l.w.len())
+            .sum::<usize>()
+            + self.conv.len()
+            + self.dt_bias.len()
+            + self.decay_rate.len()
+            + self.o_norm.w.len()
+    }
+
+    pub fn forward(&self, x: &[f32], rows: &Rows, states: &mut [&mut KdaState]) -> Vec<f32> {
+        let n = rows.total();
+        let (h, dk) = (self.heads, self.head_dim);
+        let p = h * dk;
+        let mixed = self.qkv.forward(x, n);
+        let mut conv_out = vec![0.0; mixed.len()];
+        for (s, range) in rows.ranges().enumerate() {
+            let r = range.start * 3 * p..range.end * 3 * p;
+            cpu::short_conv_silu(
+                &mixed[r.clone()],
+                3 * p,
+                &self.conv,
+                self.kernel,
+                &mut states[s].conv,
+                &mut conv_out[r],
+            );
+        }
+        let (mut q, mut k, mut v) = (vec![0.0; n * p], vec![0.0; n * p], vec![0.0; n * p]);
+        for t in 0..n {
+            let row = &conv_out[t * 3 * p..(t + 1) * 3 * p];
+            q[t * p..(t + 1) * p].copy_from_slice(&row[..p]);
+            k[t * p..(t + 1) * p].copy_from_slice(&row[p..2 * p]);
+            v[t * p..(t + 1) * p].copy_from_slice(&row[2 * p..]);
+        }
+        cpu::l2_normalize(&mut q, dk, QK_L2_EPS);
+        cpu::l2_normalize(&mut k, dk, QK_L2_EPS);
+
+        let mut g = self.f_b.forward(&self.f_a.forward(x, n), n);
+        for t in 0..n {
+            for (c, gv) in g[t * p..(t + 1) * p].iter_mut().enumerate() {
+                let z = *gv + self.dt_bias[c];
+                let softplus = if z > SOFTPLUS_THRESHOLD { z } else { (1.0 + z.exp()).ln() };
+                *gv = -self.decay_rate[c / dk] * softplus;
+            }
+        }
+        let mut beta = self.b.forward(x, n);
+        cpu::sigmoid_inplace(&mut beta);
+
+        let scale = 1.0 / (dk as f32).sqrt();
+        let mut core = vec![0.0; n * p];
+        for (s, range) in rows.ranges().enumerate() {
+            let (a, b) = (range.start * p, range.end * p);
+            let (bh_a, bh_b) = (range.start * h, range.end * h);
+            let st = &mut states[s].recurrent;
+            if range.len() == 1 {
+                cpu::kda_recurrent(&q[a..b], &k[a..b], &v[a..b], &g[a..b], &beta[bh_a..bh_b], h, dk, dk, scale, st, &mut core[a..b]);
+            } else {
+                cpu::kda_chunked(&q[a..b], &k[a..b], &v[a..b], &g[a..b], &beta[bh_a..bh_b], h, dk, dk, scale, CHUNK, st, &mut core[a..b]);
+            }
+        }
+        let gate = self.g_b.forward(&self.g_a.forward(x, n), n);
+        let mut normed = vec![0.0; n * p];
+        cpu::rms_norm_gated(&core, dk, &self.o_norm.w, &gate, self.o_norm.eps, &mut normed);
+        self.o.forward(&normed, n)
+    }
+}

@@ -1,0 +1,264 @@
+//! The Kimi Linear forward pass, composed from one module per layer kind.
+//!
+//! One call runs a batch of *segments*: each is a run of new tokens of one sequence with that
+//! sequence's state. Projections and MLPs run once over all rows of all segments; token mixers
+//! (KDA, MLA) run per segment on its own state. A prompt is one segment of many tokens; a decode
+//! step of N sequences is N segments of one token.
+
+mod kda;
+mod linear;
+mod mla;
+mod mlp;
+mod moe;
+
+use std::ops::Range;
+use std::path::Path;
+
+use tessera_kernels::cpu;
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{AttnKind, FfnKind, ModelConfig};
+use crate::error::{EngineError, Result};
+use crate::state::{LayerState, SequenceState};
+use kda::KdaLayer;
+use linear::{Linear, Norm};
+use mla::MlaLayer;
+use mlp::Mlp;
+use moe::Moe;
+
+/// Which logits a segment wants back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWanted {
+    None,
+    Last,
+    All,
+}
+
+pub struct Segment<'a> {
+    pub tokens: &'a [u32],
+    pub state: &'a mut SequenceState,
+    pub logits: LogitsWanted,
+}
+
+/// Row offsets of the segments inside the stacked batch.
+pub(crate) struct Rows {
+    starts: Vec<usize>,
+}
+
+impl Rows {
+    fn new(lens: impl Iterator<Item = usize>) -> Self {
+        let mut starts = vec![0];
+        for l in lens {
+            starts.push(starts.last().unwrap() + l);
+        }
+        Rows { starts }
+    }
+    pub(crate) fn total(&self) -> usize {
+        *self.starts.last().unwrap()
+    }
+    pub(crate) fn ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        self.starts.windows(2).map(|w| w[0]..w[1])
+    }
+}
+
+enum Mixer {
+    Kda(KdaLayer),
+    Mla(MlaLayer),
+}
+
+enum Ffn {
+    Dense(Mlp),
+    Moe(Moe),
+}
+
+struct Layer {
+    input_norm: Norm,
+    post_norm: Norm,
+    mixer: Mixer,
+    ffn: Ffn,
+}
+
+impl Layer {
+    fn parameter_count(&self) -> usize {
+        let mixer = match &self.mixer {
+            Mixer::Kda(m) => m.parameter_count(),
+            Mixer::Mla(m) => m.parameter_count(),
+        };
+        let ffn = match &self.ffn {
+            Ffn::Dense(m) => m.parameter_count(),
+            Ffn::Moe(m) => m.parameter_count(),
+        };
+        self.input_norm.w.len() + self.post_norm.w.len() + mixer + ffn
+    }
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    norm: Norm,
+    lm_head: Linear,
+}
+
+impl Model {
+    /// Loads a model directory (`config.json` + safetensors) as published.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir)?;
+        let ck = Checkpoint::open(dir)?;
+        let model = Self::from_checkpoint(config, &ck, "model.")?;
+        let unused = ck.unused();
+        if !unused.is_empty() {
+            tracing::warn!(count = unused.len(), first = %unused[0], "checkpoint tensors not used by the model");
+        }
+        Ok(model)
+    }
+
+    /// `prefix` is where the text model's tensors start (`model.`).
+    pub fn from_checkpoint(config: ModelConfig, ck: &Checkpoint, prefix: &str) -> Result<Self> {
+        let (d, v, eps) = (config.hidden_size, config.vocab_size, config.rms_norm_eps);
+        let embed_name = format!("{prefix}embed_tokens.weight");
+        let embed = ck.f32(&embed_name, &[v, d])?;
+        let mut layers = Vec::with_capacity(config.num_layers());
+        for l in 0..config.num_layers() {
+            let p = format!("{prefix}layers.{l}.");
+            let attn_prefix = format!("{p}self_attn.");
+            let mixer = match config.attn[l] {
+                AttnKind::Kda => Mixer::Kda(KdaLayer::load(ck, &attn_prefix, &config)?),
+                AttnKind::Mla => Mixer::Mla(MlaLayer::load(ck, &attn_prefix, &config)?),
+            };
+            let ffn = match config.ffn[l] {
+                FfnKind::Dense => {
+                    // Dense layers are `mlp.` in Moonshot's checkpoints and `block_sparse_moe.` in
+                    // what `transformers` writes back.
+                    let mlp_p = format!("{p}mlp.");
+                    let moe_p = format!("{p}block_sparse_moe.");
+                    let gate_mlp = format!("{mlp_p}gate_proj.weight");
+                    let gate_moe = format!("{moe_p}gate_proj.weight");
+                    let found = ck.resolve(&[gate_mlp.as_str(), gate_moe.as_str()])?;
+                    let prefix = if found == gate_mlp { mlp_p } else { moe_p };
+                    Ffn::Dense(Mlp::load(ck, &prefix, d, config.intermediate_size)?)
+                }
+                FfnKind::Moe => Ffn::Moe(Moe::load(ck, &format!("{p}block_sparse_moe."), &config)?),
+            };
+            layers.push(Layer {
+                input_norm: Norm::load(ck, &format!("{p}input_layernorm.weight"), d, eps)?,
+                post_norm: Norm::load(ck, &format!("{p}post_attention_layernorm.weight"), d, eps)?,
+                mixer,
+                ffn,
+            });
+        }
+        let norm = Norm::load(ck, &format!("{prefix}norm.weight"), d, eps)?;
+        let lm_head = if config.tie_word_embeddings {
+            Linear {
+                w: embed.clone(),
+                in_dim: d,
+                out_dim: v,
+            }
+        } else {
+            Linear::load(ck, "lm_head.weight", v, d)?
+        };
+        Ok(Model {
+            config,
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    /// Parameters held in memory (f32 on CPU).
+    pub fn parameter_count(&self) -> usize {
+        let mut n = self.embed.len() + self.norm.w.len();
+        if !self.config.tie_word_embeddings {
+            n += self.lm_head.w.len();
+        }
+        n + self.layers.iter().map(Layer::parameter_count).sum::<usize>()
+    }
+
+    pub fn new_state(&self) -> SequenceState {
+        SequenceState::new(&self.config)
+    }
+
+    /// Runs every segment's new tokens through the model, updating each state. Returns, per
+    /// segment, the logits it asked for (`[rows, vocab]` flattened; empty for `None`).
+    pub fn forward(&self, segments: &mut [Segment<'_>]) -> Result<Vec<Vec<f32>>> {
+        let d = self.config.hidden_size;
+        for seg in segments.iter() {
+            if seg.tokens.is_empty() {
+                return Err(EngineError::InvalidInput("a segment has no tokens".into()));
+            }
+            if seg.state.layers.len() != self.layers.len() {
+                return Err(EngineError::InvalidInput("state does not belong to this model".into()));
+            }
+        }
+        let rows = Rows::new(segments.iter().map(|s| s.tokens.len()));
+        let n = rows.total();
+        let ids: Vec<u32> = segments.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let mut h = vec![0.0; n * d];
+        cpu::embedding(&self.embed, d, &ids, &mut h)?;
+
+        for (l, layer) in self.layers.iter().enumerate() {
+            let xn = layer.input_norm.forward(&h);
+            let mixed = match &layer.mixer {
+                Mixer::Kda(m) => {
+                    let mut st: Vec<_> = segments
+                        .iter_mut()
+                        .map(|s| match &mut s.state.layers[l] {
+                            LayerState::Kda(k) => k,
+                            LayerState::Mla(_) => unreachable!("state built from the same config"),
+                        })
+                        .collect();
+                    m.forward(&xn, &rows, &mut st)
+                }
+                Mixer::Mla(m) => {
+                    let mut st: Vec<_> = segments
+                        .iter_mut()
+                        .map(|s| match &mut s.state.layers[l] {
+                            LayerState::Mla(k) => k,
+                            LayerState::Kda(_) => unreachable!("state built from the same config"),
+                        })
+                        .collect();
+                    m.forward(&xn, &rows, &mut st)
+                }
+            };
+            add_into(&mut h, &mixed);
+            let xn = layer.post_norm.forward(&h);
+            let f = match &layer.ffn {
+                Ffn::Dense(m) => m.forward(&xn, n),
+                Ffn::Moe(m) => m.forward(&xn, n),
+            };
+            add_into(&mut h, &f);
+        }
+        for seg in segments.iter_mut() {
+            seg.state.len += seg.tokens.len();
+        }
+
+        let mut results = Vec::with_capacity(segments.len());
+        for (seg, range) in segments.iter().zip(rows.ranges()) {
+            let wanted = match seg.logits {
+                LogitsWanted::None => 0..0,
+                LogitsWanted::Last => range.end - 1..range.end,
+                LogitsWanted::All => range,
+            };
+            if wanted.is_empty() {
+                results.push(Vec::new());
+                continue;
+            }
+            let hn = self.norm.forward(&h[wanted.start * d..wanted.end * d]);
+            results.push(self.lm_head.forward(&hn, wanted.len()));
+        }
+        Ok(results)
+    }
+
+    /// Convenience for one sequence: feeds `tokens`, returns the requested logits.
+    pub fn forward_one(&self, tokens: &[u32], state: &mut SequenceState, logits: LogitsWanted) -> Result<Vec<f32>> {
+        let mut segs = [Segment { tokens, state, logits }];
+        Ok(self.forward(&mut segs)?.pop().unwrap_or_default())
+    }
+}
+
+fn add_into(acc: &mut [f32], x: &[f32]) {
+    for (a, b) in acc.iter_mut().zip(x) {
+        *a += b;
+    }
+}

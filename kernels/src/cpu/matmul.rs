@@ -1,0 +1,206 @@
+//! `matmul`: out[m, n] = a[m, k] · b[k, n], both row-major (no transpose).
+//!
+//! Outer-product form: rows of `b` are contiguous, so each output element is
+//! a single FMA chain over `k` in increasing order, starting from 0. That
+//! chain is the same in full vectors, masked edge vectors and the portable
+//! path, so a row's bits never depend on `m`, its position, or threads.
+//! Also used sequentially (inside per-head tasks) by the KDA kernels.
+
+use rayon::prelude::*;
+
+use super::gemm::{fmadd, Isa};
+
+/// Below this many multiply-adds the rayon fork costs more than it saves.
+const PAR_MIN_MACS: usize = 1 << 18;
+
+/// out[m, n] = a[m, k] · b[k, n]. Panics on shape/length mismatch.
+pub fn matmul(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, out: &mut [f32]) {
+    assert_eq!(a.len(), m * k, "matmul: a shape");
+    assert_eq!(b.len(), k * n, "matmul: b shape");
+    assert_eq!(out.len(), m * n, "matmul: out shape");
+    if m == 0 || n == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    if m * n * k < PAR_MIN_MACS || m < 2 || threads < 2 {
+        mm_seq(a, m, k, b, n, out, false);
+        return;
+    }
+    // Row blocks in multiples of the 4-row tile, ~4 blocks per thread.
+    let rows = m.div_ceil(threads * 4).next_multiple_of(4).max(4);
+    out.par_chunks_mut(rows * n)
+        .zip(a.par_chunks(rows * k))
+        .for_each(|(o, a)| mm_seq(a, o.len() / n, k, b, n, o, false));
+}
+
+/// Sequential c[m, n] (+)= a[m, k] · b[k, n]; with `accumulate` the FMA chain
+/// starts from the existing `c` instead of 0.
+pub(crate) fn mm_seq(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], accumulate: bool) {
+    debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n, "mm_seq: shape");
+    match Isa::detect() {
+        // SAFETY: feature checked by `detect`; lengths asserted above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::mm(a, m, k, b, n, c, accumulate) },
+        Isa::Portable => mm_portable(a, m, k, b, n, c, accumulate),
+    }
+}
+
+fn mm_portable(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], accumulate: bool) {
+    for i in 0..m {
+        let ci = &mut c[i * n..(i + 1) * n];
+        if !accumulate {
+            ci.fill(0.0);
+        }
+        for p in 0..k {
+            let aip = a[i * k + p];
+            for (cj, &bj) in ci.iter_mut().zip(&b[p * n..(p + 1) * n]) {
+                *cj = fmadd(aip, bj, *cj);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// Column strip width: 3 vectors × 4 rows = 12 accumulators.
+    const V: usize = 3;
+
+    static TAIL_MASK: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn mm(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], acc: bool) {
+        let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+        let mut i = 0;
+        while i < m {
+            let r = (m - i).min(4);
+            let mut j = 0;
+            while j < n {
+                let cols = (n - j).min(V * 8);
+                let nv = cols.div_ceil(8);
+                let rem = cols % 8;
+                let mask = _mm256_loadu_si256(TAIL_MASK.as_ptr().add(if rem == 0 { 0 } else { 8 - rem }) as *const __m256i);
+                let t = T { a: ap.add(i * k), lda: k, b: bp.add(j), ldb: n, k, c: cp.add(i * n + j), ldc: n, acc, mask };
+                match (r, nv) {
+                    (4, 3) => tile::<4, 3>(&t),
+                    (4, 2) => tile::<4, 2>(&t),
+                    (4, 1) => tile::<4, 1>(&t),
+                    (3, 3) => tile::<3, 3>(&t),
+                    (3, 2) => tile::<3, 2>(&t),
+                    (3, 1) => tile::<3, 1>(&t),
+                    (2, 3) => tile::<2, 3>(&t),
+                    (2, 2) => tile::<2, 2>(&t),
+                    (2, 1) => tile::<2, 1>(&t),
+                    (1, 3) => tile::<1, 3>(&t),
+                    (1, 2) => tile::<1, 2>(&t),
+                    (1, 1) => tile::<1, 1>(&t),
+                    _ => unreachable!(),
+                }
+                j += cols;
+            }
+            i += r;
+        }
+    }
+
+    struct T {
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        ldb: usize,
+        k: usize,
+        c: *mut f32,
+        ldc: usize,
+        acc: bool,
+        /// Lane mask of the last vector of the strip (all ones when full).
+        mask: __m256i,
+    }
+
+    /// R rows × NV vectors; the last vector is masked so ragged `n` never
+    /// reads or writes past the row.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    #[allow(clippy::needless_range_loop)] // r/v index two arrays at once
+    unsafe fn tile<const R: usize, const NV: usize>(t: &T) {
+        let full = _mm256_set1_epi32(-1);
+        let mut acc = [[_mm256_setzero_ps(); NV]; R];
+        if t.acc {
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (v, x) in row.iter_mut().enumerate() {
+                    *x = _mm256_maskload_ps(t.c.add(r * t.ldc + v * 8), if v + 1 == NV { t.mask } else { full });
+                }
+            }
+        }
+        for p in 0..t.k {
+            let mut bv = [_mm256_setzero_ps(); NV];
+            for (v, x) in bv.iter_mut().enumerate() {
+                let ptr = t.b.add(p * t.ldb + v * 8);
+                *x = if v + 1 == NV { _mm256_maskload_ps(ptr, t.mask) } else { _mm256_loadu_ps(ptr) };
+            }
+            for r in 0..R {
+                let av = _mm256_broadcast_ss(&*t.a.add(r * t.lda + p));
+                for v in 0..NV {
+                    acc[r][v] = _mm256_fmadd_ps(av, bv[v], acc[r][v]);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (v, x) in row.iter().enumerate() {
+                _mm256_maskstore_ps(t.c.add(r * t.ldc + v * 8), if v + 1 == NV { t.mask } else { full }, *x);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::{assert_close, Rng};
+
+    fn naive(a: &[f32], m: usize, k: usize, b: &[f32], n: usize) -> Vec<f32> {
+        let mut o = vec![0.0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                o[i * n + j] = (0..k).map(|p| a[i * k + p] as f64 * b[p * n + j] as f64).sum::<f64>() as f32;
+            }
+        }
+        o
+    }
+
+    #[test]
+    fn matches_naive() {
+        let mut rng = Rng::new(11);
+        for &(m, k, n) in &[(1, 1, 1), (3, 17, 5), (37, 64, 129), (64, 128, 128), (5, 3, 24), (9, 200, 23)] {
+            let a = rng.vec(m * k, 1.0);
+            let b = rng.vec(k * n, 1.0);
+            let want = naive(&a, m, k, &b, n);
+            let mut out = vec![f32::NAN; m * n];
+            matmul(&a, m, k, &b, n, &mut out);
+            assert_close(&out, &want, 1e-5 * (k as f32).sqrt(), &format!("{m}x{k}x{n}"));
+            let mut p = vec![f32::NAN; m * n];
+            mm_portable(&a, m, k, &b, n, &mut p, false);
+            assert_close(&p, &want, 1e-5 * (k as f32).sqrt(), "portable");
+            // accumulate: c = want + a·b
+            let mut c = want.clone();
+            mm_seq(&a, m, k, &b, n, &mut c, true);
+            let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
+            assert_close(&c, &twice, 2e-5 * (k as f32).sqrt(), "accumulate");
+        }
+    }
+
+    #[test]
+    fn rows_bitwise_independent() {
+        let mut rng = Rng::new(5);
+        let (m, k, n) = (150, 100, 37);
+        let a = rng.vec(m * k, 1.0);
+        let b = rng.vec(k * n, 1.0);
+        let mut full = vec![0.0f32; m * n];
+        matmul(&a, m, k, &b, n, &mut full);
+        for r in [0, 5, 149] {
+            let mut one = vec![0.0f32; n];
+            matmul(&a[r * k..(r + 1) * k], 1, k, &b, n, &mut one);
+            assert_eq!(one, full[r * n..(r + 1) * n].to_vec(), "row {r}");
+        }
+    }
+}

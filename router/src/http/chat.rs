@@ -1,0 +1,254 @@
+//! `POST /v1/chat/completions`: messages are rendered with the model's chat template
+//! (`add_generation_prompt = true`), tokenized with special tokens allowed, and generated from.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::Value;
+use tessera_tokenizer::{ChatMessage, MessageContent};
+
+use super::error::{parse_value, ApiError, ApiJson};
+use super::generate::{Delta, GenOptions};
+use super::stream::{json, sse_response, ChunkFormat};
+use super::types::{
+    AssistantMessage, ChatBody, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatFields,
+    CommonParams, UsageBody,
+};
+use super::{new_request_id, require_object, unix_now, AppState};
+
+const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
+/// Check roles and content parts before they reach the template.
+fn check_messages(messages: &[ChatMessage]) -> Result<(), ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "`messages` must not be empty",
+        ));
+    }
+    for (i, m) in messages.iter().enumerate() {
+        if !ROLES.contains(&m.role.as_str()) {
+            return Err(ApiError::invalid_param(
+                &format!("messages[{i}].role"),
+                format!(
+                    "unknown role `{}`: expected one of {}",
+                    m.role,
+                    ROLES.join(", ")
+                ),
+            ));
+        }
+        let param = format!("messages[{i}].content");
+        match &m.content {
+            MessageContent::Null if m.role != "assistant" => {
+                return Err(ApiError::invalid_param(
+                    &param,
+                    format!("a `{}` message needs content", m.role),
+                ))
+            }
+            MessageContent::Parts(parts) => {
+                for part in parts {
+                    check_part(part).map_err(|msg| ApiError::invalid_param(&param, msg))?;
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn check_part(part: &Value) -> Result<(), String> {
+    let ty = part.get("type").and_then(Value::as_str);
+    match ty {
+        Some("text") if part.get("text").is_some_and(Value::is_string) => Ok(()),
+        Some("text") => Err("a `text` content part needs a string `text`".into()),
+        Some("image_url" | "image" | "input_image") => {
+            Err("images are not supported by this model".into())
+        }
+        Some(other) => Err(format!("content parts of type `{other}` are not supported")),
+        None => Err("every content part needs a string `type`".into()),
+    }
+}
+
+pub(crate) async fn handle(
+    State(state): State<Arc<AppState>>,
+    ApiJson(body): ApiJson<Value>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    require_object(&body)?;
+    let common: CommonParams = parse_value(&body)?;
+    let own: ChatFields = parse_value(&body)?;
+    state.check_model(common.model.as_deref())?;
+    if own.logprobs == Some(true) || own.top_logprobs.is_some_and(|n| n > 0) {
+        return Err(ApiError::invalid_param("logprobs", "logprobs are not supported yet"));
+    }
+    if let Some(rf) = &own.response_format {
+        if rf.get("type").and_then(Value::as_str) != Some("text") {
+            return Err(ApiError::invalid_param(
+                "response_format",
+                "only response_format {\"type\": \"text\"} is supported",
+            ));
+        }
+    }
+    let messages = own
+        .messages
+        .ok_or_else(|| ApiError::invalid_param("messages", "missing field `messages`"))?;
+    check_messages(&messages)?;
+    let max_tokens = own.max_completion_tokens.or(common.max_tokens);
+    let opts = GenOptions::from_params(common, max_tokens, state.vocab_size)?;
+    let Some(template) = state.chat_template.clone() else {
+        return Err(ApiError::invalid(
+            "This model has no chat template; use /v1/completions",
+        ));
+    };
+    let mut vars = own.chat_template_kwargs.unwrap_or_default();
+    if let Some(tools) = own.tools {
+        vars.insert("tools".into(), tools);
+    }
+    let rendered = tokio::task::spawn_blocking(move || template.render_with(&messages, true, &vars))
+        .await
+        .map_err(|e| ApiError::internal(format!("chat template task failed: {e}")))?
+        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    let prompt_ids = state.encode(rendered, true).await?;
+    let prompt_echo = opts.return_token_ids.then(|| prompt_ids.clone());
+    let id = new_request_id("chatcmpl");
+    let mut generation = state.start(id.clone(), prompt_ids, &opts, None, arrived)?;
+    let mut format = ChatChunks {
+        id,
+        created: unix_now(),
+        model: state.served_model.clone(),
+        return_token_ids: opts.return_token_ids,
+        prompt_token_ids: prompt_echo,
+    };
+    if opts.stream {
+        let first = generation
+            .next()
+            .await
+            .unwrap_or_else(|| Err(ApiError::internal("generation produced nothing")))?;
+        return Ok(sse_response(generation, first, format, opts.include_usage));
+    }
+    let (text, token_ids, finish) = generation.collect().await?;
+    let body = ChatBody {
+        id: format.id.clone(),
+        object: "chat.completion",
+        created: format.created,
+        model: format.model.clone(),
+        choices: vec![ChatChoice {
+            index: 0,
+            message: AssistantMessage {
+                role: "assistant",
+                content: text,
+            },
+            logprobs: None,
+            finish_reason: Some(finish),
+            token_ids: format.return_token_ids.then_some(token_ids),
+        }],
+        usage: generation.usage(),
+        prompt_token_ids: format.prompt_token_ids.take(),
+    };
+    Ok(Json(body).into_response())
+}
+
+/// Builds `chat.completion.chunk` objects.
+struct ChatChunks {
+    id: String,
+    created: u64,
+    model: String,
+    return_token_ids: bool,
+    prompt_token_ids: Option<Vec<u32>>,
+}
+
+impl ChatChunks {
+    fn chunk(&mut self, choices: Vec<ChatChunkChoice>, usage: Option<UsageBody>) -> String {
+        json(&ChatChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+            prompt_token_ids: self.prompt_token_ids.take(),
+        })
+    }
+}
+
+impl ChunkFormat for ChatChunks {
+    fn head(&mut self) -> Vec<String> {
+        let choice = ChatChunkChoice {
+            index: 0,
+            delta: ChatDelta {
+                role: Some("assistant"),
+                content: Some(String::new()),
+            },
+            logprobs: None,
+            finish_reason: None,
+            token_ids: None,
+        };
+        vec![self.chunk(vec![choice], None)]
+    }
+
+    fn delta(&mut self, d: Delta) -> Option<String> {
+        let has_ids = self.return_token_ids && !d.token_ids.is_empty();
+        if d.text.is_empty() && d.finish.is_none() && !has_ids {
+            return None;
+        }
+        let choice = ChatChunkChoice {
+            index: 0,
+            delta: ChatDelta {
+                role: None,
+                content: (!d.text.is_empty() || d.finish.is_none()).then_some(d.text),
+            },
+            logprobs: None,
+            finish_reason: d.finish,
+            token_ids: self.return_token_ids.then_some(d.token_ids),
+        };
+        Some(self.chunk(vec![choice], None))
+    }
+
+    fn usage(&mut self, u: UsageBody) -> String {
+        self.chunk(Vec::new(), Some(u))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn msgs(v: Value) -> Vec<ChatMessage> {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn message_checks() {
+        let ok = msgs(json!([
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": null, "tool_calls": []},
+        ]));
+        check_messages(&ok).unwrap();
+        let cases = [
+            (json!([]), "messages"),
+            (json!([{"role": "wizard", "content": "x"}]), "messages[0].role"),
+            (json!([{"role": "user"}]), "messages[0].content"),
+            (
+                json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]),
+                "messages[0].content",
+            ),
+            (
+                json!([{"role": "user", "content": [{"type": "text"}]}]),
+                "messages[0].content",
+            ),
+            (
+                json!([{"role": "user", "content": "a"}, {"role": "user", "content": [{"x": 1}]}]),
+                "messages[1].content",
+            ),
+        ];
+        for (v, param) in cases {
+            let e = check_messages(&msgs(v.clone())).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{v}");
+        }
+    }
+}

@@ -1,0 +1,355 @@
+//! The request path both endpoints share, as stages: validate the generation parameters
+//! ([`GenOptions::from_params`]) → admit a tokenized prompt against the model's limits and
+//! submit it ([`AppState::start`]) → turn backend events into text deltas ([`Generation`]).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::types::{CommonParams, UsageBody};
+use super::AppState;
+use crate::backend::{FinishReason, GenerationRequest, Sampling, TokenEvent};
+use crate::metrics::Metrics;
+use crate::text::{OutputText, TextDelta};
+
+/// Validated generation parameters, before the prompt is known.
+#[derive(Debug, Clone)]
+pub(crate) struct GenOptions {
+    pub sampling: Sampling,
+    pub stops: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// As asked; `None` takes the endpoint's default.
+    pub max_tokens: Option<usize>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub return_token_ids: bool,
+}
+
+impl GenOptions {
+    /// Check every shared parameter; `max_tokens` is whichever of the endpoint's fields was set.
+    pub fn from_params(
+        p: CommonParams,
+        max_tokens: Option<i64>,
+        vocab_size: usize,
+    ) -> Result<Self, ApiError> {
+        if let Some(n) = p.n.filter(|&n| n != 1) {
+            return Err(ApiError::invalid_param(
+                "n",
+                format!("n={n} is not supported: only n=1 is"),
+            ));
+        }
+        if let Some(b) = p.best_of.filter(|&b| b != 1) {
+            return Err(ApiError::invalid_param(
+                "best_of",
+                format!("best_of={b} is not supported: only best_of=1 is"),
+            ));
+        }
+        for (name, v) in [
+            ("presence_penalty", p.presence_penalty),
+            ("frequency_penalty", p.frequency_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::invalid_param(name, format!("{name} is not supported")));
+            }
+        }
+        if p.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return Err(ApiError::invalid_param("logit_bias", "logit_bias is not supported"));
+        }
+        let max_tokens = match max_tokens {
+            Some(m) if m < 1 => {
+                return Err(ApiError::invalid_param(
+                    "max_tokens",
+                    format!("max_tokens must be at least 1, got {m}"),
+                ))
+            }
+            m => m.map(|m| m as usize),
+        };
+        let temperature = p.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::invalid_param(
+                "temperature",
+                format!("temperature must be in [0, 2], got {temperature}"),
+            ));
+        }
+        let top_p = p.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::invalid_param(
+                "top_p",
+                format!("top_p must be in (0, 1], got {top_p}"),
+            ));
+        }
+        let top_k = match p.top_k.unwrap_or(0) {
+            -1 | 0 => 0,
+            k if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
+            k => {
+                return Err(ApiError::invalid_param(
+                    "top_k",
+                    format!("top_k must be -1 (disabled) or at least 1, got {k}"),
+                ))
+            }
+        };
+        let stop_token_ids = p
+            .stop_token_ids
+            .unwrap_or_default()
+            .into_iter()
+            .map(|id| check_token_id(id, vocab_size, "stop_token_ids"))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(GenOptions {
+            sampling: Sampling {
+                temperature: temperature as f32,
+                top_p: top_p as f32,
+                top_k,
+                seed: p.seed.map(|s| s as u64),
+            },
+            stops: p.stop.map(|s| s.into_vec()).unwrap_or_default(),
+            stop_token_ids,
+            ignore_eos: p.ignore_eos,
+            max_tokens,
+            stream: p.stream,
+            include_usage: p.stream_options.is_some_and(|o| o.include_usage),
+            return_token_ids: p.return_token_ids,
+        })
+    }
+}
+
+/// A token id from the request, checked against the vocabulary.
+pub(crate) fn check_token_id(id: i64, vocab_size: usize, param: &str) -> Result<u32, ApiError> {
+    if id < 0 || id as u64 >= vocab_size as u64 {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("token id {id} is out of range for the vocabulary of {vocab_size} tokens"),
+        ));
+    }
+    Ok(id as u32)
+}
+
+impl AppState {
+    /// Admit `prompt_ids` (lengths against the model) and submit them to the backend.
+    /// `default_max_tokens` of `None` means "the rest of the context".
+    pub(crate) fn start(
+        &self,
+        request_id: String,
+        prompt_ids: Vec<u32>,
+        opts: &GenOptions,
+        default_max_tokens: Option<usize>,
+        arrived: Instant,
+    ) -> Result<Generation, ApiError> {
+        let limit = self.backend.max_model_len();
+        let prompt_len = prompt_ids.len();
+        if prompt_len == 0 {
+            return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
+        }
+        if prompt_len >= limit {
+            return Err(ApiError {
+                status: axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                message: format!(
+                    "This model's maximum context length is {limit} tokens. However, your prompt \
+                     has {prompt_len} tokens, leaving no room for a completion."
+                ),
+                param: Some("prompt".into()),
+                code: Some("context_length_exceeded"),
+            });
+        }
+        let room = limit - prompt_len;
+        let max_tokens = match opts.max_tokens {
+            Some(m) if m > room => {
+                return Err(ApiError::invalid_param(
+                    "max_tokens",
+                    format!(
+                        "This model's maximum context length is {limit} tokens. However, you \
+                         requested {} tokens ({prompt_len} in the prompt, {m} in the completion). \
+                         Please reduce the length of the prompt or completion.",
+                        prompt_len + m
+                    ),
+                )
+                .with_code("context_length_exceeded"))
+            }
+            Some(m) => m,
+            None => default_max_tokens.map_or(room, |d| d.min(room)),
+        };
+        let mut stop_token_ids = opts.stop_token_ids.clone();
+        if !opts.ignore_eos {
+            stop_token_ids.extend(self.eos_ids.iter().filter(|id| !stop_token_ids.contains(id)));
+        }
+        let req = GenerationRequest {
+            request_id,
+            prompt_ids,
+            max_tokens,
+            sampling: opts.sampling,
+            stop_token_ids: stop_token_ids.clone(),
+            ignore_eos: opts.ignore_eos,
+        };
+        let rx = self.backend.submit(req)?;
+        self.metrics
+            .prompt_tokens
+            .fetch_add(prompt_len as u64, Ordering::Relaxed);
+        self.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+        Ok(Generation {
+            rx: Some(rx),
+            text: OutputText::new(&self.tokenizer, opts.stops.clone()),
+            stop_token_ids,
+            prompt_tokens: prompt_len,
+            completion_tokens: 0,
+            cached_tokens: 0,
+            done: false,
+            arrived,
+            first_token: None,
+            last_token: None,
+            metrics: self.metrics.clone(),
+        })
+    }
+}
+
+/// What one backend event amounts to for the client.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Delta {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    /// Set on the last delta: `"stop"`, `"length"` or `"abort"`.
+    pub finish: Option<&'static str>,
+}
+
+fn finish_name(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Length => "length",
+        FinishReason::Stop => "stop",
+        FinishReason::Cancelled => "abort",
+    }
+}
+
+/// One admitted request's output. Dropping it (finished, failed, or the client left) drops the
+/// backend receiver, which cancels the request, and records its metrics.
+pub(crate) struct Generation {
+    rx: Option<mpsc::Receiver<TokenEvent>>,
+    text: OutputText,
+    /// Ids that end generation; their text is never shown.
+    stop_token_ids: Vec<u32>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    cached_tokens: usize,
+    done: bool,
+    arrived: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    metrics: Arc<Metrics>,
+}
+
+impl Generation {
+    /// The next delta, `None` after the last one.
+    pub async fn next(&mut self) -> Option<Result<Delta, ApiError>> {
+        if self.done {
+            return None;
+        }
+        loop {
+            let event = match self.rx.as_mut() {
+                Some(rx) => rx.recv().await,
+                None => None,
+            };
+            match event {
+                Some(TokenEvent::Prefilled { cached_tokens }) => self.cached_tokens = cached_tokens,
+                Some(TokenEvent::Token(id)) => return Some(self.on_token(id)),
+                Some(TokenEvent::Finished { reason, usage }) => {
+                    self.cached_tokens = usage.cached_tokens;
+                    let TextDelta { text, stopped } = self.text.finish();
+                    let reason = if stopped { FinishReason::Stop } else { reason };
+                    self.end();
+                    return Some(Ok(Delta {
+                        text,
+                        token_ids: Vec::new(),
+                        finish: Some(finish_name(reason)),
+                    }));
+                }
+                Some(TokenEvent::Failed(e)) => {
+                    self.end();
+                    return Some(Err(e.into()));
+                }
+                None => {
+                    self.end();
+                    return Some(Err(ApiError::internal(
+                        "the backend ended the request without finishing it",
+                    )));
+                }
+            }
+        }
+    }
+
+    fn on_token(&mut self, id: u32) -> Result<Delta, ApiError> {
+        let now = Instant::now();
+        if self.first_token.is_none() {
+            self.first_token = Some(now);
+            self.metrics.ttft.observe(now - self.arrived);
+        }
+        self.last_token = Some(now);
+        self.completion_tokens += 1;
+        if self.stop_token_ids.contains(&id) {
+            return Ok(Delta {
+                token_ids: vec![id],
+                ..Delta::default()
+            });
+        }
+        let d = self.text.push(id).map_err(|e| {
+            self.end();
+            ApiError::internal(format!("cannot detokenize the backend's output: {e}"))
+        })?;
+        let finish = d.stopped.then(|| {
+            // A stop string ends the request here: cancel the backend.
+            self.end();
+            finish_name(FinishReason::Stop)
+        });
+        Ok(Delta {
+            text: d.text,
+            token_ids: vec![id],
+            finish,
+        })
+    }
+
+    /// Stop listening; dropping the receiver cancels the backend's work if it is still going.
+    fn end(&mut self) {
+        self.done = true;
+        self.rx = None;
+    }
+
+    pub fn usage(&self) -> UsageBody {
+        UsageBody::new(
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.cached_tokens,
+        )
+    }
+
+    /// Run to the end: whole text, generated ids and finish reason.
+    pub async fn collect(&mut self) -> Result<(String, Vec<u32>, &'static str), ApiError> {
+        let (mut text, mut ids) = (String::new(), Vec::new());
+        while let Some(d) = self.next().await {
+            let d = d?;
+            text.push_str(&d.text);
+            ids.extend(d.token_ids);
+            if let Some(f) = d.finish {
+                return Ok((text, ids, f));
+            }
+        }
+        Err(ApiError::internal("generation ended without a finish reason"))
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        let m = &self.metrics;
+        m.in_flight.fetch_sub(1, Ordering::Relaxed);
+        m.generation_tokens
+            .fetch_add(self.completion_tokens as u64, Ordering::Relaxed);
+        m.cached_tokens
+            .fetch_add(self.cached_tokens as u64, Ordering::Relaxed);
+        if let (Some(first), Some(last)) = (self.first_token, self.last_token) {
+            m.e2e.observe(last - self.arrived);
+            if self.completion_tokens > 1 {
+                m.tpot
+                    .observe((last - first) / (self.completion_tokens as u32 - 1));
+            }
+        }
+    }
+}

@@ -1,0 +1,73 @@
+use anyhow::Context;
+use clap::Args;
+use tessera_engine::generate::{generate, GenerateRequest};
+use tessera_engine::tokenizer::Tokenizer;
+use tessera_engine::SamplingParams;
+
+use super::model_arg::{parse_ids, ModelArg, TokenIds};
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Prompt token IDs, comma-separated.
+    #[arg(long, value_parser = parse_ids, conflicts_with = "prompt", required_unless_present = "prompt")]
+    pub prompt_ids: Option<TokenIds>,
+    /// Prompt text (needs a tokenizer in the model directory).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 32, env = "TESSERA_MAX_NEW_TOKENS")]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass (1 disables).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0 disables).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Prompt tokens per forward pass (default: the whole prompt at once).
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
+    /// Print `{"token_ids": [...]}` (generated tokens only) instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
+    let (dir, model) = a.model.load()?;
+    let tokenizer = || Tokenizer::from_dir(&dir).with_context(|| format!("loading the tokenizer from {}", dir.display()));
+    let prompt = match (&a.prompt_ids, &a.prompt) {
+        (Some(ids), _) => ids.0.clone(),
+        (None, Some(text)) => tokenizer()?.encode(text, false)?,
+        (None, None) => anyhow::bail!("give --prompt-ids or --prompt"),
+    };
+    anyhow::ensure!(!prompt.is_empty(), "the prompt has no tokens");
+    let req = GenerateRequest {
+        prompt,
+        max_new_tokens: a.max_new_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: a.top_k,
+            seed: a.seed,
+        },
+        stop_ids: if a.ignore_eos { vec![] } else { model.config.eos_token_ids.clone() },
+        prefill_chunk: a.prefill_chunk,
+    };
+    let out = generate(&model, &req)?;
+    if a.json {
+        println!("{}", serde_json::json!({ "token_ids": out }));
+    } else {
+        println!("{}", tokenizer()?.decode(&out, true)?);
+    }
+    Ok(())
+}

@@ -1,0 +1,52 @@
+//! Subcommands. Each file holds one command's flags (clap derive, every flag also from a
+//! `TESSERA_*` environment variable) and its run function.
+
+mod generate;
+mod init_model;
+mod logits;
+mod model_arg;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tessera",
+    version,
+    about = "Disaggregated prefill/decode serving for Kimi-family hybrid models (KDA + MLA + MoE)",
+    long_about = "Tessera serves Kimi-family hybrid models. Without --model, commands use the \
+embedded tiny default model: random weights in the real checkpoint layout, written on first use \
+to the cache directory. Its output is meaningless text; it exists to exercise the system."
+)]
+pub struct Cli {
+    /// Log filter (tracing `EnvFilter` syntax, e.g. `info` or `tessera_engine=debug`).
+    #[arg(long, env = "TESSERA_LOG", default_value = "warn", global = true)]
+    pub log: String,
+    /// CPU worker threads for the compute kernels (default: one per core).
+    #[arg(long, env = "TESSERA_THREADS", global = true)]
+    pub threads: Option<usize>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Write the prompt logits of a model to a .npy file (f32 [T, vocab]).
+    Logits(logits::LogitsArgs),
+    /// Generate tokens from a prompt (token IDs or text).
+    Generate(generate::GenerateArgs),
+    /// Write a random-weight Kimi Linear model in the Hugging Face layout (output is meaningless).
+    InitModel(init_model::InitModelArgs),
+}
+
+pub fn run(cmd: Command) -> anyhow::Result<()> {
+    match cmd {
+        Command::Logits(a) => logits::run(a),
+        Command::Generate(a) => generate::run(a),
+        Command::InitModel(a) => init_model::run(a),
+    }
+}
+
+pub fn init_logging(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
