@@ -29,6 +29,8 @@ pub enum EngineError {
     CorruptCheckpoint { path: PathBuf, message: String },
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    #[error("kv cache: {0}")]
+    Kv(#[from] crate::kv::KvError),
     #[error(transparent)]
     Kernel(#[from] tessera_kernels::cpu::KernelError),
     #[error(transparent)]

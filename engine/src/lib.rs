@@ -12,6 +12,7 @@ pub mod model;
 pub mod npy;
 pub mod rng;
 pub mod sampler;
+pub mod serving;
 pub mod state;
 
 /// Tokenizers and chat templates live in their own crate so the router can use them without

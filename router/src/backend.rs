@@ -73,10 +73,15 @@ pub struct Usage {
 pub enum TokenEvent {
     /// The prompt has been processed; `cached_tokens` of it came from the prefix cache. Optional,
     /// but without it a request the front stops early (stop string, client gone) reports 0.
-    Prefilled { cached_tokens: usize },
+    Prefilled {
+        cached_tokens: usize,
+    },
     /// One sampled token, including the final stop token.
     Token(u32),
-    Finished { reason: FinishReason, usage: Usage },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
     Failed(BackendError),
 }
 

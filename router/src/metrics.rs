@@ -124,7 +124,10 @@ impl Metrics {
             }
         }
         let gauge = |out: &mut String, name: &str, kind: &str, help: &str, v: String| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+            );
         };
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed).to_string();
         gauge(

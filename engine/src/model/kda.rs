@@ -84,7 +84,9 @@ impl KdaLayer {
             + self.o_norm.w.len()
     }
 
-    pub fn forward(&self, x: &[f32], rows: &Rows, states: &mut [&mut KdaState]) -> Vec<f32> {
+    /// `invariant`: use the recurrent form for every segment so results do not depend on how
+    /// tokens are split into calls (see `Model::set_batch_invariant`).
+    pub fn forward(&self, x: &[f32], rows: &Rows, states: &mut [&mut KdaState], invariant: bool) -> Vec<f32> {
         let n = rows.total();
         let (h, dk) = (self.heads, self.head_dim);
         let p = h * dk;
@@ -128,7 +130,7 @@ impl KdaLayer {
             let (a, b) = (range.start * p, range.end * p);
             let (bh_a, bh_b) = (range.start * h, range.end * h);
             let st = &mut states[s].recurrent;
-            if range.len() == 1 {
+            if range.len() == 1 || invariant {
                 cpu::kda_recurrent(&q[a..b], &k[a..b], &v[a..b], &g[a..b], &beta[bh_a..bh_b], h, dk, dk, scale, st, &mut core[a..b]);
             } else {
                 cpu::kda_chunked(&q[a..b], &k[a..b], &v[a..b], &g[a..b], &beta[bh_a..bh_b], h, dk, dk, scale, CHUNK, st, &mut core[a..b]);

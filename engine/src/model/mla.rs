@@ -64,7 +64,9 @@ impl MlaLayer {
         q + self.kv_a.w.len() + self.kv_norm.w.len() + self.kv_b.w.len() + self.o.w.len()
     }
 
-    pub fn forward(&self, x: &[f32], rows: &Rows, states: &mut [&mut MlaState]) -> Vec<f32> {
+    /// `invariant`: use the absorbed form for every query so results do not depend on how
+    /// tokens are split into calls (see `Model::set_batch_invariant`).
+    pub fn forward(&self, x: &[f32], rows: &Rows, states: &mut [&mut MlaState], invariant: bool) -> Vec<f32> {
         let n = rows.total();
         let c = &self.c;
         let (h, dn, dr, dv, r) = (c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
@@ -83,8 +85,8 @@ impl MlaLayer {
             }
             let qs = &q[range.start * h * (dn + dr)..range.end * h * (dn + dr)];
             let o = &mut out[range.start * h * dv..range.end * h * dv];
-            if range.len() == 1 {
-                self.attend_absorbed(qs, st, o);
+            if range.len() == 1 || invariant {
+                self.attend_absorbed(qs, range.len(), st, o);
             } else {
                 self.attend_expanded(qs, range.len(), st, o);
             }
@@ -117,25 +119,42 @@ impl MlaLayer {
         cpu::attention_causal(q, &k, &v, t, s, h, dqk, dv, s - t, self.scale(), out);
     }
 
-    /// One query token against the compressed history.
-    fn attend_absorbed(&self, q: &[f32], st: &MlaState, out: &mut [f32]) {
+    /// Queries against the compressed history (absorbed form): `q_lat = q_nope·W_UK` per head,
+    /// attention over `[c_kv | k_pe]`, then `W_UV` applied to the attended latent. Every query is
+    /// computed on its own, so a token gets the same bits in a decode step and inside a prompt.
+    fn attend_absorbed(&self, q: &[f32], t: usize, st: &MlaState, out: &mut [f32]) {
         let c = &self.c;
         let (h, dn, dr, dv, r) = (c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
         let s = st.ckv.len() / r;
         let per_head = dn + dv;
-        let mut q_lat = vec![0.0; h * r];
-        let mut q_pe = vec![0.0; h * dr];
+        let mut q_lat = vec![0.0; t * h * r];
+        let mut q_pe = vec![0.0; t * h * dr];
+        let mut q_nope = vec![0.0; t * dn];
+        let mut lat_h = vec![0.0; t * r];
         for hh in 0..h {
-            let qh = &q[hh * (dn + dr)..(hh + 1) * (dn + dr)];
+            for i in 0..t {
+                let qh = &q[(i * h + hh) * (dn + dr)..(i * h + hh + 1) * (dn + dr)];
+                q_nope[i * dn..(i + 1) * dn].copy_from_slice(&qh[..dn]);
+                q_pe[(i * h + hh) * dr..(i * h + hh + 1) * dr].copy_from_slice(&qh[dn..]);
+            }
             let w_uk = &self.kv_b.w[hh * per_head * r..(hh * per_head + dn) * r];
-            cpu::matmul(&qh[..dn], 1, dn, w_uk, r, &mut q_lat[hh * r..(hh + 1) * r]);
-            q_pe[hh * dr..(hh + 1) * dr].copy_from_slice(&qh[dn..]);
+            cpu::matmul(&q_nope, t, dn, w_uk, r, &mut lat_h);
+            for i in 0..t {
+                q_lat[(i * h + hh) * r..(i * h + hh + 1) * r].copy_from_slice(&lat_h[i * r..(i + 1) * r]);
+            }
         }
-        let mut out_lat = vec![0.0; h * r];
-        cpu::mla_absorbed_attention(&q_lat, &q_pe, &st.ckv, &st.kpe, 1, s, h, r, dr, s - 1, self.scale(), &mut out_lat);
+        let mut out_lat = vec![0.0; t * h * r];
+        cpu::mla_absorbed_attention(&q_lat, &q_pe, &st.ckv, &st.kpe, t, s, h, r, dr, s - t, self.scale(), &mut out_lat);
+        let mut o_h = vec![0.0; t * dv];
         for hh in 0..h {
+            for i in 0..t {
+                lat_h[i * r..(i + 1) * r].copy_from_slice(&out_lat[(i * h + hh) * r..(i * h + hh + 1) * r]);
+            }
             let w_uv = &self.kv_b.w[(hh * per_head + dn) * r..(hh + 1) * per_head * r];
-            cpu::linear(&out_lat[hh * r..(hh + 1) * r], 1, r, w_uv, dv, &mut out[hh * dv..(hh + 1) * dv]);
+            cpu::linear(&lat_h, t, r, w_uv, dv, &mut o_h);
+            for i in 0..t {
+                out[(i * h + hh) * dv..(i * h + hh + 1) * dv].copy_from_slice(&o_h[i * dv..(i + 1) * dv]);
+            }
         }
     }
 }

@@ -98,6 +98,7 @@ pub struct Model {
     layers: Vec<Layer>,
     norm: Norm,
     lm_head: Linear,
+    batch_invariant: bool,
 }
 
 impl Model {
@@ -163,7 +164,17 @@ impl Model {
             layers,
             norm,
             lm_head,
+            batch_invariant: false,
         })
+    }
+
+    /// With batch invariance on, a token's logits are bitwise the same however its sequence is
+    /// split into forward calls (chunked prefill, prefix-cache resume, decode steps, preemption
+    /// and recompute) and whatever else shares the batch: KDA always runs the recurrent form and
+    /// MLA the absorbed form, whose per-token arithmetic order is fixed. Serving turns it on; the
+    /// chunked forms stay for prompt-only work, where they are faster.
+    pub fn set_batch_invariant(&mut self, on: bool) {
+        self.batch_invariant = on;
     }
 
     /// Parameters held in memory (f32 on CPU).
@@ -208,7 +219,7 @@ impl Model {
                             LayerState::Mla(_) => unreachable!("state built from the same config"),
                         })
                         .collect();
-                    m.forward(&xn, &rows, &mut st)
+                    m.forward(&xn, &rows, &mut st, self.batch_invariant)
                 }
                 Mixer::Mla(m) => {
                     let mut st: Vec<_> = segments
@@ -218,7 +229,7 @@ impl Model {
                             LayerState::Kda(_) => unreachable!("state built from the same config"),
                         })
                         .collect();
-                    m.forward(&xn, &rows, &mut st)
+                    m.forward(&xn, &rows, &mut st, self.batch_invariant)
                 }
             };
             add_into(&mut h, &mixed);

@@ -18,17 +18,17 @@ use rayon::prelude::*;
 
 use super::simd::{hsum8, SyncPtr, LANES};
 
-fn envp(name: &str, d: usize) -> usize { std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(d) }
-static PARAMS: std::sync::OnceLock<(usize, usize, usize)> = std::sync::OnceLock::new();
-fn params() -> (usize, usize, usize) { *PARAMS.get_or_init(|| (envp("KC", 256), envp("NB", 96), envp("MB", 64))) }
 /// `k` block: the x tile (4 × KC) stays in L1 while the task's packed weight
 /// slab (NB × KC) streams from L2.
-#[allow(non_snake_case)] fn KC() -> usize { params().0 }
+const KC: usize = 512;
 /// Output columns per task; a multiple of every main tile width (3, 4, 6, 8).
-#[allow(non_snake_case)] fn NB() -> usize { params().1 }
-/// Rows per task (a multiple of 4): x slab, weight slab and the MB × NB lane
-/// accumulators together fit L2.
-#[allow(non_snake_case)] fn MB() -> usize { params().2 }
+const NB: usize = 48;
+/// Rows per task (a multiple of 4): weight slab and the MB × NB lane
+/// accumulators (196 KiB) fit L2 together.
+const MB: usize = 128;
+/// Weights are packed only when more than this many rows reuse them; below,
+/// streaming the unpacked rows is cheaper than copying them (measured).
+const PACK_W_MIN_ROWS: usize = 16;
 /// Below this many multiply-adds the rayon fork costs more than it saves.
 const PAR_MIN_MACS: usize = 1 << 18;
 /// Rows per register tile.
@@ -80,15 +80,15 @@ pub(crate) fn linear_with(
     }
     let parallel = rows * in_dim * out_dim >= PAR_MIN_MACS;
     let xp = pack_x(x, rows, in_dim, parallel);
-    let mb = rows.min(MB());
-    let (m_blocks, n_blocks) = (rows.div_ceil(mb), out_dim.div_ceil(NB()));
+    let mb = rows.min(MB);
+    let (m_blocks, n_blocks) = (rows.div_ceil(mb), out_dim.div_ceil(NB));
     let tasks = m_blocks * n_blocks;
     let outp = SyncPtr::new(out);
     let task = |t: usize, scratch: &mut Scratch| {
         // Row block varies fastest so consecutive tasks share a weight block.
         let (mi, ni) = (t % m_blocks, t / m_blocks);
-        let (m0, n0) = (mi * mb, ni * NB());
-        let (m1, n1) = ((m0 + mb).min(rows), (n0 + NB()).min(out_dim));
+        let (m0, n0) = (mi * mb, ni * NB);
+        let (m1, n1) = ((m0 + mb).min(rows), (n0 + NB).min(out_dim));
         let g = Geom { xp: &xp, w, k: in_dim, ldo: out_dim, m0, m1, n0, n1 };
         // SAFETY: tasks cover disjoint [m0,m1)×[n0,n1) tiles of `out`, which
         // outlives this call; all indices stay inside the asserted shapes.
@@ -246,11 +246,11 @@ const PACKED_COLS: usize = 3;
 unsafe fn run_task<M: Micro>(g: &Geom, sc: &mut Scratch, out: *mut f32) {
     let (mr, nc) = (g.m1 - g.m0, g.n1 - g.n0);
     let kp = g.k.next_multiple_of(LANES);
-    let kc = KC().min(kp);
+    let kc = KC.min(kp);
     sc.acc.ensure(mr * nc * LANES);
-    // Weights are reused by every row tile; with a single row tile each
-    // weight is read once, so packing would only add traffic (GEMV).
-    let pack_w = mr > MR;
+    // Weights are reused by every row tile; with few row tiles (GEMV, small
+    // batches) packing would cost more than it saves.
+    let pack_w = mr > PACK_W_MIN_ROWS;
     if pack_w {
         sc.wp.ensure(nc * kc);
     }
@@ -521,7 +521,8 @@ mod tests {
     #[test]
     fn matches_naive_on_odd_shapes() {
         let mut rng = Rng::new(1);
-        for &(m, k, n) in &[(1, 1, 1), (3, 17, 5), (37, 300, 129), (64, 1024, 1000), (5, 7, 2), (2, 513, 50)] {
+        let shapes = [(1, 1, 1), (3, 17, 5), (37, 300, 129), (64, 1024, 1000), (5, 7, 2), (2, 513, 50), (20, 1100, 7), (150, 70, 50)];
+        for &(m, k, n) in &shapes {
             let x = rng.vec(m * k, 1.0);
             let w = rng.vec(n * k, 1.0);
             let want = naive(&x, m, k, &w, n);
@@ -549,20 +550,22 @@ mod tests {
             for isa in isas() {
                 let mut full = vec![0.0f32; 7 * n];
                 linear_with(isa, &batch, 7, k, &w, n, &mut full);
-                // Same row alone, and at another position of a bigger batch
-                // (crossing the MB row-block boundary too).
+                // Same row alone, and at other positions of a bigger batch.
                 for r in [0usize, 3, 6] {
                     let row = &batch[r * k..(r + 1) * k];
                     let mut alone = vec![0.0f32; n];
                     linear_with(isa, row, 1, k, &w, n, &mut alone);
                     assert_eq!(bits(&alone), bits(&full[r * n..(r + 1) * n]), "{isa:?} alone r={r}");
-                    let m = 70;
-                    let at = 65 + r % 4;
-                    let mut big = rng.vec(m * k, 1.0);
-                    big[at * k..(at + 1) * k].copy_from_slice(row);
-                    let mut out = vec![0.0f32; m * n];
-                    linear_with(isa, &big, m, k, &w, n, &mut out);
-                    assert_eq!(bits(&out[at * n..(at + 1) * n]), bits(&alone), "{isa:?} at={at}");
+                    // 138 rows: block 0 (128 rows, packed weights) and
+                    // block 1 (10 rows, unpacked; rows 136-137 form a 2-row edge tile).
+                    let m = 138;
+                    for at in [65 + r % 4, 136 + r % 2] {
+                        let mut big = rng.vec(m * k, 1.0);
+                        big[at * k..(at + 1) * k].copy_from_slice(row);
+                        let mut out = vec![0.0f32; m * n];
+                        linear_with(isa, &big, m, k, &w, n, &mut out);
+                        assert_eq!(bits(&out[at * n..(at + 1) * n]), bits(&alone), "{isa:?} at={at}");
+                    }
                 }
             }
         }
@@ -585,35 +588,5 @@ mod tests {
 
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|f| f.to_bits()).collect()
-    }
-}
-
-#[cfg(test)]
-mod ubench {
-    use super::*;
-    #[test]
-    #[ignore]
-    fn ubench_tile() {
-        for &(klen, ncols) in &[(256usize, 3usize), (256, 96), (512, 96), (512, 48), (256, 192)] {
-            let xp = AlignedBuf::with_len(4 * klen);
-            let mut wp = AlignedBuf::with_len(ncols * klen);
-            wp.slice_mut().iter_mut().for_each(|v| *v = 0.25);
-            let mut acc = AlignedBuf::with_len(4 * ncols * 8);
-            let mut out = vec![0.0f32; 4 * ncols];
-            let iters = 20_000_000 / klen / ncols;
-            let mut dt = 1e9f64;
-            for _ in 0..20 {
-                let st = std::time::Instant::now();
-                for _ in 0..iters {
-                    for c in (0..ncols).step_by(3) {
-                        let t = Tile { x: xp.slice().as_ptr(), ldx: 8, sx: 32, w: unsafe { wp.slice().as_ptr().add(c * klen) }, ldw: 8, sw: 24, klen,
-                            acc: unsafe { acc.slice_mut().as_mut_ptr().add(c * 8) }, acc_ld: ncols * 8, first: false, last: false, out: out.as_mut_ptr(), ldo: ncols };
-                        unsafe { dispatch_tile::<Avx2>(4, 3, std::hint::black_box(&t)); }
-                    }
-                }
-                dt = dt.min(st.elapsed().as_secs_f64());
-            }
-            println!("klen {klen} ncols {ncols}: {:.1} GFLOP/s", (iters * klen * ncols * 4 * 2) as f64 / dt / 1e9);
-        }
     }
 }

@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use super::matmul::mm_seq;
-use super::simd::{self, hsum8, multiversion, SyncPtr, LANES};
+use super::simd::{self, multiversion, SyncPtr};
 
 /// Shapes shared by both entry points; `t` is the sequence length.
 #[derive(Clone, Copy)]
@@ -156,6 +156,7 @@ struct Workspace {
     o: Vec<f32>,   // [c, dv]
     kdt: Vec<f32>, // [dk, c] (k ⊙ exp(g_last − gc))ᵀ
     row: Vec<f32>, // [c]
+    kw: Vec<f32>,  // [dk] one decayed key row
 }
 
 impl Workspace {
@@ -163,33 +164,20 @@ impl Workspace {
         let z = |n: usize| vec![0.0f32; n];
         Workspace {
             qs: z(c * dk), kc: z(c * dk), gc: z(c * dk), beta: z(c), a: z(c * c), qk: z(c * c),
-            u: z(c * dv), w: z(c * dk), tmp: z(c * dk.max(dv)), o: z(c * dv), kdt: z(dk * c), row: z(c),
+            u: z(c * dv), w: z(c * dk), tmp: z(c * dk.max(dv)), o: z(c * dv), kdt: z(dk * c), row: z(c), kw: z(dk),
         }
     }
 }
 
-multiversion! {
-    /// Σ_d (k_j ⊙ e)·k_i and Σ_d (k_j ⊙ e)·q_i with e = exp(g_i − g_j), sharing the exps.
-    fn decay_dots(ki: &[f32], qi: &[f32], kj: &[f32], gi: &[f32], gj: &[f32]) -> (f32, f32) {
-        let mut aa = [0.0f32; LANES];
-        let mut aq = [0.0f32; LANES];
-        let n = ki.len();
-        let mut d = 0;
-        while d + LANES <= n {
-            for l in 0..LANES {
-                let kw = kj[d + l] * simd::exp(gi[d + l] - gj[d + l]);
-                aa[l] += ki[d + l] * kw;
-                aq[l] += qi[d + l] * kw;
-            }
-            d += LANES;
-        }
-        for l in 0..n - d {
-            let kw = kj[d + l] * simd::exp(gi[d + l] - gj[d + l]);
-            aa[l] += ki[d + l] * kw;
-            aq[l] += qi[d + l] * kw;
-        }
-        (hsum8(aa), hsum8(aq))
+/// Σ_d (k_j ⊙ e)·k_i and Σ_d (k_j ⊙ e)·q_i with e = exp(g_i − g_j): the
+/// decayed key goes through `kw` once (a plain loop, so the exps vectorise)
+/// and feeds both dot products.
+#[inline(always)]
+fn decay_dots(ki: &[f32], qi: &[f32], kj: &[f32], gi: &[f32], gj: &[f32], kw: &mut [f32]) -> (f32, f32) {
+    for ((w, &k), (&a, &b)) in kw.iter_mut().zip(kj).zip(gi.iter().zip(gj)) {
+        *w = k * simd::exp(a - b);
     }
+    (simd::dot(ki, kw), simd::dot(qi, kw))
 }
 
 multiversion! {
@@ -226,7 +214,7 @@ multiversion! {
         qk.fill(0.0);
         for i in 0..n {
             for j in 0..=i {
-                let (da, dq) = decay_dots(rowk(i), &qs[i * dk..(i + 1) * dk], rowk(j), rowg(i), rowg(j));
+                let (da, dq) = decay_dots(rowk(i), &qs[i * dk..(i + 1) * dk], rowk(j), rowg(i), rowg(j), &mut ws.kw);
                 if j < i {
                     a[i * n + j] = -ws.beta[i] * da;
                 }
@@ -294,8 +282,12 @@ multiversion! {
         }
         let kdt = &mut ws.kdt[..dk * n];
         for t in 0..n {
-            for (d, (&kv, &gv)) in rowk(t).iter().zip(rowg(t)).enumerate() {
-                kdt[d * n + t] = kv * simd::exp(glast[d] - gv);
+            // Contiguous row first (vectorised exps), then the transposed scatter.
+            for ((w, &kv), (&gl, &gv)) in ws.kw.iter_mut().zip(rowk(t)).zip(glast.iter().zip(rowg(t))) {
+                *w = kv * simd::exp(gl - gv);
+            }
+            for (d, &w) in ws.kw.iter().enumerate() {
+                kdt[d * n + t] = w;
             }
         }
         mm_seq(kdt, dk, n, u, dv, s, true);

@@ -26,8 +26,8 @@ pub fn matmul(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, out: &mut [f32
         mm_seq(a, m, k, b, n, out, false);
         return;
     }
-    // Row blocks in multiples of the 4-row tile, ~4 blocks per thread.
-    let rows = m.div_ceil(threads * 4).next_multiple_of(4).max(4);
+    // Row blocks in multiples of the 6-row tile, ~4 blocks per thread.
+    let rows = m.div_ceil(threads * 4).next_multiple_of(6);
     out.par_chunks_mut(rows * n)
         .zip(a.par_chunks(rows * k))
         .for_each(|(o, a)| mm_seq(a, o.len() / n, k, b, n, o, false));
@@ -65,8 +65,10 @@ fn mm_portable(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// Column strip width: 3 vectors × 4 rows = 12 accumulators.
-    const V: usize = 3;
+    /// Register tile: 6 rows × 2 vectors = 12 accumulators, + 2 b vectors
+    /// + 1 broadcast = 15 of the 16 ymm registers (4×3 would spill).
+    const R_MAX: usize = 6;
+    const V: usize = 2;
 
     static TAIL_MASK: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
 
@@ -75,7 +77,7 @@ mod avx2 {
         let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
         let mut i = 0;
         while i < m {
-            let r = (m - i).min(4);
+            let r = (m - i).min(R_MAX);
             let mut j = 0;
             while j < n {
                 let cols = (n - j).min(V * 8);
@@ -83,21 +85,16 @@ mod avx2 {
                 let rem = cols % 8;
                 let mask = _mm256_loadu_si256(TAIL_MASK.as_ptr().add(if rem == 0 { 0 } else { 8 - rem }) as *const __m256i);
                 let t = T { a: ap.add(i * k), lda: k, b: bp.add(j), ldb: n, k, c: cp.add(i * n + j), ldc: n, acc, mask };
-                match (r, nv) {
-                    (4, 3) => tile::<4, 3>(&t),
-                    (4, 2) => tile::<4, 2>(&t),
-                    (4, 1) => tile::<4, 1>(&t),
-                    (3, 3) => tile::<3, 3>(&t),
-                    (3, 2) => tile::<3, 2>(&t),
-                    (3, 1) => tile::<3, 1>(&t),
-                    (2, 3) => tile::<2, 3>(&t),
-                    (2, 2) => tile::<2, 2>(&t),
-                    (2, 1) => tile::<2, 1>(&t),
-                    (1, 3) => tile::<1, 3>(&t),
-                    (1, 2) => tile::<1, 2>(&t),
-                    (1, 1) => tile::<1, 1>(&t),
-                    _ => unreachable!(),
+                macro_rules! go {
+                    ($($r:literal, $v:literal);*) => {
+                        match (r, nv, rem != 0) {
+                            $(($r, $v, false) => tile::<$r, $v, false>(&t),
+                              ($r, $v, true) => tile::<$r, $v, true>(&t),)*
+                            _ => unreachable!(),
+                        }
+                    };
                 }
+                go!(6, 2; 6, 1; 5, 2; 5, 1; 4, 2; 4, 1; 3, 2; 3, 1; 2, 2; 2, 1; 1, 2; 1, 1);
                 j += cols;
             }
             i += r;
@@ -117,18 +114,19 @@ mod avx2 {
         mask: __m256i,
     }
 
-    /// R rows × NV vectors; the last vector is masked so ragged `n` never
-    /// reads or writes past the row.
+    /// R rows × NV vectors; with MASKED the last vector is masked so ragged
+    /// `n` never reads or writes past the row (a separate instance so full
+    /// strips keep the mask out of the 16 registers).
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     #[allow(clippy::needless_range_loop)] // r/v index two arrays at once
-    unsafe fn tile<const R: usize, const NV: usize>(t: &T) {
-        let full = _mm256_set1_epi32(-1);
+    unsafe fn tile<const R: usize, const NV: usize, const MASKED: bool>(t: &T) {
         let mut acc = [[_mm256_setzero_ps(); NV]; R];
         if t.acc {
             for (r, row) in acc.iter_mut().enumerate() {
                 for (v, x) in row.iter_mut().enumerate() {
-                    *x = _mm256_maskload_ps(t.c.add(r * t.ldc + v * 8), if v + 1 == NV { t.mask } else { full });
+                    let ptr = t.c.add(r * t.ldc + v * 8);
+                    *x = if MASKED && v + 1 == NV { _mm256_maskload_ps(ptr, t.mask) } else { _mm256_loadu_ps(ptr) };
                 }
             }
         }
@@ -136,7 +134,7 @@ mod avx2 {
             let mut bv = [_mm256_setzero_ps(); NV];
             for (v, x) in bv.iter_mut().enumerate() {
                 let ptr = t.b.add(p * t.ldb + v * 8);
-                *x = if v + 1 == NV { _mm256_maskload_ps(ptr, t.mask) } else { _mm256_loadu_ps(ptr) };
+                *x = if MASKED && v + 1 == NV { _mm256_maskload_ps(ptr, t.mask) } else { _mm256_loadu_ps(ptr) };
             }
             for r in 0..R {
                 let av = _mm256_broadcast_ss(&*t.a.add(r * t.lda + p));
@@ -147,7 +145,12 @@ mod avx2 {
         }
         for (r, row) in acc.iter().enumerate() {
             for (v, x) in row.iter().enumerate() {
-                _mm256_maskstore_ps(t.c.add(r * t.ldc + v * 8), if v + 1 == NV { t.mask } else { full }, *x);
+                let ptr = t.c.add(r * t.ldc + v * 8);
+                if MASKED && v + 1 == NV {
+                    _mm256_maskstore_ps(ptr, t.mask, *x);
+                } else {
+                    _mm256_storeu_ps(ptr, *x);
+                }
             }
         }
     }

@@ -21,6 +21,25 @@ use super::{new_request_id, require_object, unix_now, AppState};
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
+/// Catch a wrongly typed `content` before serde's untagged-enum message would hide the cause.
+fn check_content_types(body: &Value) -> Result<(), ApiError> {
+    let Some(messages) = body.get("messages").and_then(Value::as_array) else {
+        return Ok(());
+    };
+    for (i, m) in messages.iter().enumerate() {
+        match m.get("content") {
+            None | Some(Value::Null | Value::String(_) | Value::Array(_)) => {}
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    &format!("messages[{i}].content"),
+                    "`content` must be a string, a list of content parts, or null",
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Check roles and content parts before they reach the template.
 fn check_messages(messages: &[ChatMessage]) -> Result<(), ApiError> {
     if messages.is_empty() {
@@ -79,10 +98,14 @@ pub(crate) async fn handle(
     let arrived = Instant::now();
     require_object(&body)?;
     let common: CommonParams = parse_value(&body)?;
+    check_content_types(&body)?;
     let own: ChatFields = parse_value(&body)?;
     state.check_model(common.model.as_deref())?;
     if own.logprobs == Some(true) || own.top_logprobs.is_some_and(|n| n > 0) {
-        return Err(ApiError::invalid_param("logprobs", "logprobs are not supported yet"));
+        return Err(ApiError::invalid_param(
+            "logprobs",
+            "logprobs are not supported yet",
+        ));
     }
     if let Some(rf) = &own.response_format {
         if rf.get("type").and_then(Value::as_str) != Some("text") {
@@ -107,10 +130,11 @@ pub(crate) async fn handle(
     if let Some(tools) = own.tools {
         vars.insert("tools".into(), tools);
     }
-    let rendered = tokio::task::spawn_blocking(move || template.render_with(&messages, true, &vars))
-        .await
-        .map_err(|e| ApiError::internal(format!("chat template task failed: {e}")))?
-        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    let rendered =
+        tokio::task::spawn_blocking(move || template.render_with(&messages, true, &vars))
+            .await
+            .map_err(|e| ApiError::internal(format!("chat template task failed: {e}")))?
+            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
     let prompt_ids = state.encode(rendered, true).await?;
     let prompt_echo = opts.return_token_ids.then(|| prompt_ids.clone());
     let id = new_request_id("chatcmpl");
@@ -231,7 +255,10 @@ mod tests {
         check_messages(&ok).unwrap();
         let cases = [
             (json!([]), "messages"),
-            (json!([{"role": "wizard", "content": "x"}]), "messages[0].role"),
+            (
+                json!([{"role": "wizard", "content": "x"}]),
+                "messages[0].role",
+            ),
             (json!([{"role": "user"}]), "messages[0].content"),
             (
                 json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]),

@@ -74,7 +74,10 @@ pub(crate) async fn handle(
         return Err(ApiError::invalid_param("echo", "echo is not supported"));
     }
     if own.logprobs.is_some() {
-        return Err(ApiError::invalid_param("logprobs", "logprobs are not supported yet"));
+        return Err(ApiError::invalid_param(
+            "logprobs",
+            "logprobs are not supported yet",
+        ));
     }
     if own.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));

@@ -54,7 +54,10 @@ impl ApiError {
     }
 
     pub fn route_not_found(method: &str, path: &str) -> Self {
-        let mut e = Self::new(StatusCode::NOT_FOUND, format!("Unknown route {method} {path}"));
+        let mut e = Self::new(
+            StatusCode::NOT_FOUND,
+            format!("Unknown route {method} {path}"),
+        );
         e.code = Some("not_found");
         e
     }
@@ -136,8 +139,9 @@ impl From<BackendError> for ApiError {
             BackendError::InvalidRequest(_) => Self::invalid(message),
             BackendError::PromptTooLong { .. } => Self::new(StatusCode::PAYLOAD_TOO_LARGE, message)
                 .with_code("context_length_exceeded"),
-            BackendError::Unavailable(_) => Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
-                .with_code("service_unavailable"),
+            BackendError::Unavailable(_) => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, message).with_code("service_unavailable")
+            }
             BackendError::Internal(_) => Self::internal(message),
         }
     }
@@ -212,7 +216,7 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("temperature"));
         let e = parse_json::<Req>(b"{\"temperature\": ").unwrap_err();
         assert!(e.message.starts_with("Invalid JSON"), "{}", e.message);
-        let e = parse_json::<Req>(b"[1]").unwrap_err();
+        let e = parse_json::<Req>(b"\"warm\"").unwrap_err();
         assert_eq!(e.param, None);
         let v = serde_json::json!({"temperature": [1]});
         let e = parse_value::<Req>(&v).unwrap_err();
@@ -222,8 +226,16 @@ mod tests {
     #[test]
     fn backend_errors_map_to_statuses() {
         let cases = [
-            (BackendError::Overloaded("q".into()), 429, "rate_limit_error"),
-            (BackendError::InvalidRequest("x".into()), 400, "invalid_request_error"),
+            (
+                BackendError::Overloaded("q".into()),
+                429,
+                "rate_limit_error",
+            ),
+            (
+                BackendError::InvalidRequest("x".into()),
+                400,
+                "invalid_request_error",
+            ),
             (
                 BackendError::PromptTooLong {
                     prompt_tokens: 9,

@@ -53,11 +53,17 @@ impl GenOptions {
             ("frequency_penalty", p.frequency_penalty),
         ] {
             if v.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::invalid_param(name, format!("{name} is not supported")));
+                return Err(ApiError::invalid_param(
+                    name,
+                    format!("{name} is not supported"),
+                ));
             }
         }
         if p.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-            return Err(ApiError::invalid_param("logit_bias", "logit_bias is not supported"));
+            return Err(ApiError::invalid_param(
+                "logit_bias",
+                "logit_bias is not supported",
+            ));
         }
         let max_tokens = match max_tokens {
             Some(m) if m < 1 => {
@@ -173,7 +179,11 @@ impl AppState {
         };
         let mut stop_token_ids = opts.stop_token_ids.clone();
         if !opts.ignore_eos {
-            stop_token_ids.extend(self.eos_ids.iter().filter(|id| !stop_token_ids.contains(id)));
+            for &id in &self.eos_ids {
+                if !stop_token_ids.contains(&id) {
+                    stop_token_ids.push(id);
+                }
+            }
         }
         let req = GenerationRequest {
             request_id,
@@ -332,7 +342,9 @@ impl Generation {
                 return Ok((text, ids, f));
             }
         }
-        Err(ApiError::internal("generation ended without a finish reason"))
+        Err(ApiError::internal(
+            "generation ended without a finish reason",
+        ))
     }
 }
 

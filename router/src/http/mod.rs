@@ -139,7 +139,10 @@ impl HttpFront {
             .route("/metrics", get(metrics))
             .fallback(not_found)
             .method_not_allowed_fallback(method_not_allowed)
-            .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+            .layer(middleware::from_fn_with_state(
+                state.clone(),
+                count_requests,
+            ))
             .layer(DefaultBodyLimit::max(self.max_body_bytes))
             .with_state(state)
     }
@@ -222,7 +225,10 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let mut text = state.metrics.render();
     text.push_str(&state.backend.metrics_text());
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         text,
     )
         .into_response()

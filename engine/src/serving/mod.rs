@@ -1,0 +1,9 @@
+//! Serving on one process: sequences whose state lives in the flat page pool, a continuous
+//! batching scheduler with a prefix cache, and a thread that drives it.
+
+pub mod engine_loop;
+pub mod paged;
+pub mod scheduler;
+
+pub use engine_loop::EngineHandle;
+pub use scheduler::{EngineEvent, EngineRequest, EventSink, FinishReason, Scheduler, SchedulerConfig, SchedulerStats};

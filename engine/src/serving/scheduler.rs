@@ -1,0 +1,583 @@
+//! Continuous batching over the flat page pool.
+//!
+//! Each `step` admits waiting requests (prefix-cache lookup first, then admission by free pages),
+//! builds one batch of decode tokens plus prefill chunks under a token budget, reserves pages
+//! (evicting cached pages, then preempting the youngest request, when the pool is full), runs the
+//! model once, writes state back, publishes full MLA pages and KDA snapshots to the prefix cache,
+//! samples, and retires finished or cancelled requests, releasing every page they held.
+//!
+//! Prefill chunks end on page boundaries, at the prompt's last full page and at every
+//! `snapshot_interval` tokens, so that the state at each chunk end can be published as a snapshot:
+//! a prefix hit needs the MLA pages *and* a KDA snapshot exactly at the hit boundary.
+
+use std::collections::VecDeque;
+
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::kv::{Field, GroupKind, KvError, KvLayout, PagePool, PrefixIndex, StateDtypes};
+use crate::model::{LogitsWanted, Model, Segment};
+use crate::sampler::{Sampler, SamplingParams};
+
+use super::paged::{LayerSlots, PagedSeq, Reserved};
+
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// Tokens per KV page: the grain of prefix matching, snapshots and transfer.
+    pub page_tokens: usize,
+    /// Publish a KDA snapshot every this many tokens (a multiple of `page_tokens`); 0 publishes
+    /// only at prefill chunk ends and at the prompt's last full page.
+    pub snapshot_interval: usize,
+    /// Bytes of the page pool.
+    pub kv_memory_bytes: usize,
+    /// Tokens one step may process (decode tokens + prefill chunk tokens).
+    pub max_batch_tokens: usize,
+    /// Requests running at once.
+    pub max_running: usize,
+    pub prefix_cache: bool,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            page_tokens: 64,
+            snapshot_interval: 0,
+            kv_memory_bytes: 256 << 20,
+            max_batch_tokens: 512,
+            max_running: 64,
+            prefix_cache: true,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineRequest {
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation stops after one of these (included in the output).
+    pub stop_ids: Vec<u32>,
+    /// Mixed into prefix-cache keys (e.g. a hash of the request's images).
+    pub cache_salt: Option<Vec<u8>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Length,
+    Stop,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineEvent {
+    Token(u32),
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        cached_tokens: usize,
+    },
+    Failed(String),
+}
+
+/// Where a request's events go.
+pub trait EventSink: Send {
+    /// Delivers an event; `false` means nobody listens any more (the request is then cancelled
+    /// and its pages freed).
+    fn send(&mut self, event: EngineEvent) -> bool;
+    /// Checked before every step, so a request whose client left is dropped even while it is
+    /// waiting or in the middle of a long prefill.
+    fn is_cancelled(&self) -> bool {
+        false
+    }
+}
+
+impl<F: FnMut(EngineEvent) -> bool + Send> EventSink for F {
+    fn send(&mut self, event: EngineEvent) -> bool {
+        self(event)
+    }
+}
+
+struct Seq {
+    id: u64,
+    req: EngineRequest,
+    /// Prompt followed by the tokens generated so far.
+    tokens: Vec<u32>,
+    paged: PagedSeq,
+    sampler: Sampler,
+    cached_tokens: usize,
+    /// MLA pages already offered to the prefix index.
+    indexed_pages: usize,
+    sink: Box<dyn EventSink>,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.req.prompt.len()
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct SchedulerStats {
+    pub waiting: usize,
+    pub running: usize,
+    pub preemptions: u64,
+    pub steps: u64,
+    pub prefix_hit_tokens: u64,
+    pub prefix_lookups: u64,
+    pub prefix_hits: u64,
+    /// Per group: (name, live pages, total pages).
+    pub pool: Vec<(String, usize, usize)>,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    model_cfg: ModelConfig,
+    pool: PagePool,
+    index: PrefixIndex,
+    slots: LayerSlots,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    next_id: u64,
+    preemptions: u64,
+    steps: u64,
+}
+
+impl Scheduler {
+    pub fn new(model: &Model, cfg: SchedulerConfig) -> Result<Self> {
+        if cfg.page_tokens == 0 {
+            return Err(EngineError::InvalidInput("page_tokens must be at least 1".into()));
+        }
+        if cfg.snapshot_interval % cfg.page_tokens != 0 {
+            return Err(EngineError::InvalidInput(format!(
+                "snapshot_interval {} must be a multiple of page_tokens {}",
+                cfg.snapshot_interval, cfg.page_tokens
+            )));
+        }
+        if cfg.max_batch_tokens < cfg.page_tokens {
+            return Err(EngineError::InvalidInput(format!(
+                "max_batch_tokens {} must be at least page_tokens {}",
+                cfg.max_batch_tokens, cfg.page_tokens
+            )));
+        }
+        let layout = KvLayout::plan(&model.config, cfg.page_tokens, cfg.kv_memory_bytes, StateDtypes::F32)?;
+        tracing::info!("kv layout: {}", layout.report());
+        let slots = LayerSlots::new(&model.config, &layout);
+        let index = PrefixIndex::new(&layout);
+        let pool = PagePool::new(layout)?;
+        Ok(Scheduler {
+            cfg,
+            model_cfg: model.config.clone(),
+            pool,
+            index,
+            slots,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+            preemptions: 0,
+            steps: 0,
+        })
+    }
+
+    pub fn layout_report(&self) -> String {
+        self.pool.layout().report()
+    }
+
+    /// Queues a request. Invalid requests are answered with `Failed` at once.
+    pub fn submit(&mut self, req: EngineRequest, mut sink: Box<dyn EventSink>) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let problem = if req.prompt.is_empty() {
+            Some("the prompt has no tokens".to_string())
+        } else if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= self.model_cfg.vocab_size) {
+            Some(format!("token id {t} is outside the vocabulary (size {})", self.model_cfg.vocab_size))
+        } else if req.max_new_tokens == 0 {
+            Some("max_new_tokens must be at least 1".to_string())
+        } else {
+            None
+        };
+        let sampler = Sampler::new(req.sampling.clone());
+        match (problem, sampler) {
+            (Some(p), _) => {
+                sink.send(EngineEvent::Failed(p));
+            }
+            (None, Err(e)) => {
+                sink.send(EngineEvent::Failed(e.to_string()));
+            }
+            (None, Ok(sampler)) => self.waiting.push_back(Seq {
+                id,
+                tokens: req.prompt.clone(),
+                req,
+                paged: PagedSeq::new(&self.slots),
+                sampler,
+                cached_tokens: 0,
+                indexed_pages: 0,
+                sink,
+            }),
+        }
+        id
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        let p = self.index.stats();
+        SchedulerStats {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            preemptions: self.preemptions,
+            steps: self.steps,
+            prefix_hit_tokens: p.hit_tokens,
+            prefix_lookups: p.lookups,
+            prefix_hits: p.hits,
+            pool: self
+                .pool
+                .usage()
+                .iter()
+                .map(|u| {
+                    let name = if Some(u.group) == self.slots.mla_group { "mla".to_string() } else { format!("kda{}", u.group.0) };
+                    (name, u.live_pages, self.pool.total_pages(u.group).unwrap_or(0))
+                })
+                .collect(),
+        }
+    }
+
+    /// Pages referenced by anything (requests or the prefix cache).
+    pub fn live_pages(&self) -> usize {
+        self.pool.usage().iter().map(|u| u.live_pages).sum()
+    }
+
+    /// Pages referenced by the prefix cache alone.
+    pub fn cached_pages(&self) -> usize {
+        self.index.len()
+    }
+
+    /// A fingerprint of every page the prefix cache holds (all planes, all fields): tests use it
+    /// to show that shared pages are never written.
+    pub fn cached_page_fingerprints(&self) -> Vec<(u32, u64)> {
+        use std::hash::{Hash, Hasher};
+        let layout = self.pool.layout();
+        let mut out: Vec<(u32, u64)> = self
+            .index
+            .pages()
+            .map(|page| {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                let g = self.pool.group_of(page).expect("cached pages are live");
+                let group = layout.group(g).expect("a group");
+                let fields: &[Field] = match group.kind {
+                    GroupKind::Mla => &[Field::Latent],
+                    GroupKind::Kda => &[Field::Conv, Field::Recurrent],
+                };
+                for &layer in &group.layers {
+                    let (_, plane) = layout.locate(layer).expect("a layer");
+                    for &f in fields {
+                        for v in self.pool.slice(plane, page, f).expect("readable") {
+                            v.to_bits().hash(&mut h);
+                        }
+                    }
+                }
+                (page.0, h.finish())
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Drops every cached prefix (pages held by requests stay).
+    pub fn clear_prefix_cache(&mut self) -> Result<()> {
+        self.index.clear(&mut self.pool)?;
+        Ok(())
+    }
+
+    /// Runs one batch. Returns the number of tokens processed.
+    pub fn step(&mut self, model: &Model) -> Result<usize> {
+        self.drop_cancelled()?;
+        self.admit()?;
+        if self.running.is_empty() {
+            return Ok(0);
+        }
+        // Each running request gets its next piece: one token when decoding, a chunk otherwise.
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut plan: Vec<(usize, usize)> = Vec::new(); // (running index, new length)
+        let order: Vec<usize> = {
+            // Decoding requests first: they cost one token each and keep latency low.
+            let mut o: Vec<usize> = (0..self.running.len()).collect();
+            o.sort_by_key(|&i| (self.running[i].tokens.len() - self.running[i].paged.len > 1, i));
+            o
+        };
+        for i in order {
+            if budget == 0 {
+                break;
+            }
+            let s = &self.running[i];
+            let end = self.chunk_end(s, budget);
+            if end > s.paged.len {
+                budget -= end - s.paged.len;
+                plan.push((i, end));
+            }
+        }
+        // Reserve pages; when the pool is full, evict cached pages, then preempt.
+        let mut reserved: Vec<Option<Reserved>> = (0..self.running.len()).map(|_| None).collect();
+        let mut k = 0;
+        while k < plan.len() {
+            let (i, end) = plan[k];
+            match self.running[i].paged.reserve(&self.slots, &mut self.pool, end) {
+                Ok(r) => {
+                    reserved[i] = Some(r);
+                    k += 1;
+                }
+                Err(KvError::OutOfPages(_)) => {
+                    let need = self.running[i].paged.pages_needed(&self.slots, &self.pool, end);
+                    if self.index.evict(&mut self.pool, need.max(1))? > 0 {
+                        continue;
+                    }
+                    // Preempt the youngest request not yet given pages this step; if every other
+                    // one already has its pages, this request waits (preempted itself). Alone, it
+                    // cannot fit at all.
+                    let victim = (0..self.running.len())
+                        .rev()
+                        .find(|&v| v != i && reserved[v].is_none() && self.running[v].paged.pages().next().is_some());
+                    let out = match victim {
+                        Some(v) => v,
+                        None if self.running.len() > 1 => i,
+                        None => {
+                            let mut s = self.running.remove(i);
+                            reserved.remove(i);
+                            s.paged.release_all(&mut self.pool)?;
+                            s.sink.send(EngineEvent::Failed(
+                                "the request does not fit in the KV page pool (raise --kv-memory or shorten the prompt)".into(),
+                            ));
+                            plan.clear();
+                            break;
+                        }
+                    };
+                    self.preempt(out)?;
+                    reserved.remove(out);
+                    plan.retain(|&(j, _)| j != out);
+                    for p in plan.iter_mut() {
+                        if p.0 > out {
+                            p.0 -= 1;
+                        }
+                    }
+                    k = plan.iter().position(|&(j, _)| reserved[j].is_none()).unwrap_or(plan.len());
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if plan.is_empty() {
+            return Ok(0);
+        }
+        // Gather, run, scatter.
+        let mut states = Vec::with_capacity(plan.len());
+        for &(i, _) in &plan {
+            states.push(self.running[i].paged.gather(&self.slots, &self.pool, &self.model_cfg)?);
+        }
+        let logits = {
+            let mut segs: Vec<Segment> = plan
+                .iter()
+                .zip(states.iter_mut())
+                .map(|(&(i, end), st)| {
+                    let s = &self.running[i];
+                    Segment {
+                        tokens: &s.tokens[s.paged.len..end],
+                        state: st,
+                        logits: if end == s.tokens.len() { LogitsWanted::Last } else { LogitsWanted::None },
+                    }
+                })
+                .collect();
+            model.forward(&mut segs)?
+        };
+        let mut processed = 0;
+        let mut sampled = Vec::with_capacity(plan.len());
+        for ((&(i, end), st), lg) in plan.iter().zip(&states).zip(logits) {
+            let r = reserved[i].take().expect("reserved above");
+            let s = &mut self.running[i];
+            processed += end - s.paged.len;
+            let was_prefill = end <= s.req.prompt.len();
+            let chunk_end = end;
+            s.paged.scatter(&self.slots, &mut self.pool, st, r)?;
+            if self.cfg.prefix_cache {
+                publish(&mut self.index, &mut self.pool, &self.slots, s, &self.cfg, was_prefill, chunk_end)?;
+            }
+            if !lg.is_empty() {
+                let next = s.sampler.sample(&lg);
+                s.tokens.push(next);
+                sampled.push(i);
+            }
+        }
+        self.steps += 1;
+        self.emit_and_retire(&sampled)?;
+        Ok(processed)
+    }
+
+    /// Where the next piece of `s` ends, given `budget` tokens.
+    fn chunk_end(&self, s: &Seq, budget: usize) -> usize {
+        let (start, total) = (s.paged.len, s.tokens.len());
+        let mut end = total.min(start + budget);
+        if end < total {
+            // Cut on a page boundary so the chunk end can be a snapshot (unless that would leave
+            // nothing to do this step).
+            let aligned = end / self.cfg.page_tokens * self.cfg.page_tokens;
+            if aligned > start {
+                end = aligned;
+            }
+        }
+        let p = self.cfg.page_tokens;
+        let prompt = s.req.prompt.len();
+        let last_full = prompt / p * p;
+        if start < last_full && end > last_full {
+            end = last_full;
+        }
+        if self.cfg.snapshot_interval > 0 {
+            let next = (start / self.cfg.snapshot_interval + 1) * self.cfg.snapshot_interval;
+            if end > next {
+                end = next;
+            }
+        }
+        end
+    }
+
+    fn admit(&mut self) -> Result<()> {
+        while self.running.len() < self.cfg.max_running {
+            let Some(mut s) = self.waiting.pop_front() else { break };
+            if s.paged.len == 0 && self.cfg.prefix_cache && s.tokens.len() > 1 {
+                // Never hit the whole sequence: the last token must run to produce logits.
+                let probe = &s.tokens[..s.tokens.len() - 1];
+                let hit = self.index.lookup(&mut self.pool, probe, s.req.cache_salt.as_deref())?;
+                if hit.tokens > 0 {
+                    s.paged.len = hit.tokens;
+                    s.paged.mla_pages = hit.mla_pages;
+                    s.paged.kda_pages = hit.snapshots;
+                    s.indexed_pages = s.paged.mla_pages.len();
+                    if s.generated() == 0 {
+                        s.cached_tokens = hit.tokens;
+                    }
+                }
+            }
+            // Admission by free pages: the first piece must fit now, after evicting cached pages.
+            // A request that cannot fit while others run waits for them; alone, it is admitted
+            // and the step reports that it does not fit.
+            let first_end = self.chunk_end(&s, self.cfg.max_batch_tokens);
+            let fits = loop {
+                match s.paged.reserve(&self.slots, &mut self.pool, first_end) {
+                    Ok(r) => {
+                        r.abandon(&mut self.pool);
+                        break true;
+                    }
+                    Err(KvError::OutOfPages(_)) => {
+                        let need = s.paged.pages_needed(&self.slots, &self.pool, first_end).max(1);
+                        if self.index.evict(&mut self.pool, need)? == 0 {
+                            break false;
+                        }
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            };
+            if !fits && !self.running.is_empty() {
+                s.paged.release_all(&mut self.pool)?;
+                s.indexed_pages = 0;
+                self.waiting.push_front(s);
+                break;
+            }
+            self.running.push(s);
+        }
+        Ok(())
+    }
+
+    fn preempt(&mut self, idx: usize) -> Result<()> {
+        let mut s = self.running.remove(idx);
+        s.paged.release_all(&mut self.pool)?;
+        s.indexed_pages = 0;
+        self.preemptions += 1;
+        tracing::debug!(request = s.id, "preempted: pages released, will recompute");
+        self.waiting.push_front(s);
+        Ok(())
+    }
+
+    fn drop_cancelled(&mut self) -> Result<()> {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].sink.is_cancelled() {
+                let mut s = self.running.remove(i);
+                s.paged.release_all(&mut self.pool)?;
+            } else {
+                i += 1;
+            }
+        }
+        let mut kept = VecDeque::with_capacity(self.waiting.len());
+        for mut s in self.waiting.drain(..) {
+            if s.sink.is_cancelled() {
+                s.paged.release_all(&mut self.pool)?;
+            } else {
+                kept.push_back(s);
+            }
+        }
+        self.waiting = kept;
+        Ok(())
+    }
+
+    /// Sends new tokens, applies stop conditions and releases finished or cancelled requests.
+    fn emit_and_retire(&mut self, sampled: &[usize]) -> Result<()> {
+        let mut done: Vec<usize> = Vec::new();
+        for &i in sampled {
+            let s = &mut self.running[i];
+            let tok = *s.tokens.last().expect("a token was sampled");
+            if !s.sink.send(EngineEvent::Token(tok)) {
+                done.push(i);
+                continue;
+            }
+            let reason = if s.req.stop_ids.contains(&tok) {
+                Some(FinishReason::Stop)
+            } else if s.generated() >= s.req.max_new_tokens {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                s.sink.send(EngineEvent::Finished {
+                    reason,
+                    prompt_tokens: s.req.prompt.len(),
+                    completion_tokens: s.generated(),
+                    cached_tokens: s.cached_tokens,
+                });
+                done.push(i);
+            }
+        }
+        done.sort_unstable();
+        for i in done.into_iter().rev() {
+            let mut s = self.running.remove(i);
+            s.paged.release_all(&mut self.pool)?;
+        }
+        Ok(())
+    }
+
+    /// Cancels every request (used at shutdown).
+    pub fn cancel_all(&mut self) -> Result<()> {
+        for mut s in self.running.drain(..).chain(self.waiting.drain(..)) {
+            s.paged.release_all(&mut self.pool)?;
+            s.sink.send(EngineEvent::Failed("the engine is shutting down".into()));
+        }
+        Ok(())
+    }
+}
+
+/// After a step: full MLA pages go into the prefix index; the KDA state is published as a
+/// snapshot at prefill chunk ends on page boundaries and every `snapshot_interval` tokens.
+fn publish(index: &mut PrefixIndex, pool: &mut PagePool, slots: &LayerSlots, s: &mut Seq, cfg: &SchedulerConfig, was_prefill: bool, end: usize) -> Result<()> {
+    let p = cfg.page_tokens;
+    let salt = s.req.cache_salt.as_deref();
+    let full = end / p;
+    if slots.mla_group.is_some() && full > s.indexed_pages {
+        index.insert_mla(pool, &s.tokens[..full * p], salt, &s.paged.mla_pages[..full])?;
+        s.indexed_pages = full;
+    }
+    let on_boundary = end % p == 0 && end > 0;
+    let wanted = (was_prefill && on_boundary) || (cfg.snapshot_interval > 0 && end % cfg.snapshot_interval == 0 && end > 0);
+    if wanted && !slots.kda_groups.is_empty() {
+        for (gi, &g) in slots.kda_groups.iter().enumerate() {
+            index.publish_snapshot(pool, &s.tokens[..end], salt, g, s.paged.kda_pages[gi])?;
+        }
+    }
+    Ok(())
+}
+

@@ -1,0 +1,419 @@
+//! Every bad input gets the right status and OpenAI's error JSON, and the server keeps serving.
+
+use axum::http::{Method, StatusCode};
+use serde_json::{json, Value};
+use tessera_router::fake::FakeConfig;
+use tessera_router::{BackendError, FrontOptions};
+
+use crate::common::*;
+
+const C: &str = "/v1/completions";
+const CHAT: &str = "/v1/chat/completions";
+
+fn user(content: Value) -> Value {
+    json!({"messages": [{"role": "user", "content": content}]})
+}
+
+/// `(path, raw body, status, expected param, substring of the message)`.
+fn bad_requests() -> Vec<(
+    &'static str,
+    String,
+    u16,
+    Option<&'static str>,
+    &'static str,
+)> {
+    let j = |v: Value| v.to_string();
+    let long_prompt: Vec<u32> = vec![7; 600];
+    vec![
+        (C, r#"{"prompt": "hi", "#.into(), 400, None, "Invalid JSON"),
+        (C, "not json at all".into(), 400, None, "Invalid JSON"),
+        (C, "[1, 2]".into(), 400, None, "JSON object"),
+        (C, "".into(), 400, None, "Invalid JSON"),
+        (
+            C,
+            j(json!({"prompt": "hi", "temperature": "hot"})),
+            400,
+            Some("temperature"),
+            "invalid type",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "max_tokens": "ten"})),
+            400,
+            Some("max_tokens"),
+            "invalid type",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "stream": "yes"})),
+            400,
+            Some("stream"),
+            "invalid type",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "stop": 5})),
+            400,
+            Some("stop"),
+            "",
+        ),
+        (C, j(json!({"prompt": "hi", "n": 2})), 400, Some("n"), "n=2"),
+        (
+            C,
+            j(json!({"prompt": "hi", "best_of": 3})),
+            400,
+            Some("best_of"),
+            "",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "max_tokens": -5})),
+            400,
+            Some("max_tokens"),
+            "at least 1",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "max_tokens": 0})),
+            400,
+            Some("max_tokens"),
+            "at least 1",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "temperature": 5})),
+            400,
+            Some("temperature"),
+            "[0, 2]",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "temperature": -0.1})),
+            400,
+            Some("temperature"),
+            "[0, 2]",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "top_p": 0})),
+            400,
+            Some("top_p"),
+            "(0, 1]",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "top_p": 1.5})),
+            400,
+            Some("top_p"),
+            "(0, 1]",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "top_k": -3})),
+            400,
+            Some("top_k"),
+            "",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "presence_penalty": 0.5})),
+            400,
+            Some("presence_penalty"),
+            "",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "echo": true})),
+            400,
+            Some("echo"),
+            "",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "logprobs": 2})),
+            400,
+            Some("logprobs"),
+            "",
+        ),
+        (C, j(json!({"prompt": ""})), 400, Some("prompt"), "empty"),
+        (C, j(json!({"prompt": []})), 400, Some("prompt"), "empty"),
+        (
+            C,
+            j(json!({"max_tokens": 3})),
+            400,
+            Some("prompt"),
+            "missing",
+        ),
+        (
+            C,
+            j(json!({"prompt": [1, 5000]})),
+            400,
+            Some("prompt"),
+            "5000",
+        ),
+        (C, j(json!({"prompt": [-1]})), 400, Some("prompt"), "-1"),
+        (
+            C,
+            j(json!({"prompt": ["a", "b"]})),
+            400,
+            Some("prompt"),
+            "batch",
+        ),
+        (
+            C,
+            j(json!({"prompt": {"text": "a"}})),
+            400,
+            Some("prompt"),
+            "must be",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "stop_token_ids": [99999]})),
+            400,
+            Some("stop_token_ids"),
+            "99999",
+        ),
+        (
+            C,
+            j(json!({"prompt": "hi", "model": "gpt-4"})),
+            404,
+            Some("model"),
+            "gpt-4",
+        ),
+        (
+            C,
+            j(json!({"prompt": long_prompt, "max_tokens": 1})),
+            413,
+            Some("prompt"),
+            "maximum context length",
+        ),
+        (
+            C,
+            j(json!({"prompt": [1, 2], "max_tokens": 511})),
+            400,
+            Some("max_tokens"),
+            "maximum context length",
+        ),
+        (C, "x".repeat(20_000), 413, None, "too large"),
+        (
+            CHAT,
+            j(user(
+                json!([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]),
+            )),
+            400,
+            Some("messages[0].content"),
+            "images are not supported by this model",
+        ),
+        (
+            CHAT,
+            j(user(json!([{"type": "input_audio"}]))),
+            400,
+            Some("messages[0].content"),
+            "input_audio",
+        ),
+        (
+            CHAT,
+            j(json!({"messages": []})),
+            400,
+            Some("messages"),
+            "empty",
+        ),
+        (
+            CHAT,
+            j(json!({"messages": "hello"})),
+            400,
+            Some("messages"),
+            "invalid type",
+        ),
+        (
+            CHAT,
+            j(json!({"prompt": "hello"})),
+            400,
+            Some("messages"),
+            "missing",
+        ),
+        (
+            CHAT,
+            j(json!({"messages": [{"role": "robot", "content": "x"}]})),
+            400,
+            Some("messages[0].role"),
+            "robot",
+        ),
+        (
+            CHAT,
+            j(json!({"messages": [{"content": "x"}]})),
+            400,
+            Some("messages[0]"),
+            "role",
+        ),
+        (
+            CHAT,
+            j(json!({"messages": [{"role": "user", "content": 5}]})),
+            400,
+            Some("messages[0].content"),
+            "a string, a list of content parts, or null",
+        ),
+        (
+            CHAT,
+            j(json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true})),
+            400,
+            Some("logprobs"),
+            "",
+        ),
+        (
+            CHAT,
+            j(json!({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0})),
+            400,
+            Some("max_tokens"),
+            "",
+        ),
+        (
+            CHAT,
+            j(
+                json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
+            ),
+            400,
+            Some("response_format"),
+            "",
+        ),
+        (
+            CHAT,
+            j(json!({"messages": [{"role": "user", "content": "x"}], "model": "nope"})),
+            404,
+            Some("model"),
+            "nope",
+        ),
+        ("/v1/nope", "{}".into(), 404, None, "/v1/nope"),
+    ]
+}
+
+fn assert_openai_error(v: &Value, status: u16) {
+    let e = &v["error"];
+    assert!(!e["message"].as_str().unwrap().is_empty(), "{v}");
+    let ty = e["type"].as_str().unwrap();
+    let want = match status {
+        429 => "rate_limit_error",
+        500..=599 => "server_error",
+        _ => "invalid_request_error",
+    };
+    assert_eq!(ty, want, "{v}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+}
+
+async fn still_serves(h: &Harness) {
+    let (status, v) = h.post(C, &json!({"prompt": "ok", "max_tokens": 2})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+}
+
+#[tokio::test]
+async fn bad_inputs_get_openai_errors() {
+    let config = FakeConfig {
+        max_model_len: 512,
+        ..fake_config()
+    };
+    let opts = FrontOptions {
+        max_body_bytes: 16 << 10,
+        ..FrontOptions::default()
+    };
+    let h = harness_with(config, opts, true);
+    let cases = bad_requests();
+    assert!(cases.len() >= 40);
+    let completion_400s = cases.iter().filter(|c| c.0 == C && c.2 == 400).count() as u64;
+    for (path, body, status, param, msg) in cases {
+        let (got, text) = h.send(Method::POST, path, body.clone()).await;
+        let short = &body[..body.len().min(120)];
+        assert_eq!(got.as_u16(), status, "{path} {short}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_openai_error(&v, status);
+        assert_eq!(v["error"]["param"].as_str(), param, "{path} {short}: {v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(msg), "{path} {short}: {message}");
+        still_serves(&h).await;
+    }
+    // Nothing that was rejected reached the backend.
+    assert_eq!(h.fake.submitted().len(), bad_requests().len());
+    assert_eq!(h.metrics.requests("/v1/completions", 400), completion_400s);
+}
+
+#[tokio::test]
+async fn wrong_methods_and_routes() {
+    let h = harness();
+    let (status, text) = h.get(C).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_openai_error(&serde_json::from_str(&text).unwrap(), 405);
+    let (status, text) = h.get("/nothing/here").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_openai_error(&serde_json::from_str(&text).unwrap(), 404);
+    let (status, _) = h.get("/v1/models/fake-model").await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = h.get("/v1/models/other").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    still_serves(&h).await;
+}
+
+#[tokio::test]
+async fn backend_refusals_and_failures() {
+    let h = harness();
+    let body = json!({"prompt": "hi", "max_tokens": 4});
+    for (err, status) in [
+        (BackendError::Overloaded("queue full".into()), 429),
+        (BackendError::Unavailable("no decode workers".into()), 503),
+        (BackendError::InvalidRequest("bad".into()), 400),
+        (
+            BackendError::PromptTooLong {
+                prompt_tokens: 9,
+                limit: 4,
+            },
+            413,
+        ),
+        (BackendError::Internal("boom".into()), 500),
+    ] {
+        h.fake.set_reject(Some(err));
+        for stream in [false, true] {
+            let mut b = body.clone();
+            b["stream"] = json!(stream);
+            let (got, v) = h.post(C, &b).await;
+            assert_eq!(got.as_u16(), status, "{v}");
+            assert_openai_error(&v, status);
+        }
+        let (got, _) = h.post(CHAT, &user(json!("hi"))).await;
+        assert_eq!(got.as_u16(), status);
+        h.fake.set_reject(None);
+        still_serves(&h).await;
+    }
+    // Health follows the backend.
+    assert_eq!(h.get("/health").await.0, StatusCode::OK);
+
+    // A failure before any token: a real status, even when streaming.
+    h.fake.set_fail_after(Some(0));
+    let (got, v) = h.post(C, &json!({"prompt": "hi", "stream": true})).await;
+    assert_eq!(got, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_openai_error(&v, 500);
+    // A failure mid-stream: an error event, then [DONE].
+    h.fake.set_fail_after(Some(3));
+    let (got, events, done) = h
+        .post_sse(
+            C,
+            &json!({"prompt": "hi", "stream": true, "max_tokens": 10}),
+        )
+        .await;
+    assert_eq!(got, StatusCode::OK);
+    assert!(done);
+    assert_openai_error(events.last().unwrap(), 500);
+    let (got, _) = h.post(C, &json!({"prompt": "hi", "max_tokens": 10})).await;
+    assert_eq!(got, StatusCode::INTERNAL_SERVER_ERROR);
+    h.fake.set_fail_after(None);
+    still_serves(&h).await;
+}
+
+#[tokio::test]
+async fn chat_without_template_is_a_clear_400() {
+    let h = harness_with(fake_config(), FrontOptions::default(), false);
+    let (status, v) = h.post(CHAT, &user(json!("hi"))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("no chat template"));
+}

@@ -1,0 +1,306 @@
+//! Successful completions and chat, plain and streamed: text, token ids, usage, stops.
+
+use axum::http::StatusCode;
+use serde_json::{json, Value};
+use tessera_router::fake::FakeConfig;
+use tessera_router::FrontOptions;
+use tessera_tokenizer::ChatMessage;
+
+use crate::common::*;
+
+#[tokio::test]
+async fn completion_text_prompt() {
+    let h = harness();
+    let prompt = "The old lighthouse stood";
+    let prompt_ids = h.tok.encode(prompt, true).unwrap();
+    let (status, v) = h
+        .post(
+            "/v1/completions",
+            &json!({"model": "fake-model", "prompt": prompt, "max_tokens": 5, "temperature": 0, "top_k": 4, "seed": 7}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let want = fake_ids(prompt_ids.len(), 5);
+    assert_eq!(v["object"], "text_completion");
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(v["model"], "fake-model");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["text"], h.tok.decode(&want, true).unwrap());
+    assert_eq!(choice["finish_reason"], "length");
+    assert!(choice.get("token_ids").is_none());
+    let usage = &v["usage"];
+    assert_eq!(usage["prompt_tokens"], prompt_ids.len());
+    assert_eq!(usage["completion_tokens"], 5);
+    assert_eq!(usage["total_tokens"], prompt_ids.len() + 5);
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 3);
+
+    let req = &h.fake.submitted()[0];
+    assert_eq!(req.prompt_ids, prompt_ids);
+    assert_eq!(req.max_tokens, 5);
+    assert_eq!(req.sampling.temperature, 0.0);
+    assert_eq!(req.sampling.top_k, 4);
+    assert_eq!(req.sampling.seed, Some(7));
+    assert_eq!(req.stop_token_ids, h.special.stop_ids());
+    assert!(!req.ignore_eos);
+}
+
+#[tokio::test]
+async fn completion_token_ids_and_defaults() {
+    let h = harness();
+    for prompt in [json!([1, 2, 3]), json!([[1, 2, 3]])] {
+        let (status, v) = h
+            .post(
+                "/v1/completions",
+                &json!({"prompt": prompt, "return_token_ids": true}),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        // No model field is fine; max_tokens defaults to 16.
+        assert_eq!(ids_of(&v["choices"][0]["token_ids"]), fake_ids(3, 16));
+        assert_eq!(ids_of(&v["choices"][0]["prompt_token_ids"]), vec![1, 2, 3]);
+        assert_eq!(v["usage"]["completion_tokens"], 16);
+    }
+    let req = &h.fake.submitted()[0];
+    assert_eq!(req.sampling.temperature, 1.0);
+    assert_eq!(req.sampling.top_p, 1.0);
+    assert_eq!(req.sampling.seed, None);
+}
+
+#[tokio::test]
+async fn completion_stream_matches_plain() {
+    let h = harness();
+    let body = json!({"prompt": "Hello there", "max_tokens": 12, "temperature": 0, "return_token_ids": true});
+    let (_, plain) = h.post("/v1/completions", &body).await;
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    stream_body["stream_options"] = json!({"include_usage": true});
+    let (status, events, done) = h.post_sse("/v1/completions", &stream_body).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(done);
+    let (usage_chunk, chunks) = events.split_last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"], plain["usage"]);
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    for c in chunks {
+        assert_eq!(c["object"], "text_completion");
+        text.push_str(c["choices"][0]["text"].as_str().unwrap());
+        ids.extend(ids_of(&c["choices"][0]["token_ids"]));
+    }
+    assert_eq!(text, plain["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(ids, ids_of(&plain["choices"][0]["token_ids"]));
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+    assert!(chunks[0]["choices"][0]["prompt_token_ids"].is_array());
+    // Without include_usage there is no usage chunk.
+    stream_body["stream_options"] = json!(null);
+    let (_, events, _) = h.post_sse("/v1/completions", &stream_body).await;
+    assert!(events.iter().all(|e| e.get("usage").is_none()));
+}
+
+#[tokio::test]
+async fn chat_plain_and_streamed() {
+    let h = harness();
+    let messages = json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]}
+    ]);
+    let rendered = h
+        .template
+        .render(
+            &serde_json::from_value::<Vec<ChatMessage>>(messages.clone()).unwrap(),
+            true,
+        )
+        .unwrap();
+    let prompt_ids = h.tok.encode(&rendered, true).unwrap();
+    let body = json!({"model": "fake-model", "messages": messages, "max_completion_tokens": 9, "temperature": 0});
+    let (status, v) = h.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(h.fake.submitted()[0].prompt_ids, prompt_ids);
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let msg = &v["choices"][0]["message"];
+    assert_eq!(msg["role"], "assistant");
+    let want = h.tok.decode(&fake_ids(prompt_ids.len(), 9), true).unwrap();
+    assert_eq!(msg["content"], want);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_ids.len());
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 3);
+
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let (status, events, done) = h.post_sse("/v1/chat/completions", &sbody).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(done);
+    assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
+    let content: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, want);
+    for e in &events {
+        assert_eq!(e["object"], "chat.completion.chunk");
+    }
+    let n = events.len();
+    assert_eq!(events[n - 2]["choices"][0]["finish_reason"], "length");
+    assert_eq!(events[n - 1]["usage"], v["usage"]);
+}
+
+#[tokio::test]
+async fn chat_defaults_to_the_rest_of_the_context() {
+    let config = FakeConfig {
+        max_model_len: 300,
+        ..fake_config()
+    };
+    let h = harness_with(config, FrontOptions::default(), true);
+    let (status, v) = h
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}], "return_token_ids": true}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let req = &h.fake.submitted()[0];
+    assert_eq!(req.max_tokens, 300 - req.prompt_ids.len());
+    assert_eq!(ids_of(&v["prompt_token_ids"]), req.prompt_ids);
+    assert_eq!(
+        ids_of(&v["choices"][0]["token_ids"]).len(),
+        300 - req.prompt_ids.len()
+    );
+}
+
+async fn scripted(text: &str) -> (Harness, Vec<u32>) {
+    let h0 = harness();
+    let script = h0.tok.encode(text, false).unwrap();
+    let config = FakeConfig {
+        script: script.clone(),
+        ..fake_config()
+    };
+    (harness_with(config, FrontOptions::default(), true), script)
+}
+
+#[tokio::test]
+async fn stop_strings_truncate_and_cancel() {
+    let text = "The keeper climbed the steps to light the lamp.";
+    let (h, script) = scripted(text).await;
+    for (i, stream) in [false, true].into_iter().enumerate() {
+        let body = json!({"prompt": "x", "max_tokens": 100, "stop": ["climbed", "zzz"], "stream": stream, "return_token_ids": true});
+        let out = if stream {
+            let (status, events, done) = h.post_sse("/v1/completions", &body).await;
+            assert_eq!(status, StatusCode::OK);
+            assert!(done);
+            let text: String = events
+                .iter()
+                .map(|e| e["choices"][0]["text"].as_str().unwrap())
+                .collect();
+            let ids: Vec<u32> = events
+                .iter()
+                .flat_map(|e| ids_of(&e["choices"][0]["token_ids"]))
+                .collect();
+            let last = &events.last().unwrap()["choices"][0];
+            assert_eq!(last["finish_reason"], "stop");
+            (text, ids)
+        } else {
+            let (status, v) = h.post("/v1/completions", &body).await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+            assert_eq!(v["choices"][0]["finish_reason"], "stop");
+            let ids = ids_of(&v["choices"][0]["token_ids"]);
+            assert_eq!(v["usage"]["completion_tokens"], ids.len());
+            (v["choices"][0]["text"].as_str().unwrap().to_string(), ids)
+        };
+        assert_eq!(out.0, "The keeper ");
+        assert_eq!(out.1, script[..out.1.len()]);
+        assert!(out.1.len() < script.len());
+        // The backend was told to stop: its receiver was dropped.
+        h.wait_cancelled(i + 1).await;
+    }
+    // A single string works too, and chat applies stops the same way.
+    let (status, v) = h
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "go"}], "max_tokens": 100, "stop": "steps"}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        "The keeper climbed the "
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test]
+async fn eos_and_stop_token_ids() {
+    let h0 = harness();
+    let eos = h0.special.im_end;
+    let hello = h0.tok.encode("Hello", false).unwrap();
+    let mut script = hello.clone();
+    script.push(eos);
+    script.extend(h0.tok.encode(" more", false).unwrap());
+    let config = FakeConfig {
+        script: script.clone(),
+        ..fake_config()
+    };
+    let h = harness_with(config, FrontOptions::default(), true);
+    let body = json!({"prompt": [5], "max_tokens": 50, "return_token_ids": true});
+    let (_, v) = h.post("/v1/completions", &body).await;
+    assert_eq!(v["choices"][0]["text"], "Hello");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(
+        ids_of(&v["choices"][0]["token_ids"]),
+        script[..hello.len() + 1]
+    );
+    assert_eq!(v["usage"]["completion_tokens"], hello.len() + 1);
+
+    // ignore_eos: EOS is not a stop token any more, and special text is skipped.
+    let mut b = body.clone();
+    b["ignore_eos"] = json!(true);
+    b["max_tokens"] = json!(script.len());
+    let (_, v) = h.post("/v1/completions", &b).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["choices"][0]["text"], "Hello more");
+    let last = h.fake.submitted().pop().unwrap();
+    assert!(last.ignore_eos && last.stop_token_ids.is_empty());
+
+    // A requested stop token id ends generation without showing its text.
+    let mut b = body.clone();
+    b["stop_token_ids"] = json!([hello[0]]);
+    let (_, v) = h.post("/v1/completions", &b).await;
+    assert_eq!(v["choices"][0]["text"], "");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(ids_of(&v["choices"][0]["token_ids"]), vec![hello[0]]);
+}
+
+#[tokio::test]
+async fn served_model_name_and_cached_tokens_from_backend() {
+    let opts = FrontOptions {
+        served_model_name: Some("kimi-tiny".into()),
+        ..FrontOptions::default()
+    };
+    let config = FakeConfig {
+        cached_tokens: 2,
+        ..fake_config()
+    };
+    let h = harness_with(config, opts, true);
+    let ok = json!({"model": "kimi-tiny", "prompt": [1, 2, 3, 4], "max_tokens": 2});
+    let (status, v) = h.post("/v1/completions", &ok).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["model"], "kimi-tiny");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+    let (status, v) = h
+        .post(
+            "/v1/completions",
+            &json!({"model": "fake-model", "prompt": [1], "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(v["error"]["code"], "model_not_found");
+    let (_, text) = h.get("/v1/models").await;
+    let models: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], "kimi-tiny");
+    assert_eq!(models["data"][0]["max_model_len"], 4096);
+}

@@ -1,0 +1,8 @@
+//! The HTTP front end to end over a fake backend, grouped by concern.
+
+mod common;
+
+mod cancel;
+mod errors;
+mod generation;
+mod service;
