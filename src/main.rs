@@ -1,6 +1,7 @@
 //! `tessera`: the command line of the Tessera serving system.
 
 mod cli;
+mod serve;
 
 use clap::Parser;
 

@@ -34,6 +34,7 @@ impl EventSink for Collector {
         let mut o = self.out.lock().unwrap();
         match e {
             EngineEvent::Token(t) => o.tokens.push(t),
+            EngineEvent::Prefilled { .. } => {}
             EngineEvent::Failed(m) => o.failed = Some(m),
             fin @ EngineEvent::Finished { .. } => o.finished = Some(fin),
         }

@@ -5,6 +5,7 @@ mod generate;
 mod init_model;
 mod logits;
 mod model_arg;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -34,6 +35,8 @@ pub enum Command {
     Logits(logits::LogitsArgs),
     /// Generate tokens from a prompt (token IDs or text).
     Generate(generate::GenerateArgs),
+    /// Serve the OpenAI-compatible HTTP API from one process (engine, page pool, prefix cache).
+    Serve(serve::ServeArgs),
     /// Write a random-weight Kimi Linear model in the Hugging Face layout (output is meaningless).
     InitModel(init_model::InitModelArgs),
 }
@@ -43,6 +46,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
         Command::Logits(a) => logits::run(a),
         Command::Generate(a) => generate::run(a),
         Command::InitModel(a) => init_model::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }
 

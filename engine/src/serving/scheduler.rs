@@ -68,6 +68,8 @@ pub enum FinishReason {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineEvent {
+    /// The prompt has been processed (sent once, before the first token).
+    Prefilled { cached_tokens: usize },
     Token(u32),
     Finished {
         reason: FinishReason,
@@ -522,6 +524,10 @@ impl Scheduler {
         for &i in sampled {
             let s = &mut self.running[i];
             let tok = *s.tokens.last().expect("a token was sampled");
+            if s.generated() == 1 && !s.sink.send(EngineEvent::Prefilled { cached_tokens: s.cached_tokens }) {
+                done.push(i);
+                continue;
+            }
             if !s.sink.send(EngineEvent::Token(tok)) {
                 done.push(i);
                 continue;

@@ -15,6 +15,10 @@ const CHUNK: usize = 16_384;
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     assert_eq!(gate.len(), up.len(), "silu_mul: gate/up length");
     assert_eq!(gate.len(), out.len(), "silu_mul: out length");
+    if out.len() <= CHUNK {
+        // Small (decode-sized) inputs: a rayon round trip costs more than the work.
+        return silu_mul_chunk(gate, up, out);
+    }
     out.par_chunks_mut(CHUNK)
         .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
         .for_each(|(o, (g, u))| silu_mul_chunk(g, u, o));
@@ -30,6 +34,9 @@ multiversion! {
 
 /// x = silu(x) = x · sigmoid(x), in place.
 pub fn silu_inplace(x: &mut [f32]) {
+    if x.len() <= CHUNK {
+        return silu_chunk(x);
+    }
     x.par_chunks_mut(CHUNK).for_each(silu_chunk);
 }
 
@@ -43,6 +50,9 @@ multiversion! {
 
 /// x = 1 / (1 + exp(-x)), in place.
 pub fn sigmoid_inplace(x: &mut [f32]) {
+    if x.len() <= CHUNK {
+        return sigmoid_chunk(x);
+    }
     x.par_chunks_mut(CHUNK).for_each(sigmoid_chunk);
 }
 

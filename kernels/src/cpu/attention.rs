@@ -1,79 +1,107 @@
 //! Causal softmax attention: standard multi-head, and MLA in absorbed form.
 //!
 //! Both run one core over blocks of query rows that share a key/value set:
-//! scores for the block are computed key-major (each key row is loaded once
-//! per block), softmaxed per row, then values are accumulated key-major.
-//! Every per-row quantity uses a fixed order (8-lane dots, 8-lane sums, value
-//! accumulation in increasing key index), so a query's output does not depend
-//! on the block it lands in: decoding a token gives the same bits as the same
-//! position inside a prefill.
+//! the block's scores are a GEMM against the keys (the `linear` kernel, keys
+//! as weight rows), each row is softmaxed over its own causal length, and
+//! P·V is a matmul over the keys every row sees, plus per-row steps for the
+//! rest of each row's range. Each element's arithmetic (GEMM dot order,
+//! fixed-order softmax sums, one FMA chain over keys 0..len for the output)
+//! is independent of the block it lands in, so decoding a token gives the
+//! same bits as the same position inside a prefill.
 
 use rayon::prelude::*;
 
-use super::simd::{self, multiversion, SyncPtr};
+use super::gemm::gemm_nt_seq;
+use super::matmul::{axpy_chain, mm_strided};
+use super::simd::{self, SyncPtr};
 
-/// Query rows per block (bounded so scores stay small and tasks plentiful).
-const QB: usize = 8;
+/// Query rows per block: large enough to amortise streaming the keys.
+const QB: usize = 32;
+/// From this many rows on, P·V over the shared key range is one matmul.
+const SHARED_MM_MIN_ROWS: usize = 4;
 
-/// Row-strided key/value view: key `j` is `k1[j*ld1..][..d1]` (plus the
-/// optional second part `k2`, for MLA's rotary key), value `j` is `v[j*ldv..][..dv]`.
+/// A row-strided matrix view: row `i` is `data[i*ld..][..cols]`.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    data: &'a [f32],
+    ld: usize,
+    cols: usize,
+}
+
+/// Keys/values of one attention problem. Score = scale·(q1·k1 + q2·k2)
+/// (`k2.cols == 0` when there is no second part); values `v`.
 struct Keys<'a> {
-    k1: &'a [f32],
-    ld1: usize,
-    d1: usize,
-    k2: &'a [f32],
-    ld2: usize,
-    d2: usize,
-    v: &'a [f32],
-    ldv: usize,
-    dv: usize,
+    k1: View<'a>,
+    k2: View<'a>,
+    v: View<'a>,
 }
 
-/// One query row: score_j = scale·(q1·k1_j + q2·k2_j) for keys `0..len`.
-struct QRow<'a> {
-    q1: &'a [f32],
-    q2: &'a [f32],
-    len: usize,
+/// Per-worker scratch.
+#[derive(Default)]
+struct Work {
+    scores: Vec<f32>,
+    s2: Vec<f32>,
+    out: Vec<f32>,
 }
 
-multiversion! {
-    /// out [rows, dv] = softmax(scores) · V for each row of the block.
-    fn attend_block(rows: &[QRow], keys: &Keys, scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
-        let smax = rows.iter().map(|r| r.len).max().unwrap_or(0);
-        scores.clear();
-        scores.resize(rows.len() * smax, 0.0);
-        for j in 0..smax {
-            let k1 = &keys.k1[j * keys.ld1..j * keys.ld1 + keys.d1];
-            let k2 = &keys.k2[j * keys.ld2..j * keys.ld2 + keys.d2];
-            for (b, r) in rows.iter().enumerate() {
-                if j < r.len {
-                    let mut s = simd::dot(r.q1, k1);
-                    if keys.d2 > 0 {
-                        s += simd::dot(r.q2, k2);
-                    }
-                    scores[b * smax + j] = scale * s;
-                }
-            }
+/// Attends `lens.len()` query rows (`q1`, `q2` views) over keys `0..lens[b]`
+/// for row `b`; `lens` must be non-decreasing. Result in `w.out` [rows, dv].
+fn attend_block(q1: View, q2: View, lens: &[usize], keys: &Keys, scale: f32, w: &mut Work) {
+    let rows = lens.len();
+    let (lmin, smax) = (lens[0], lens[rows - 1]);
+    debug_assert!(lens.windows(2).all(|p| p[0] <= p[1]) && lmin > 0);
+    let dv = keys.v.cols;
+    w.scores.resize(rows * smax, 0.0);
+    gemm_nt_seq(q1.data, q1.ld, rows, q1.cols, keys.k1.data, keys.k1.ld, smax, &mut w.scores, smax);
+    if keys.k2.cols > 0 {
+        w.s2.resize(rows * smax, 0.0);
+        gemm_nt_seq(q2.data, q2.ld, rows, q2.cols, keys.k2.data, keys.k2.ld, smax, &mut w.s2, smax);
+    }
+    for (b, &len) in lens.iter().enumerate() {
+        let p = &mut w.scores[b * smax..b * smax + len];
+        if keys.k2.cols > 0 {
+            combine(p, &w.s2[b * smax..b * smax + len], scale);
+        } else {
+            p.iter_mut().for_each(|x| *x *= scale);
         }
-        for (b, r) in rows.iter().enumerate() {
-            let p = &mut scores[b * smax..b * smax + r.len];
-            let m = simd::max(p);
-            for x in p.iter_mut() {
-                *x = simd::exp(*x - m);
-            }
-            let inv = 1.0 / simd::sum(p);
-            for x in p.iter_mut() {
-                *x *= inv;
-            }
+        softmax_row(p);
+    }
+    w.out.resize(rows * dv, 0.0);
+    // Keys every row sees as one matmul, then each row's remaining keys in
+    // order, continuing the same per-element FMA chain. With very few rows
+    // (decode) value rows are streamed once each instead (same chain).
+    let shared = if rows >= SHARED_MM_MIN_ROWS { lmin } else { 0 };
+    if shared > 0 {
+        mm_strided(&w.scores, smax, rows, shared, keys.v.data, keys.v.ld, dv, &mut w.out, dv, false);
+    } else {
+        w.out.fill(0.0);
+    }
+    for (b, &len) in lens.iter().enumerate() {
+        for j in shared..len {
+            let v = &keys.v.data[j * keys.v.ld..j * keys.v.ld + dv];
+            axpy_chain(&mut w.out[b * dv..(b + 1) * dv], w.scores[b * smax + j], v);
         }
-        out.fill(0.0);
-        for j in 0..smax {
-            let v = &keys.v[j * keys.ldv..j * keys.ldv + keys.dv];
-            for (b, r) in rows.iter().enumerate() {
-                if j < r.len {
-                    simd::axpy(&mut out[b * keys.dv..(b + 1) * keys.dv], scores[b * smax + j], v);
-                }
-            }
+    }
+}
+
+simd::multiversion! {
+    fn combine(p: &mut [f32], s2: &[f32], scale: f32) {
+        for (x, &y) in p.iter_mut().zip(s2) {
+            *x = scale * (*x + y);
+        }
+    }
+}
+
+simd::multiversion! {
+    /// In-place softmax (max subtracted, fixed-order sum).
+    fn softmax_row(p: &mut [f32]) {
+        let m = simd::max(p);
+        for x in p.iter_mut() {
+            *x = simd::exp(*x - m);
+        }
+        let inv = 1.0 / simd::sum(p);
+        for x in p.iter_mut() {
+            *x *= inv;
         }
     }
 }
@@ -98,30 +126,32 @@ pub fn attention_causal(
     }
     let qblocks = t.div_ceil(QB);
     let outp = SyncPtr::new(out);
-    (0..heads * qblocks).into_par_iter().for_each_init(
-        || (Vec::new(), vec![0.0f32; QB * dv]),
-        |(scores, ob), u| {
-            let (h, i0) = (u / qblocks, (u % qblocks) * QB);
-            let i1 = (i0 + QB).min(t);
-            let rows: Vec<QRow> = (i0..i1)
-                .map(|i| QRow { q1: &q[(i * heads + h) * dqk..][..dqk], q2: &[], len: offset + i + 1 })
-                .collect();
-            let keys = Keys {
-                k1: &k[h * dqk..], ld1: heads * dqk, d1: dqk,
-                k2: &[], ld2: 0, d2: 0,
-                v: &v[h * dv..], ldv: heads * dv, dv,
-            };
-            let ob = &mut ob[..rows.len() * dv];
-            attend_block(&rows, &keys, scale, scores, ob);
-            for (b, i) in (i0..i1).enumerate() {
-                // SAFETY: unit (h, block) writes only rows (i, h) for its own i; disjoint.
-                unsafe {
-                    let dst = outp.get().add((i * heads + h) * dv);
-                    std::ptr::copy_nonoverlapping(ob.as_ptr().add(b * dv), dst, dv);
-                }
+    let unit = |u: usize, w: &mut Work| {
+        let (h, i0) = (u / qblocks, (u % qblocks) * QB);
+        let i1 = (i0 + QB).min(t);
+        let lens: Vec<usize> = (i0..i1).map(|i| offset + i + 1).collect();
+        let ld = heads * dqk;
+        let q1 = View { data: &q[i0 * ld + h * dqk..], ld, cols: dqk };
+        let keys = Keys {
+            k1: View { data: &k[h * dqk..], ld, cols: dqk },
+            k2: View { data: &[], ld: 0, cols: 0 },
+            v: View { data: &v[h * dv..], ld: heads * dv, cols: dv },
+        };
+        attend_block(q1, keys.k2, &lens, &keys, scale, w);
+        for (b, i) in (i0..i1).enumerate() {
+            // SAFETY: unit (h, block) writes only rows (i, h) for its own i; disjoint.
+            unsafe {
+                let dst = outp.get().add((i * heads + h) * dv);
+                std::ptr::copy_nonoverlapping(w.out.as_ptr().add(b * dv), dst, dv);
             }
-        },
-    );
+        }
+    };
+    let units = heads * qblocks;
+    if units == 1 {
+        unit(0, &mut Work::default());
+    } else {
+        (0..units).into_par_iter().for_each_init(Work::default, |w, u| unit(u, w));
+    }
 }
 
 /// MLA attention in absorbed (latent) form.
@@ -144,15 +174,29 @@ pub fn mla_absorbed_attention(
     if t == 0 || heads == 0 || rank == 0 {
         return;
     }
-    let keys = Keys { k1: ckv, ld1: rank, d1: rank, k2: kpe, ld2: dpe, d2: dpe, v: ckv, ldv: rank, dv: rank };
-    // All heads share the keys, so a block is QB consecutive (query, head) rows.
-    out_lat.par_chunks_mut(QB * rank).enumerate().for_each_init(Vec::new, |scores, (blk, ob)| {
-        let r0 = blk * QB;
-        let rows: Vec<QRow> = (r0..r0 + ob.len() / rank)
-            .map(|r| QRow { q1: &q_lat[r * rank..][..rank], q2: &q_pe[r * dpe..][..dpe], len: offset + r / heads + 1 })
-            .collect();
-        attend_block(&rows, &keys, scale, scores, ob);
-    });
+    let keys = Keys {
+        k1: View { data: ckv, ld: rank, cols: rank },
+        k2: View { data: kpe, ld: dpe, cols: dpe },
+        v: View { data: ckv, ld: rank, cols: rank },
+    };
+    // All heads share the keys, so a block is consecutive (query, head) rows;
+    // smaller blocks when there are few rows, so decode still splits.
+    let total = t * heads;
+    let qb = total.div_ceil(2 * rayon::current_num_threads()).clamp(1, QB);
+    let unit = |(blk, ob): (usize, &mut [f32]), w: &mut Work| {
+        let r0 = blk * qb;
+        let n = ob.len() / rank;
+        let lens: Vec<usize> = (r0..r0 + n).map(|r| offset + r / heads + 1).collect();
+        let q1 = View { data: &q_lat[r0 * rank..], ld: rank, cols: rank };
+        let q2 = View { data: &q_pe[r0 * dpe..], ld: dpe, cols: dpe };
+        attend_block(q1, q2, &lens, &keys, scale, w);
+        ob.copy_from_slice(&w.out[..n * rank]);
+    };
+    if total <= qb {
+        unit((0, out_lat), &mut Work::default());
+    } else {
+        out_lat.par_chunks_mut(qb * rank).enumerate().for_each_init(Work::default, |w, x| unit(x, w));
+    }
 }
 
 #[cfg(test)]
@@ -185,13 +229,15 @@ mod tests {
     #[test]
     fn causal_matches_naive_and_decode_matches_prefill() {
         let mut rng = Rng::new(21);
-        let (s, heads, dqk, dv) = (21, 3, 19, 10);
+        // s > QB: a prefill spans two blocks; offsets give 1-row (decode),
+        // small and large blocks, all of which must agree bitwise.
+        let (s, heads, dqk, dv) = (45, 3, 19, 10);
         let k = rng.vec(s * heads * dqk, 1.0);
         let v = rng.vec(s * heads * dv, 1.0);
         let qall = rng.vec(s * heads * dqk, 2.0);
         let scale = 1.0 / (dqk as f32).sqrt();
         let mut full = vec![0.0; s * heads * dv];
-        for &offset in &[0usize, 5, 20] {
+        for &offset in &[0usize, 5, 44, 40, 13] {
             let t = s - offset;
             let q = &qall[offset * heads * dqk..];
             let mut out = vec![f32::NAN; t * heads * dv];
@@ -210,26 +256,35 @@ mod tests {
     }
 
     #[test]
-    fn mla_matches_expanded_naive() {
+    fn mla_matches_expanded_naive_and_decode_matches_prefill() {
         let mut rng = Rng::new(8);
         let (s, heads, rank, dpe) = (19, 4, 24, 8);
-        let offset = 7;
-        let t = s - offset;
-        let q_lat = rng.vec(t * heads * rank, 1.0);
-        let q_pe = rng.vec(t * heads * dpe, 1.0);
+        let q_lat_all = rng.vec(s * heads * rank, 1.0);
+        let q_pe_all = rng.vec(s * heads * dpe, 1.0);
         let ckv = rng.vec(s * rank, 1.0);
         let kpe = rng.vec(s * dpe, 1.0);
         let scale = 0.2;
-        let mut out = vec![f32::NAN; t * heads * rank];
-        mla_absorbed_attention(&q_lat, &q_pe, &ckv, &kpe, t, s, heads, rank, dpe, offset, scale, &mut out);
-        // Expanded: per head, key_j = [ckv_j, kpe_j], query = [q_lat, q_pe], value_j = ckv_j.
-        let want = naive(t, heads, rank, offset, scale,
-            |i, h, j| {
-                let r = i * heads + h;
-                (0..rank).map(|d| q_lat[r * rank + d] as f64 * ckv[j * rank + d] as f64).sum::<f64>()
-                    + (0..dpe).map(|d| q_pe[r * dpe + d] as f64 * kpe[j * dpe + d] as f64).sum::<f64>()
-            },
-            |_, j, d| ckv[j * rank + d] as f64);
-        assert_close(&out, &want, 2e-6, "mla");
+        let mut full = vec![0.0; s * heads * rank];
+        for &offset in &[0usize, 7, 18] {
+            let t = s - offset;
+            let q_lat = &q_lat_all[offset * heads * rank..];
+            let q_pe = &q_pe_all[offset * heads * dpe..];
+            let mut out = vec![f32::NAN; t * heads * rank];
+            mla_absorbed_attention(q_lat, q_pe, &ckv, &kpe, t, s, heads, rank, dpe, offset, scale, &mut out);
+            // Expanded: per head, key_j = [ckv_j, kpe_j], query = [q_lat, q_pe], value_j = ckv_j.
+            let want = naive(t, heads, rank, offset, scale,
+                |i, h, j| {
+                    let r = i * heads + h;
+                    (0..rank).map(|d| q_lat[r * rank + d] as f64 * ckv[j * rank + d] as f64).sum::<f64>()
+                        + (0..dpe).map(|d| q_pe[r * dpe + d] as f64 * kpe[j * dpe + d] as f64).sum::<f64>()
+                },
+                |_, j, d| ckv[j * rank + d] as f64);
+            assert_close(&out, &want, 2e-6, &format!("mla offset {offset}"));
+            if offset == 0 {
+                full = out;
+            } else {
+                assert_eq!(out, full[offset * heads * rank..], "mla offset {offset} vs prefill");
+            }
+        }
     }
 }

@@ -1,10 +1,11 @@
 //! `linear`: out[m, n] = x[m, k] · w[n, k]ᵀ (torch `nn.Linear` weight layout).
 //!
-//! Dot-product GEMM: both operands are read along `k`, the layout weights
-//! arrive in, so a GEMV streams each weight row once with no copies. With
-//! more rows, x is packed once per call and each task packs its weight slab
-//! per `k` block (see [`pack`]); register tiles of up to 4 rows × 3 columns
-//! run 12 FMA chains.
+//! Dot-product GEMM: both operands are read along `k`, the layout torch
+//! weights arrive in. x is packed once per call (cheap); weights are read in
+//! place for small batches (a GEMV streams each weight row once) and packed
+//! per task and `k` block when more than 16 rows reuse them (see [`pack`]).
+//! Register tiles of up to 4 rows × 3 columns run 12 FMA chains; tasks of
+//! 128 rows × 48 columns go to rayon.
 //!
 //! Determinism contract: every output element is one dot product computed as
 //! 8 lane accumulators, lane `l` accumulating `k ≡ l (mod 8)` in increasing
@@ -71,27 +72,51 @@ pub(crate) fn linear_with(
     assert_eq!(x.len(), rows * in_dim, "linear: x shape");
     assert_eq!(w.len(), out_dim * in_dim, "linear: w shape");
     assert_eq!(out.len(), rows * out_dim, "linear: out shape");
-    if rows == 0 || out_dim == 0 {
-        return;
-    }
-    if in_dim == 0 {
-        out.fill(0.0);
-        return;
-    }
     let parallel = rows * in_dim * out_dim >= PAR_MIN_MACS;
-    let xp = pack_x(x, rows, in_dim, parallel);
+    gemm(isa, x, in_dim, rows, in_dim, w, in_dim, out_dim, out, out_dim, parallel);
+}
+
+/// Sequential `linear` on row-strided operands: out[r*ldo + c] =
+/// Σ_k x[r*ldx + k] · w[c*ldw + k] for r < rows, c < n. Same per-element
+/// arithmetic as [`linear`] (used inside already-parallel kernels).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_nt_seq(x: &[f32], ldx: usize, rows: usize, k: usize, w: &[f32], ldw: usize, n: usize, out: &mut [f32], ldo: usize) {
+    gemm(Isa::detect(), x, ldx, rows, k, w, ldw, n, out, ldo, false);
+}
+
+/// Extent a row-strided matrix needs: (rows-1)·ld + cols, or 0 when empty.
+fn extent(rows: usize, ld: usize, cols: usize) -> usize {
+    if rows == 0 || cols == 0 { 0 } else { (rows - 1) * ld + cols }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    isa: Isa, x: &[f32], ldx: usize, rows: usize, k: usize, w: &[f32], ldw: usize, n: usize,
+    out: &mut [f32], ldo: usize, parallel: bool,
+) {
+    assert!(x.len() >= extent(rows, ldx, k) && ldx >= k, "gemm: x shape");
+    assert!(w.len() >= extent(n, ldw, k) && ldw >= k, "gemm: w shape");
+    assert!(out.len() >= extent(rows, ldo, n) && ldo >= n, "gemm: out shape");
+    if rows == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        out.chunks_mut(ldo).take(rows).for_each(|r| r[..n].fill(0.0));
+        return;
+    }
+    let xp = pack_x(x, ldx, rows, k, parallel);
     let mb = rows.min(MB);
-    let (m_blocks, n_blocks) = (rows.div_ceil(mb), out_dim.div_ceil(NB));
+    let (m_blocks, n_blocks) = (rows.div_ceil(mb), n.div_ceil(NB));
     let tasks = m_blocks * n_blocks;
     let outp = SyncPtr::new(out);
     let task = |t: usize, scratch: &mut Scratch| {
         // Row block varies fastest so consecutive tasks share a weight block.
         let (mi, ni) = (t % m_blocks, t / m_blocks);
         let (m0, n0) = (mi * mb, ni * NB);
-        let (m1, n1) = ((m0 + mb).min(rows), (n0 + NB).min(out_dim));
-        let g = Geom { xp: &xp, w, k: in_dim, ldo: out_dim, m0, m1, n0, n1 };
+        let (m1, n1) = ((m0 + mb).min(rows), (n0 + NB).min(n));
+        let g = Geom { xp: &xp, w, ldw, k, ldo, m0, m1, n0, n1 };
         // SAFETY: tasks cover disjoint [m0,m1)×[n0,n1) tiles of `out`, which
-        // outlives this call; all indices stay inside the asserted shapes.
+        // outlives this call; all indices stay inside the asserted extents.
         unsafe {
             match isa {
                 #[cfg(target_arch = "x86_64")]
@@ -138,12 +163,12 @@ impl AlignedBuf {
 
 /// x packed per 4-row tile (see [`pack`]), every row padded to `kp` = k
 /// rounded up to 8; tile `i` starts at `4·i·kp`.
-fn pack_x(x: &[f32], rows: usize, k: usize, parallel: bool) -> AlignedBuf {
+fn pack_x(x: &[f32], ldx: usize, rows: usize, k: usize, parallel: bool) -> AlignedBuf {
     let kp = k.next_multiple_of(LANES);
     let mut xp = AlignedBuf::with_len(rows * kp);
     let tile = |(i, dst): (usize, &mut [f32])| {
         let r0 = i * MR;
-        pack(x, k, r0, (rows - r0).min(MR), 0, k, dst);
+        pack(x, ldx, r0, (rows - r0).min(MR), 0, k, dst);
     };
     let buf = &mut xp.slice_mut()[..rows * kp];
     if parallel && rows >= 64 {
@@ -158,6 +183,7 @@ fn pack_x(x: &[f32], rows: usize, k: usize, parallel: bool) -> AlignedBuf {
 struct Geom<'a> {
     xp: &'a AlignedBuf,
     w: &'a [f32],
+    ldw: usize,
     k: usize,
     ldo: usize,
     m0: usize,
@@ -265,7 +291,7 @@ unsafe fn run_task<M: Micro>(g: &Geom, sc: &mut Scratch, out: *mut f32) {
             let mut c = 0;
             while c < nc {
                 let cc = (nc - c).min(PACKED_COLS);
-                pack(g.w, g.k, g.n0 + c, cc, k0, klen, &mut wp[c * kc..(c + cc) * kc]);
+                pack(g.w, g.ldw, g.n0 + c, cc, k0, klen, &mut wp[c * kc..(c + cc) * kc]);
                 c += cc;
             }
         }
@@ -282,7 +308,7 @@ unsafe fn run_task<M: Micro>(g: &Geom, sc: &mut Scratch, out: *mut f32) {
                 let (w, ldw, sw) = if pack_w {
                     (wp.add(c * kc), LANES, cc * LANES)
                 } else {
-                    (g.w.as_ptr().add((g.n0 + c) * g.k + k0), g.k, LANES)
+                    (g.w.as_ptr().add((g.n0 + c) * g.ldw + k0), g.ldw, LANES)
                 };
                 let t = Tile {
                     x,
@@ -495,98 +521,5 @@ impl Micro for Portable {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cpu::testutil::{assert_close, Rng};
-
-    fn naive(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
-        let mut o = vec![0.0f32; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                let s: f64 = (0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum();
-                o[i * n + j] = s as f32;
-            }
-        }
-        o
-    }
-
-    fn isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Portable];
-        if Isa::detect() != Isa::Portable {
-            v.push(Isa::detect());
-        }
-        v
-    }
-
-    #[test]
-    fn matches_naive_on_odd_shapes() {
-        let mut rng = Rng::new(1);
-        let shapes = [(1, 1, 1), (3, 17, 5), (37, 300, 129), (64, 1024, 1000), (5, 7, 2), (2, 513, 50), (20, 1100, 7), (150, 70, 50)];
-        for &(m, k, n) in &shapes {
-            let x = rng.vec(m * k, 1.0);
-            let w = rng.vec(n * k, 1.0);
-            let want = naive(&x, m, k, &w, n);
-            for isa in isas() {
-                let mut out = vec![f32::NAN; m * n];
-                linear_with(isa, &x, m, k, &w, n, &mut out);
-                assert_close(&out, &want, 1e-5 * (k as f32).sqrt(), &format!("{isa:?} {m}x{k}->{n}"));
-            }
-        }
-    }
-
-    #[test]
-    fn zero_k_gives_zeros() {
-        let mut out = vec![1.0f32; 6];
-        linear(&[], 2, 0, &[], 3, &mut out);
-        assert_eq!(out, vec![0.0; 6]);
-    }
-
-    #[test]
-    fn rows_are_bitwise_independent_of_batch() {
-        let mut rng = Rng::new(7);
-        for &(k, n) in &[(300, 129), (2048, 100), (13, 50)] {
-            let batch = rng.vec(7 * k, 1.0);
-            let w = rng.vec(n * k, 1.0);
-            for isa in isas() {
-                let mut full = vec![0.0f32; 7 * n];
-                linear_with(isa, &batch, 7, k, &w, n, &mut full);
-                // Same row alone, and at other positions of a bigger batch.
-                for r in [0usize, 3, 6] {
-                    let row = &batch[r * k..(r + 1) * k];
-                    let mut alone = vec![0.0f32; n];
-                    linear_with(isa, row, 1, k, &w, n, &mut alone);
-                    assert_eq!(bits(&alone), bits(&full[r * n..(r + 1) * n]), "{isa:?} alone r={r}");
-                    // 138 rows: block 0 (128 rows, packed weights) and
-                    // block 1 (10 rows, unpacked; rows 136-137 form a 2-row edge tile).
-                    let m = 138;
-                    for at in [65 + r % 4, 136 + r % 2] {
-                        let mut big = rng.vec(m * k, 1.0);
-                        big[at * k..(at + 1) * k].copy_from_slice(row);
-                        let mut out = vec![0.0f32; m * n];
-                        linear_with(isa, &big, m, k, &w, n, &mut out);
-                        assert_eq!(bits(&out[at * n..(at + 1) * n]), bits(&alone), "{isa:?} at={at}");
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn independent_of_thread_count() {
-        let mut rng = Rng::new(3);
-        let (m, k, n) = (33, 700, 300);
-        let x = rng.vec(m * k, 1.0);
-        let w = rng.vec(n * k, 1.0);
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            let mut out = vec![0.0f32; m * n];
-            pool.install(|| linear(&x, m, k, &w, n, &mut out));
-            out
-        };
-        assert_eq!(bits(&run(1)), bits(&run(3)));
-    }
-
-    fn bits(v: &[f32]) -> Vec<u32> {
-        v.iter().map(|f| f.to_bits()).collect()
-    }
-}
+#[path = "gemm_tests.rs"]
+mod tests;

@@ -15,6 +15,9 @@ use rayon::prelude::*;
 use super::matmul::mm_seq;
 use super::simd::{self, multiversion, SyncPtr};
 
+/// Below this much state traffic (T·heads·dk·dv) heads run on the caller's thread.
+const PAR_MIN_MACS: usize = 1 << 16;
+
 /// Shapes shared by both entry points; `t` is the sequence length.
 #[derive(Clone, Copy)]
 struct Dims {
@@ -42,7 +45,7 @@ fn check(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], heads: usize,
 /// is a [T, dv] scratch that is then scattered into `out` [T, heads, dv].
 fn per_head(d: Dims, state: &mut [f32], out: &mut [f32], f: impl Fn(usize, &mut [f32], &mut [f32]) + Sync) {
     let outp = SyncPtr::new(out);
-    state.par_chunks_mut(d.dk * d.dv).enumerate().for_each(|(h, s)| {
+    let head = |(h, s): (usize, &mut [f32])| {
         let mut oh = vec![0.0f32; d.t * d.dv];
         f(h, s, &mut oh);
         for t in 0..d.t {
@@ -52,7 +55,12 @@ fn per_head(d: Dims, state: &mut [f32], out: &mut [f32], f: impl Fn(usize, &mut 
                 std::ptr::copy_nonoverlapping(oh.as_ptr().add(t * d.dv), dst, d.dv);
             }
         }
-    });
+    };
+    if d.heads == 1 || d.t * d.heads * d.dk * d.dv < PAR_MIN_MACS {
+        state.chunks_mut(d.dk * d.dv).enumerate().for_each(head);
+    } else {
+        state.par_chunks_mut(d.dk * d.dv).enumerate().for_each(head);
+    }
 }
 
 /// Token-by-token KDA. q, k, g: [T, heads, dk] (q, k L2-normalised; q is

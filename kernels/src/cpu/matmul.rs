@@ -36,25 +36,59 @@ pub fn matmul(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, out: &mut [f32
 /// Sequential c[m, n] (+)= a[m, k] · b[k, n]; with `accumulate` the FMA chain
 /// starts from the existing `c` instead of 0.
 pub(crate) fn mm_seq(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], accumulate: bool) {
-    debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n, "mm_seq: shape");
+    mm_strided(a, k, m, k, b, n, n, c, n, accumulate);
+}
+
+/// [`mm_seq`] on row-strided operands (row `i` of `a` at `a[i*lda..]`, etc.).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mm_strided(
+    a: &[f32], lda: usize, m: usize, k: usize, b: &[f32], ldb: usize, n: usize, c: &mut [f32], ldc: usize,
+    accumulate: bool,
+) {
+    let extent = |rows: usize, ld: usize, cols: usize| if rows == 0 || cols == 0 { 0 } else { (rows - 1) * ld + cols };
+    assert!(lda >= k && ldb >= n && ldc >= n, "mm: leading dimension too small");
+    assert!(a.len() >= extent(m, lda, k) && b.len() >= extent(k, ldb, n) && c.len() >= extent(m, ldc, n), "mm: shape");
+    if m == 0 || n == 0 {
+        return;
+    }
+    let g = Strides { lda, ldb, ldc };
     match Isa::detect() {
-        // SAFETY: feature checked by `detect`; lengths asserted above.
+        // SAFETY: feature checked by `detect`; extents asserted above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::mm(a, m, k, b, n, c, accumulate) },
-        Isa::Portable => mm_portable(a, m, k, b, n, c, accumulate),
+        Isa::Avx2 => unsafe { avx2::mm(a, m, k, b, n, c, g, accumulate) },
+        Isa::Portable => mm_portable(a, m, k, b, n, c, g, accumulate),
     }
 }
 
-fn mm_portable(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], accumulate: bool) {
+/// y[i] = fma(a, x[i], y[i]): one more step of the same per-element chain
+/// [`mm_strided`] computes (fused exactly when the matmul is).
+pub(crate) fn axpy_chain(y: &mut [f32], a: f32, x: &[f32]) {
+    assert_eq!(y.len(), x.len(), "axpy_chain: length");
+    match Isa::detect() {
+        // SAFETY: feature checked by `detect`; equal lengths asserted.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::axpy(y, a, x) },
+        Isa::Portable => y.iter_mut().zip(x).for_each(|(y, &x)| *y = fmadd(a, x, *y)),
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Strides {
+    lda: usize,
+    ldb: usize,
+    ldc: usize,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn mm_portable(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], g: Strides, accumulate: bool) {
     for i in 0..m {
-        let ci = &mut c[i * n..(i + 1) * n];
+        let ci = &mut c[i * g.ldc..i * g.ldc + n];
         if !accumulate {
             ci.fill(0.0);
         }
         for p in 0..k {
-            let aip = a[i * k + p];
-            for (cj, &bj) in ci.iter_mut().zip(&b[p * n..(p + 1) * n]) {
+            let aip = a[i * g.lda + p];
+            for (cj, &bj) in ci.iter_mut().zip(&b[p * g.ldb..p * g.ldb + n]) {
                 *cj = fmadd(aip, bj, *cj);
             }
         }
@@ -73,7 +107,23 @@ mod avx2 {
     static TAIL_MASK: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn mm(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], acc: bool) {
+    pub(super) unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+        let n = y.len();
+        let (yp, xp) = (y.as_mut_ptr(), x.as_ptr());
+        let av = _mm256_set1_ps(a);
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(yp.add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(yp.add(i))));
+            i += 8;
+        }
+        for j in i..n {
+            *yp.add(j) = a.mul_add(*xp.add(j), *yp.add(j)); // vfmadd (fma enabled here)
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn mm(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], g: super::Strides, acc: bool) {
         let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
         let mut i = 0;
         while i < m {
@@ -84,7 +134,7 @@ mod avx2 {
                 let nv = cols.div_ceil(8);
                 let rem = cols % 8;
                 let mask = _mm256_loadu_si256(TAIL_MASK.as_ptr().add(if rem == 0 { 0 } else { 8 - rem }) as *const __m256i);
-                let t = T { a: ap.add(i * k), lda: k, b: bp.add(j), ldb: n, k, c: cp.add(i * n + j), ldc: n, acc, mask };
+                let t = T { a: ap.add(i * g.lda), lda: g.lda, b: bp.add(j), ldb: g.ldb, k, c: cp.add(i * g.ldc + j), ldc: g.ldc, acc, mask };
                 macro_rules! go {
                     ($($r:literal, $v:literal);*) => {
                         match (r, nv, rem != 0) {
@@ -182,7 +232,7 @@ mod tests {
             matmul(&a, m, k, &b, n, &mut out);
             assert_close(&out, &want, 1e-5 * (k as f32).sqrt(), &format!("{m}x{k}x{n}"));
             let mut p = vec![f32::NAN; m * n];
-            mm_portable(&a, m, k, &b, n, &mut p, false);
+            mm_portable(&a, m, k, &b, n, &mut p, Strides { lda: k, ldb: n, ldc: n }, false);
             assert_close(&p, &want, 1e-5 * (k as f32).sqrt(), "portable");
             // accumulate: c = want + a·b
             let mut c = want.clone();

@@ -22,6 +22,10 @@ pub fn rms_norm(x: &[f32], dim: usize, weight: &[f32], eps: f32, out: &mut [f32]
     }
     assert_eq!(x.len() % dim, 0, "rms_norm: x not a multiple of dim");
     let chunk = rows_per_task(dim) * dim;
+    if x.len() <= chunk {
+        // One task's worth: skip the rayon round trip (decode-sized inputs).
+        return rms_rows(x, dim, weight, eps, None, out);
+    }
     out.par_chunks_mut(chunk)
         .zip(x.par_chunks(chunk))
         .for_each(|(o, x)| rms_rows(x, dim, weight, eps, None, o));
@@ -37,6 +41,9 @@ pub fn rms_norm_gated(x: &[f32], dim: usize, weight: &[f32], gate: &[f32], eps: 
     }
     assert_eq!(x.len() % dim, 0, "rms_norm_gated: x not a multiple of dim");
     let chunk = rows_per_task(dim) * dim;
+    if x.len() <= chunk {
+        return rms_rows(x, dim, weight, eps, Some(gate), out);
+    }
     out.par_chunks_mut(chunk)
         .zip(x.par_chunks(chunk))
         .zip(gate.par_chunks(chunk))
@@ -67,6 +74,9 @@ pub fn l2_normalize(x: &mut [f32], dim: usize, eps: f32) {
     }
     assert_eq!(x.len() % dim, 0, "l2_normalize: x not a multiple of dim");
     let chunk = rows_per_task(dim) * dim;
+    if x.len() <= chunk {
+        return l2_rows(x, dim, eps);
+    }
     x.par_chunks_mut(chunk).for_each(|c| l2_rows(c, dim, eps));
 }
 

@@ -1,0 +1,123 @@
+//! `tessera serve` over HTTP: prefix-cache accounting, reference outputs, concurrency, streaming
+//! and cancellation, as a client sees them.
+
+mod common;
+#[path = "common/server.rs"]
+mod server;
+
+use common::*;
+use serde_json::{json, Value};
+use server::{sse_events, Server};
+
+fn ids(v: &Value) -> Vec<u32> {
+    serde_json::from_value(v.clone()).unwrap()
+}
+
+fn completion(s: &Server, prompt: &[u32], max_tokens: usize) -> Value {
+    let (st, r) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "return_token_ids": true}),
+    );
+    assert_eq!(st, 200, "{r}");
+    r
+}
+
+#[test]
+fn prefix_hits_are_reported_in_cached_tokens() {
+    let s = Server::start(&fixtures_dir().join("kl_mixed"), &["--page-tokens", "64", "--snapshot-interval", "64"]);
+    let prompt: Vec<u32> = (0..300).map(|i| (i * 37 % 370) as u32 + 5).collect();
+    let first = completion(&s, &prompt, 6);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let second = completion(&s, &prompt, 6);
+    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], 256);
+    assert_eq!(first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]);
+    let mut shared = prompt[..150].to_vec();
+    shared.extend((0..150).map(|i| (i * 11 % 370) as u32 + 5));
+    let third = completion(&s, &shared, 6);
+    assert_eq!(third["usage"]["prompt_tokens_details"]["cached_tokens"], 128);
+    assert!(s.metric("tessera_prefix_cache_hit_tokens_total") >= 384.0);
+}
+
+#[test]
+fn greedy_outputs_equal_the_reference_sequentially_and_six_at_a_time() {
+    let dir = fixtures_dir().join("kl_mixed");
+    let refs = reference(&dir).prompts;
+    let s = Server::start(&dir, &["--page-tokens", "64", "--snapshot-interval", "64"]);
+    let mut sequential = Vec::new();
+    for p in &refs {
+        let r = completion(&s, &p.prompt_ids, p.greedy_ids.len());
+        let got = ids(&r["choices"][0]["token_ids"]);
+        assert_greedy_matches(&got, &p.greedy_ids, &p.greedy_margins, &p.name);
+        sequential.push(got);
+    }
+    // Six at once (each reference prompt twice), on a server with a warm prefix cache.
+    let jobs: Vec<usize> = (0..6).map(|i| i % refs.len()).collect();
+    let concurrent: Vec<Vec<u32>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = jobs
+            .iter()
+            .map(|&j| {
+                let (s, p) = (&s, &refs[j]);
+                sc.spawn(move || ids(&completion(s, &p.prompt_ids, p.greedy_ids.len())["choices"][0]["token_ids"]))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (k, &j) in jobs.iter().enumerate() {
+        assert_eq!(concurrent[k], sequential[j], "concurrent request {k} differs from the sequential one");
+    }
+}
+
+#[test]
+fn streaming_carries_the_same_tokens_and_usage() {
+    let dir = fixtures_dir().join("kl_mixed");
+    let p = reference(&dir).prompts.into_iter().nth(1).unwrap();
+    let s = Server::start(&dir, &[]);
+    let plain = completion(&s, &p.prompt_ids, 8);
+    let body = json!({"prompt": p.prompt_ids, "max_tokens": 8, "temperature": 0, "ignore_eos": true, "stream": true,
+        "return_token_ids": true, "stream_options": {"include_usage": true}});
+    let (st, text) = s.request("POST", "/v1/completions", Some(&body.to_string()));
+    assert_eq!(st, 200);
+    let events = sse_events(&text);
+    let streamed: Vec<u32> = events
+        .iter()
+        .filter_map(|e| e["choices"].get(0).and_then(|c| c.get("token_ids")))
+        .flat_map(|t| ids(t))
+        .collect();
+    assert_eq!(streamed, ids(&plain["choices"][0]["token_ids"]));
+    let text_streamed: String = events.iter().filter_map(|e| e["choices"].get(0).and_then(|c| c["text"].as_str())).collect();
+    assert_eq!(text_streamed, plain["choices"][0]["text"].as_str().unwrap());
+    assert!(events.iter().any(|e| e["usage"]["completion_tokens"] == 8));
+    assert!(text.trim_end().ends_with("data: [DONE]"));
+}
+
+#[test]
+fn cancelled_streams_and_errors_leave_no_pages_behind() {
+    let dir = fixtures_dir().join("kl_mixed");
+    let s = Server::start(&dir, &["--no-prefix-cache", "--page-tokens", "16"]);
+    let prompt: Vec<u32> = (0..120).map(|i| (i * 7 % 370) as u32 + 5).collect();
+    for _ in 0..4 {
+        s.stream_and_hang_up(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true}),
+            2,
+        );
+    }
+    // Bad requests in between must not disturb anything.
+    let (st, _) = s.request("POST", "/v1/completions", Some("{not json"));
+    assert_eq!(st, 400);
+    let (st, _) = s.post_json("/v1/completions", &json!({"prompt": [99999], "max_tokens": 2}));
+    assert_eq!(st, 400);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let used = s.metric("tessera_kv_pages_used");
+        let running = s.metric("tessera_requests_running") + s.metric("tessera_requests_waiting");
+        if used == 0.0 && running == 0.0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "pages still used after cancellation: {used}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // And the server still answers correctly.
+    let r = completion(&s, &prompt[..10], 3);
+    assert_eq!(ids(&r["choices"][0]["token_ids"]).len(), 3);
+}
