@@ -9,7 +9,9 @@ use tessera_engine::model::{LogitsWanted, Segment};
 use tessera_engine::{Model, SequenceState};
 
 fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
-    (0..len).map(|i| ((i * 7919 + salt * 104_729) % (vocab - 16)) as u32 + 3).collect()
+    (0..len)
+        .map(|i| ((i * 7919 + salt * 104_729) % (vocab - 16)) as u32 + 3)
+        .collect()
 }
 
 /// Runs `f` until `budget` is spent (at least once); returns seconds per run.
@@ -31,7 +33,11 @@ fn prefill(model: &Model, batch: usize, len: usize, budget: Duration) -> f64 {
         let mut segs: Vec<Segment> = prompts
             .iter()
             .zip(states.iter_mut())
-            .map(|(p, s)| Segment { tokens: p, state: s, logits: LogitsWanted::Last })
+            .map(|(p, s)| Segment {
+                tokens: p,
+                state: s,
+                logits: LogitsWanted::Last,
+            })
             .collect();
         model.forward(&mut segs).unwrap();
     });
@@ -42,17 +48,25 @@ fn decode(model: &Model, batch: usize, context: usize, steps: usize, budget: Dur
     let vocab = model.config.vocab_size;
     let mut states: Vec<SequenceState> = (0..batch).map(|_| model.new_state()).collect();
     for (b, s) in states.iter_mut().enumerate() {
-        model.forward_one(&prompt(context, vocab, b), s, LogitsWanted::None).unwrap();
+        model
+            .forward_one(&prompt(context, vocab, b), s, LogitsWanted::None)
+            .unwrap();
     }
     let base = states.clone();
     let secs = time_it(budget, || {
         let mut st = base.clone();
         for step in 0..steps {
-            let toks: Vec<[u32; 1]> = (0..batch).map(|b| [((step * 31 + b) % (vocab - 16)) as u32 + 3]).collect();
+            let toks: Vec<[u32; 1]> = (0..batch)
+                .map(|b| [((step * 31 + b) % (vocab - 16)) as u32 + 3])
+                .collect();
             let mut segs: Vec<Segment> = toks
                 .iter()
                 .zip(st.iter_mut())
-                .map(|(t, s)| Segment { tokens: t, state: s, logits: LogitsWanted::Last })
+                .map(|(t, s)| Segment {
+                    tokens: t,
+                    state: s,
+                    logits: LogitsWanted::Last,
+                })
                 .collect();
             model.forward(&mut segs).unwrap();
         }
@@ -64,7 +78,9 @@ fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let budget = Duration::from_millis(if quick { 300 } else { 3000 });
     let threads = rayon::current_num_threads();
-    println!("CPU forward throughput ({threads} threads), prompt 256 tokens, decode at context 256");
+    println!(
+        "CPU forward throughput ({threads} threads), prompt 256 tokens, decode at context 256"
+    );
     println!("| preset | params | prefill b=1 tok/s | prefill b=8 tok/s | decode b=1 tok/s | decode b=8 tok/s |");
     println!("|---|---|---|---|---|---|");
     for preset in [Preset::Tiny, Preset::Small] {

@@ -14,7 +14,10 @@ fn tessera() -> Command {
 }
 
 fn ids_arg(ids: &[u32]) -> String {
-    ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[test]
@@ -44,10 +47,21 @@ fn generate_command_prints_reference_tokens_as_json() {
         .args(["generate", "--model"])
         .arg(&dir)
         .args(["--prompt-ids", &ids_arg(&p.prompt_ids)])
-        .args(["--max-new-tokens", &p.greedy_ids.len().to_string(), "--temperature", "0", "--ignore-eos", "--json"])
+        .args([
+            "--max-new-tokens",
+            &p.greedy_ids.len().to_string(),
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let got: Vec<u32> = serde_json::from_value(v["token_ids"].clone()).unwrap();
     assert_eq!(got.len(), p.greedy_ids.len());
@@ -59,8 +73,14 @@ fn bad_input_gives_an_error_not_a_panic() {
     let dir = fixtures().into_iter().next().unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let cases: Vec<(Vec<String>, &str)> = vec![
-        (vec!["--prompt-ids".into(), "1,x,3".into()], "not a token ID"),
-        (vec!["--prompt-ids".into(), "999999".into()], "outside the vocabulary"),
+        (
+            vec!["--prompt-ids".into(), "1,x,3".into()],
+            "not a token ID",
+        ),
+        (
+            vec!["--prompt-ids".into(), "999999".into()],
+            "outside the vocabulary",
+        ),
     ];
     for (args, needle) in cases {
         let out = tessera()
@@ -73,10 +93,18 @@ fn bad_input_gives_an_error_not_a_panic() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} should fail");
-        assert!(err.contains(needle), "{args:?}: stderr `{err}` should mention `{needle}`");
+        assert!(
+            err.contains(needle),
+            "{args:?}: stderr `{err}` should mention `{needle}`"
+        );
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
-    let out = tessera().args(["logits", "--model"]).arg(tmp.path().join("nope")).args(["--prompt-ids", "1", "--out", "x.npy"]).output().unwrap();
+    let out = tessera()
+        .args(["logits", "--model"])
+        .arg(tmp.path().join("nope"))
+        .args(["--prompt-ids", "1", "--out", "x.npy"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("config.json"));
 }
@@ -85,15 +113,30 @@ fn bad_input_gives_an_error_not_a_panic() {
 fn init_model_writes_a_loadable_model_with_a_tokenizer() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("m");
-    let st = tessera().args(["init-model", "--preset", "tiny", "--out"]).arg(&dir).status().unwrap();
+    let st = tessera()
+        .args(["init-model", "--preset", "tiny", "--out"])
+        .arg(&dir)
+        .status()
+        .unwrap();
     assert!(st.success());
     let out = tessera()
         .args(["generate", "--model"])
         .arg(&dir)
-        .args(["--prompt", "Hello, Tessera!", "--max-new-tokens", "5", "--ignore-eos", "--json"])
+        .args([
+            "--prompt",
+            "Hello, Tessera!",
+            "--max-new-tokens",
+            "5",
+            "--ignore-eos",
+            "--json",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["token_ids"].as_array().unwrap().len(), 5);
     // Text mode decodes through the tokenizer.
@@ -103,7 +146,11 @@ fn init_model_writes_a_loadable_model_with_a_tokenizer() {
         .args(["--prompt", "Hello", "--max-new-tokens", "4", "--ignore-eos"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

@@ -27,7 +27,12 @@ fn prompt_logits_match_transformers() {
             assert_eq!(shape, vec![p.prompt_ids.len(), model.config.vocab_size]);
             let got = prompt_logits(&model, &p.prompt_ids).unwrap();
             let err = rel_err(&got, &want);
-            assert!(err <= LOGITS_REL_TOL, "{}/{}: relative error {err:e}", dir.display(), p.name);
+            assert!(
+                err <= LOGITS_REL_TOL,
+                "{}/{}: relative error {err:e}",
+                dir.display(),
+                p.name
+            );
         }
     }
 }
@@ -39,10 +44,18 @@ fn greedy_tokens_match_transformers() {
         let model = Model::load(&dir).unwrap();
         for p in reference(&dir).prompts {
             let out = generate(&model, &greedy(p.greedy_ids.len(), &p.prompt_ids, None)).unwrap();
-            compared += assert_greedy_matches(&out, &p.greedy_ids, &p.greedy_margins, &format!("{}/{}", dir.display(), p.name));
+            compared += assert_greedy_matches(
+                &out,
+                &p.greedy_ids,
+                &p.greedy_margins,
+                &format!("{}/{}", dir.display(), p.name),
+            );
         }
     }
-    assert!(compared >= 20, "too few greedy steps compared ({compared}): fixtures are all near ties");
+    assert!(
+        compared >= 20,
+        "too few greedy steps compared ({compared}): fixtures are all near ties"
+    );
 }
 
 #[test]
@@ -57,11 +70,20 @@ fn decode_step_by_step_equals_prefill_of_the_whole_sequence() {
             let mut state = model.new_state();
             let mut stepped = prefill(&model, &p.prompt_ids, &mut state, None, true).unwrap();
             for &t in &p.greedy_ids {
-                stepped.extend(model.forward_one(&[t], &mut state, LogitsWanted::Last).unwrap());
+                stepped.extend(
+                    model
+                        .forward_one(&[t], &mut state, LogitsWanted::Last)
+                        .unwrap(),
+                );
             }
             assert_eq!(stepped.len(), seq.len() * vocab);
             let err = rel_err(&stepped, &whole);
-            assert!(err <= LOGITS_REL_TOL, "{}/{}: decode vs prefill relative error {err:e}", dir.display(), p.name);
+            assert!(
+                err <= LOGITS_REL_TOL,
+                "{}/{}: decode vs prefill relative error {err:e}",
+                dir.display(),
+                p.name
+            );
         }
     }
 }
@@ -70,13 +92,21 @@ fn decode_step_by_step_equals_prefill_of_the_whole_sequence() {
 fn chunked_prefill_matches_whole_prefill() {
     for dir in fixtures() {
         let model = Model::load(&dir).unwrap();
-        let p = reference(&dir).prompts.into_iter().max_by_key(|p| p.prompt_ids.len()).unwrap();
+        let p = reference(&dir)
+            .prompts
+            .into_iter()
+            .max_by_key(|p| p.prompt_ids.len())
+            .unwrap();
         let whole = prompt_logits(&model, &p.prompt_ids).unwrap();
         for chunk in [1, 7, 64, 65, 100] {
             let mut state = model.new_state();
             let got = prefill(&model, &p.prompt_ids, &mut state, Some(chunk), true).unwrap();
             let err = rel_err(&got, &whole);
-            assert!(err <= LOGITS_REL_TOL, "{}: chunk {chunk}: relative error {err:e}", dir.display());
+            assert!(
+                err <= LOGITS_REL_TOL,
+                "{}: chunk {chunk}: relative error {err:e}",
+                dir.display()
+            );
         }
     }
 }
@@ -85,17 +115,31 @@ fn chunked_prefill_matches_whole_prefill() {
 fn a_batch_of_segments_equals_each_alone() {
     let dir = fixtures().into_iter().next().unwrap();
     let model = Model::load(&dir).unwrap();
-    let prompts: Vec<Vec<u32>> = reference(&dir).prompts.into_iter().map(|p| p.prompt_ids).collect();
-    let alone: Vec<Vec<f32>> = prompts.iter().map(|p| prompt_logits(&model, p).unwrap()).collect();
+    let prompts: Vec<Vec<u32>> = reference(&dir)
+        .prompts
+        .into_iter()
+        .map(|p| p.prompt_ids)
+        .collect();
+    let alone: Vec<Vec<f32>> = prompts
+        .iter()
+        .map(|p| prompt_logits(&model, p).unwrap())
+        .collect();
     let mut states: Vec<_> = prompts.iter().map(|_| model.new_state()).collect();
     let mut segs: Vec<Segment> = prompts
         .iter()
         .zip(states.iter_mut())
-        .map(|(p, s)| Segment { tokens: p, state: s, logits: LogitsWanted::All })
+        .map(|(p, s)| Segment {
+            tokens: p,
+            state: s,
+            logits: LogitsWanted::All,
+        })
         .collect();
     let batched = model.forward(&mut segs).unwrap();
     for (a, b) in alone.iter().zip(&batched) {
-        assert_eq!(a, b, "a sequence's logits must not depend on its batch (bitwise on CPU)");
+        assert_eq!(
+            a, b,
+            "a sequence's logits must not depend on its batch (bitwise on CPU)"
+        );
     }
 }
 
@@ -103,7 +147,11 @@ fn a_batch_of_segments_equals_each_alone() {
 fn greedy_outputs_do_not_depend_on_prefill_chunking() {
     let dir = fixtures().into_iter().next().unwrap();
     let model = Model::load(&dir).unwrap();
-    let p = reference(&dir).prompts.into_iter().max_by_key(|p| p.prompt_ids.len()).unwrap();
+    let p = reference(&dir)
+        .prompts
+        .into_iter()
+        .max_by_key(|p| p.prompt_ids.len())
+        .unwrap();
     let whole = generate(&model, &greedy(8, &p.prompt_ids, None)).unwrap();
     for chunk in [3, 64] {
         let got = generate(&model, &greedy(8, &p.prompt_ids, Some(chunk))).unwrap();

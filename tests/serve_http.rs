@@ -24,17 +24,29 @@ fn completion(s: &Server, prompt: &[u32], max_tokens: usize) -> Value {
 
 #[test]
 fn prefix_hits_are_reported_in_cached_tokens() {
-    let s = Server::start(&fixtures_dir().join("kl_mixed"), &["--page-tokens", "64", "--snapshot-interval", "64"]);
+    let s = Server::start(
+        &fixtures_dir().join("kl_mixed"),
+        &["--page-tokens", "64", "--snapshot-interval", "64"],
+    );
     let prompt: Vec<u32> = (0..300).map(|i| (i * 37 % 370) as u32 + 5).collect();
     let first = completion(&s, &prompt, 6);
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     let second = completion(&s, &prompt, 6);
-    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], 256);
-    assert_eq!(first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]);
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"],
+        256
+    );
+    assert_eq!(
+        first["choices"][0]["token_ids"],
+        second["choices"][0]["token_ids"]
+    );
     let mut shared = prompt[..150].to_vec();
     shared.extend((0..150).map(|i| (i * 11 % 370) as u32 + 5));
     let third = completion(&s, &shared, 6);
-    assert_eq!(third["usage"]["prompt_tokens_details"]["cached_tokens"], 128);
+    assert_eq!(
+        third["usage"]["prompt_tokens_details"]["cached_tokens"],
+        128
+    );
     assert!(s.metric("tessera_prefix_cache_hit_tokens_total") >= 384.0);
 }
 
@@ -57,13 +69,21 @@ fn greedy_outputs_equal_the_reference_sequentially_and_six_at_a_time() {
             .iter()
             .map(|&j| {
                 let (s, p) = (&s, &refs[j]);
-                sc.spawn(move || ids(&completion(s, &p.prompt_ids, p.greedy_ids.len())["choices"][0]["token_ids"]))
+                sc.spawn(move || {
+                    ids(
+                        &completion(s, &p.prompt_ids, p.greedy_ids.len())["choices"][0]
+                            ["token_ids"],
+                    )
+                })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for (k, &j) in jobs.iter().enumerate() {
-        assert_eq!(concurrent[k], sequential[j], "concurrent request {k} differs from the sequential one");
+        assert_eq!(
+            concurrent[k], sequential[j],
+            "concurrent request {k} differs from the sequential one"
+        );
     }
 }
 
@@ -81,10 +101,13 @@ fn streaming_carries_the_same_tokens_and_usage() {
     let streamed: Vec<u32> = events
         .iter()
         .filter_map(|e| e["choices"].get(0).and_then(|c| c.get("token_ids")))
-        .flat_map(|t| ids(t))
+        .flat_map(ids)
         .collect();
     assert_eq!(streamed, ids(&plain["choices"][0]["token_ids"]));
-    let text_streamed: String = events.iter().filter_map(|e| e["choices"].get(0).and_then(|c| c["text"].as_str())).collect();
+    let text_streamed: String = events
+        .iter()
+        .filter_map(|e| e["choices"].get(0).and_then(|c| c["text"].as_str()))
+        .collect();
     assert_eq!(text_streamed, plain["choices"][0]["text"].as_str().unwrap());
     assert!(events.iter().any(|e| e["usage"]["completion_tokens"] == 8));
     assert!(text.trim_end().ends_with("data: [DONE]"));
@@ -105,7 +128,10 @@ fn cancelled_streams_and_errors_leave_no_pages_behind() {
     // Bad requests in between must not disturb anything.
     let (st, _) = s.request("POST", "/v1/completions", Some("{not json"));
     assert_eq!(st, 400);
-    let (st, _) = s.post_json("/v1/completions", &json!({"prompt": [99999], "max_tokens": 2}));
+    let (st, _) = s.post_json(
+        "/v1/completions",
+        &json!({"prompt": [99999], "max_tokens": 2}),
+    );
     assert_eq!(st, 400);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
@@ -114,7 +140,10 @@ fn cancelled_streams_and_errors_leave_no_pages_behind() {
         if used == 0.0 && running == 0.0 {
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "pages still used after cancellation: {used}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pages still used after cancellation: {used}"
+        );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     // And the server still answers correctly.

@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use common::*;
 use proptest::prelude::*;
 use tessera_engine::generate::{generate, GenerateRequest};
-use tessera_engine::serving::{EngineEvent, EngineRequest, EventSink, FinishReason, Scheduler, SchedulerConfig};
+use tessera_engine::serving::{
+    EngineEvent, EngineRequest, EventSink, FinishReason, Scheduler, SchedulerConfig,
+};
 use tessera_engine::{Model, SamplingParams};
 
 fn model(name: &str) -> Model {
@@ -41,14 +43,33 @@ impl EventSink for Collector {
         true
     }
     fn is_cancelled(&self) -> bool {
-        self.cancel_after.is_some_and(|n| self.out.lock().unwrap().tokens.len() >= n)
+        self.cancel_after
+            .is_some_and(|n| self.out.lock().unwrap().tokens.len() >= n)
     }
 }
 
-fn submit(s: &mut Scheduler, prompt: &[u32], max_new: usize, sampling: SamplingParams, cancel_after: Option<usize>) -> Arc<Mutex<Collected>> {
+fn submit(
+    s: &mut Scheduler,
+    prompt: &[u32],
+    max_new: usize,
+    sampling: SamplingParams,
+    cancel_after: Option<usize>,
+) -> Arc<Mutex<Collected>> {
     let out = Arc::new(Mutex::new(Collected::default()));
-    let req = EngineRequest { prompt: prompt.to_vec(), max_new_tokens: max_new, sampling, stop_ids: vec![], cache_salt: None };
-    s.submit(req, Box::new(Collector { out: out.clone(), cancel_after }));
+    let req = EngineRequest {
+        prompt: prompt.to_vec(),
+        max_new_tokens: max_new,
+        sampling,
+        stop_ids: vec![],
+        cache_salt: None,
+    };
+    s.submit(
+        req,
+        Box::new(Collector {
+            out: out.clone(),
+            cancel_after,
+        }),
+    );
     out
 }
 
@@ -62,11 +83,34 @@ fn run_to_end(s: &mut Scheduler, m: &Model) {
 }
 
 fn alone(m: &Model, prompt: &[u32], max_new: usize, sampling: SamplingParams) -> Vec<u32> {
-    generate(m, &GenerateRequest { prompt: prompt.to_vec(), max_new_tokens: max_new, sampling, stop_ids: vec![], prefill_chunk: None }).unwrap()
+    generate(
+        m,
+        &GenerateRequest {
+            prompt: prompt.to_vec(),
+            max_new_tokens: max_new,
+            sampling,
+            stop_ids: vec![],
+            prefill_chunk: None,
+        },
+    )
+    .unwrap()
 }
 
-fn cfg(page: usize, batch_tokens: usize, interval: usize, kv: usize, cache: bool) -> SchedulerConfig {
-    SchedulerConfig { page_tokens: page, snapshot_interval: interval, kv_memory_bytes: kv, max_batch_tokens: batch_tokens, max_running: 16, prefix_cache: cache }
+fn cfg(
+    page: usize,
+    batch_tokens: usize,
+    interval: usize,
+    kv: usize,
+    cache: bool,
+) -> SchedulerConfig {
+    SchedulerConfig {
+        page_tokens: page,
+        snapshot_interval: interval,
+        kv_memory_bytes: kv,
+        max_batch_tokens: batch_tokens,
+        max_running: 16,
+        prefix_cache: cache,
+    }
 }
 
 #[test]
@@ -74,13 +118,40 @@ fn concurrent_requests_match_transformers_and_single_runs() {
     let m = model("kl_mixed");
     let refs = reference(&fixtures_dir().join("kl_mixed")).prompts;
     let mut s = Scheduler::new(&m, cfg(16, 64, 0, 64 << 20, true)).unwrap();
-    let outs: Vec<_> = refs.iter().map(|p| submit(&mut s, &p.prompt_ids, p.greedy_ids.len(), SamplingParams::default(), None)).collect();
+    let outs: Vec<_> = refs
+        .iter()
+        .map(|p| {
+            submit(
+                &mut s,
+                &p.prompt_ids,
+                p.greedy_ids.len(),
+                SamplingParams::default(),
+                None,
+            )
+        })
+        .collect();
     run_to_end(&mut s, &m);
     for (p, o) in refs.iter().zip(outs) {
         let o = o.lock().unwrap();
         assert_greedy_matches(&o.tokens, &p.greedy_ids, &p.greedy_margins, &p.name);
-        assert_eq!(o.tokens, alone(&m, &p.prompt_ids, p.greedy_ids.len(), SamplingParams::default()), "{}: batched != alone", p.name);
-        assert!(matches!(o.finished, Some(EngineEvent::Finished { reason: FinishReason::Length, .. })));
+        assert_eq!(
+            o.tokens,
+            alone(
+                &m,
+                &p.prompt_ids,
+                p.greedy_ids.len(),
+                SamplingParams::default()
+            ),
+            "{}: batched != alone",
+            p.name
+        );
+        assert!(matches!(
+            o.finished,
+            Some(EngineEvent::Finished {
+                reason: FinishReason::Length,
+                ..
+            })
+        ));
     }
     s.clear_prefix_cache().unwrap();
     assert_eq!(s.live_pages(), 0, "pages leaked");
@@ -118,7 +189,10 @@ fn resuming_from_a_cached_snapshot_matches_a_cold_run_and_never_mutates_it() {
     let after = s.cached_page_fingerprints();
     for (page, fp) in &before {
         if let Some((_, fp2)) = after.iter().find(|(p, _)| p == page) {
-            assert_eq!(fp, fp2, "cached page {page} was written after it was shared");
+            assert_eq!(
+                fp, fp2,
+                "cached page {page} was written after it was shared"
+            );
         }
     }
 }
@@ -132,8 +206,20 @@ fn a_pool_too_small_for_a_prompt_fails_that_request_only() {
     let a = submit(&mut s, &big, 4, SamplingParams::default(), None);
     let b = submit(&mut s, &small, 4, SamplingParams::default(), None);
     run_to_end(&mut s, &m);
-    assert!(a.lock().unwrap().failed.as_deref().unwrap_or("").contains("does not fit"), "{:?}", a.lock().unwrap().failed);
-    assert_eq!(b.lock().unwrap().tokens, alone(&m, &small, 4, SamplingParams::default()));
+    assert!(
+        a.lock()
+            .unwrap()
+            .failed
+            .as_deref()
+            .unwrap_or("")
+            .contains("does not fit"),
+        "{:?}",
+        a.lock().unwrap().failed
+    );
+    assert_eq!(
+        b.lock().unwrap().tokens,
+        alone(&m, &small, 4, SamplingParams::default())
+    );
     s.clear_prefix_cache().unwrap();
     assert_eq!(s.live_pages(), 0);
 }
@@ -150,21 +236,49 @@ struct Job {
 }
 
 fn job() -> impl Strategy<Value = Job> {
-    (0..3usize, 1..90usize, 0..1000u32, 1..8usize, any::<bool>(), prop::option::weighted(0.2, 0..5usize), 0..6usize).prop_map(
-        |(base, len, tail_seed, max_new, sampled, cancel_after, arrive_step)| Job { base, len, tail_seed, max_new, sampled, cancel_after, arrive_step },
+    (
+        0..3usize,
+        1..90usize,
+        0..1000u32,
+        1..8usize,
+        any::<bool>(),
+        prop::option::weighted(0.2, 0..5usize),
+        0..6usize,
     )
+        .prop_map(
+            |(base, len, tail_seed, max_new, sampled, cancel_after, arrive_step)| Job {
+                base,
+                len,
+                tail_seed,
+                max_new,
+                sampled,
+                cancel_after,
+                arrive_step,
+            },
+        )
 }
 
 fn job_prompt(j: &Job) -> Vec<u32> {
     // Three shared bases, so requests share prefixes of various lengths.
     (0..j.len)
-        .map(|i| if i < j.len * 2 / 3 { ((i * 13 + j.base * 101) % 300) as u32 + 3 } else { ((i as u32 * 7 + j.tail_seed) % 300) + 3 })
+        .map(|i| {
+            if i < j.len * 2 / 3 {
+                ((i * 13 + j.base * 101) % 300) as u32 + 3
+            } else {
+                ((i as u32 * 7 + j.tail_seed) % 300) + 3
+            }
+        })
         .collect()
 }
 
 fn job_sampling(j: &Job) -> SamplingParams {
     if j.sampled {
-        SamplingParams { temperature: 0.9, top_p: 0.9, top_k: 20, seed: j.tail_seed as u64 }
+        SamplingParams {
+            temperature: 0.9,
+            top_p: 0.9,
+            top_k: 20,
+            seed: j.tail_seed as u64,
+        }
     } else {
         SamplingParams::default()
     }
@@ -228,10 +342,22 @@ fn preemption_recomputes_and_changes_nothing() {
     let m = model("kl_mixed");
     // A pool of a few parents: six concurrent requests cannot all hold their state at once.
     let mut s = Scheduler::new(&m, cfg(4, 16, 0, 200 << 10, false)).unwrap();
-    let prompts: Vec<Vec<u32>> = (0..6).map(|k| (0..30).map(|i| ((i * 17 + k * 29) % 300) as u32 + 3).collect()).collect();
-    let outs: Vec<_> = prompts.iter().map(|p| submit(&mut s, p, 12, SamplingParams::default(), None)).collect();
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|k| {
+            (0..30)
+                .map(|i| ((i * 17 + k * 29) % 300) as u32 + 3)
+                .collect()
+        })
+        .collect();
+    let outs: Vec<_> = prompts
+        .iter()
+        .map(|p| submit(&mut s, p, 12, SamplingParams::default(), None))
+        .collect();
     run_to_end(&mut s, &m);
-    assert!(s.stats().preemptions > 0, "the pool was meant to force preemption");
+    assert!(
+        s.stats().preemptions > 0,
+        "the pool was meant to force preemption"
+    );
     for (p, o) in prompts.iter().zip(outs) {
         let o = o.lock().unwrap();
         assert!(o.failed.is_none(), "{:?}", o.failed);

@@ -34,15 +34,22 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         let shard_names: Vec<String> = if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|e| EngineError::io(&index, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| EngineError::CorruptCheckpoint {
-                path: index.clone(),
-                message: format!("index is not valid JSON: {e}"),
-            })?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| EngineError::CorruptCheckpoint {
-                path: index.clone(),
-                message: "index has no `weight_map` object".into(),
-            })?;
-            let set: BTreeSet<String> = map.values().filter_map(|f| f.as_str().map(String::from)).collect();
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| EngineError::CorruptCheckpoint {
+                    path: index.clone(),
+                    message: format!("index is not valid JSON: {e}"),
+                })?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| EngineError::CorruptCheckpoint {
+                    path: index.clone(),
+                    message: "index has no `weight_map` object".into(),
+                })?;
+            let set: BTreeSet<String> = map
+                .values()
+                .filter_map(|f| f.as_str().map(String::from))
+                .collect();
             set.into_iter().collect()
         } else {
             let mut names: Vec<String> = std::fs::read_dir(dir)
@@ -74,7 +81,8 @@ impl Checkpoint {
             };
             // Full validation (header, offsets, file length) before trusting any offset.
             SafeTensors::deserialize(&mmap).map_err(|e| corrupt(e.to_string()))?;
-            let (header_len, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| corrupt(e.to_string()))?;
+            let (header_len, meta) =
+                SafeTensors::read_metadata(&mmap).map_err(|e| corrupt(e.to_string()))?;
             let data_start = 8 + header_len;
             for (tname, info) in meta.tensors() {
                 let (start, end) = info.data_offsets;
@@ -116,7 +124,11 @@ impl Checkpoint {
             .ok_or_else(|| EngineError::MissingTensor {
                 name: names[0].to_string(),
                 looked_in: if names.len() > 1 {
-                    format!("{} (also tried {})", self.dir.display(), names[1..].join(", "))
+                    format!(
+                        "{} (also tried {})",
+                        self.dir.display(),
+                        names[1..].join(", ")
+                    )
                 } else {
                     self.dir.display().to_string()
                 },
@@ -125,10 +137,13 @@ impl Checkpoint {
 
     /// Tensor `name` as f32, checked to have exactly `shape`.
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let e = self.entries.get(name).ok_or_else(|| EngineError::MissingTensor {
-            name: name.to_string(),
-            looked_in: self.dir.display().to_string(),
-        })?;
+        let e = self
+            .entries
+            .get(name)
+            .ok_or_else(|| EngineError::MissingTensor {
+                name: name.to_string(),
+                looked_in: self.dir.display().to_string(),
+            })?;
         if e.shape != shape {
             return Err(EngineError::ShapeMismatch {
                 name: name.to_string(),
@@ -144,10 +159,13 @@ impl Checkpoint {
     /// Tensor `name` as f32 with any shape of `numel` elements (for tensors whose published shape
     /// varies, such as `A_log`: `[1,1,H,1]` in Kimi Linear, `[H]` elsewhere).
     pub fn f32_numel(&self, name: &str, numel: usize) -> Result<(Vec<f32>, Vec<usize>)> {
-        let e = self.entries.get(name).ok_or_else(|| EngineError::MissingTensor {
-            name: name.to_string(),
-            looked_in: self.dir.display().to_string(),
-        })?;
+        let e = self
+            .entries
+            .get(name)
+            .ok_or_else(|| EngineError::MissingTensor {
+                name: name.to_string(),
+                looked_in: self.dir.display().to_string(),
+            })?;
         if e.shape.iter().product::<usize>() != numel {
             return Err(EngineError::ShapeMismatch {
                 name: name.to_string(),
@@ -177,7 +195,10 @@ impl Checkpoint {
         if bytes.len() != numel * elem {
             return Err(EngineError::CorruptCheckpoint {
                 path: path.clone(),
-                message: format!("tensor `{name}` has {} bytes for {numel} elements", bytes.len()),
+                message: format!(
+                    "tensor `{name}` has {} bytes for {numel} elements",
+                    bytes.len()
+                ),
             });
         }
         Ok(match e.dtype {
@@ -199,7 +220,12 @@ impl Checkpoint {
     /// Tensors present in the files that the model never read.
     pub fn unused(&self) -> Vec<String> {
         let used = self.used.lock().unwrap();
-        let mut v: Vec<String> = self.entries.keys().filter(|k| !used.contains(*k)).cloned().collect();
+        let mut v: Vec<String> = self
+            .entries
+            .keys()
+            .filter(|k| !used.contains(*k))
+            .cloned()
+            .collect();
         v.sort();
         v
     }

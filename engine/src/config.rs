@@ -112,7 +112,12 @@ impl ModelConfig {
                 path: gen_path.clone(),
                 message: format!("not valid JSON: {e}"),
             })?;
-            for id in (Fields { v: &gen, path: &gen_path }).token_ids("eos_token_id")? {
+            for id in (Fields {
+                v: &gen,
+                path: &gen_path,
+            })
+            .token_ids("eos_token_id")?
+            {
                 if !cfg.eos_token_ids.contains(&id) {
                     cfg.eos_token_ids.push(id);
                 }
@@ -155,10 +160,12 @@ impl Fields<'_> {
     fn usize_opt(&self, names: &[&str]) -> Result<Option<usize>> {
         match self.find(names) {
             None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|x| Some(x as usize))
-                .ok_or_else(|| self.err(format!("`{}` must be a non-negative integer, got {v}", names[0]))),
+            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
+                self.err(format!(
+                    "`{}` must be a non-negative integer, got {v}",
+                    names[0]
+                ))
+            }),
         }
     }
 
@@ -214,7 +221,9 @@ impl Fields<'_> {
                         .ok_or_else(|| self.err(format!("`{name}` must hold token ids")))
                 })
                 .collect(),
-            Some(other) => Err(self.err(format!("`{name}` must be a token id or a list, got {other}"))),
+            Some(other) => Err(self.err(format!(
+                "`{name}` must be a token id or a list, got {other}"
+            ))),
         }
     }
 
@@ -227,7 +236,9 @@ impl Fields<'_> {
         }
         let act = self.str_or(&["hidden_act"], "silu")?;
         if act != "silu" {
-            return Err(self.err(format!("hidden_act `{act}` is not supported for kimi_linear (expected silu)")));
+            return Err(self.err(format!(
+                "hidden_act `{act}` is not supported for kimi_linear (expected silu)"
+            )));
         }
         let router_act = self.str_or(&["moe_router_activation_func"], "sigmoid")?;
         if router_act != "sigmoid" {
@@ -277,11 +288,14 @@ impl Fields<'_> {
             latent_norm_eps: 1e-6,
         };
         if !self.bool_or(&["mla_use_nope"], true)? {
-            return Err(self.err("mla_use_nope=false (rotary MLA) is not supported for kimi_linear"));
+            return Err(
+                self.err("mla_use_nope=false (rotary MLA) is not supported for kimi_linear")
+            );
         }
 
         let moe = MoeConfig {
-            num_experts: self.usize_or(&["num_experts", "num_local_experts", "n_routed_experts"], 0)?,
+            num_experts: self
+                .usize_or(&["num_experts", "num_local_experts", "n_routed_experts"], 0)?,
             top_k: self.usize_or(&["num_experts_per_token", "num_experts_per_tok"], 0)?,
             intermediate_size: self.usize_or(&["moe_intermediate_size"], 0)?,
             num_shared_experts: self.usize_or(&["num_shared_experts", "n_shared_experts"], 0)?,
@@ -297,19 +311,30 @@ impl Fields<'_> {
                 return Err(self.err("MoE layers need num_experts, num_experts_per_token and moe_intermediate_size > 0"));
             }
             if m.top_k > m.num_experts {
-                return Err(self.err(format!("num_experts_per_token {} exceeds num_experts {}", m.top_k, m.num_experts)));
+                return Err(self.err(format!(
+                    "num_experts_per_token {} exceeds num_experts {}",
+                    m.top_k, m.num_experts
+                )));
             }
-            if m.n_group == 0 || m.num_experts % m.n_group != 0 {
-                return Err(self.err(format!("num_experts {} is not divisible by num_expert_group {}", m.num_experts, m.n_group)));
+            if m.n_group == 0 || !m.num_experts.is_multiple_of(m.n_group) {
+                return Err(self.err(format!(
+                    "num_experts {} is not divisible by num_expert_group {}",
+                    m.num_experts, m.n_group
+                )));
             }
             if m.topk_group == 0 || m.topk_group > m.n_group {
-                return Err(self.err(format!("topk_group {} must be in 1..={}", m.topk_group, m.n_group)));
+                return Err(self.err(format!(
+                    "topk_group {} must be in 1..={}",
+                    m.topk_group, m.n_group
+                )));
             }
             if m.n_group > 1 && m.num_experts / m.n_group < 2 {
                 return Err(self.err("grouped routing needs at least 2 experts per group"));
             }
             if m.top_k > m.topk_group * (m.num_experts / m.n_group) {
-                return Err(self.err("num_experts_per_token exceeds the experts in the selected groups"));
+                return Err(
+                    self.err("num_experts_per_token exceeds the experts in the selected groups")
+                );
             }
         }
         let intermediate_size = self.usize_or(&["intermediate_size"], 0)?;
@@ -340,7 +365,10 @@ impl Fields<'_> {
     fn layer_kinds(&self, n: usize, lin: Option<&Fields>) -> Result<Vec<AttnKind>> {
         let lists = match lin {
             Some(f) => match (f.v.get("kda_layers"), f.v.get("full_attn_layers")) {
-                (Some(k), Some(m)) => Some((f.one_based_list(k, "kda_layers", n)?, f.one_based_list(m, "full_attn_layers", n)?)),
+                (Some(k), Some(m)) => Some((
+                    f.one_based_list(k, "kda_layers", n)?,
+                    f.one_based_list(m, "full_attn_layers", n)?,
+                )),
                 _ => None,
             },
             None => None,
@@ -350,7 +378,10 @@ impl Fields<'_> {
             for (list, kind) in [(kda, AttnKind::Kda), (mla, AttnKind::Mla)] {
                 for l in list {
                     if kinds[l].replace(kind).is_some() {
-                        return Err(self.err(format!("linear_attn_config: layer {} is listed twice", l + 1)));
+                        return Err(self.err(format!(
+                            "linear_attn_config: layer {} is listed twice",
+                            l + 1
+                        )));
                     }
                 }
             }
@@ -369,7 +400,10 @@ impl Fields<'_> {
         }
         if let Some(Value::Array(types)) = self.v.get("layer_types") {
             if types.len() != n {
-                return Err(self.err(format!("layer_types has {} entries for {n} layers", types.len())));
+                return Err(self.err(format!(
+                    "layer_types has {} entries for {n} layers",
+                    types.len()
+                )));
             }
             return types
                 .iter()
@@ -381,7 +415,13 @@ impl Fields<'_> {
                 .collect();
         }
         Ok((0..n)
-            .map(|i| if i > 0 && i % 4 == 0 { AttnKind::Mla } else { AttnKind::Kda })
+            .map(|i| {
+                if i > 0 && i % 4 == 0 {
+                    AttnKind::Mla
+                } else {
+                    AttnKind::Kda
+                }
+            })
             .collect())
     }
 
@@ -402,7 +442,10 @@ impl Fields<'_> {
     fn ffn_kinds(&self, n: usize) -> Result<Vec<FfnKind>> {
         if let Some(Value::Array(types)) = self.v.get("mlp_layer_types") {
             if types.len() != n {
-                return Err(self.err(format!("mlp_layer_types has {} entries for {n} layers", types.len())));
+                return Err(self.err(format!(
+                    "mlp_layer_types has {} entries for {n} layers",
+                    types.len()
+                )));
             }
             return types
                 .iter()
@@ -415,7 +458,8 @@ impl Fields<'_> {
         }
         let first_dense = self.usize_or(&["first_k_dense_replace"], 1)?;
         let freq = self.usize_or(&["moe_layer_freq"], 1)?.max(1);
-        let has_experts = self.usize_or(&["num_experts", "num_local_experts", "n_routed_experts"], 0)? > 0;
+        let has_experts =
+            self.usize_or(&["num_experts", "num_local_experts", "n_routed_experts"], 0)? > 0;
         Ok((0..n)
             .map(|i| {
                 if has_experts && i >= first_dense && i % freq == 0 {
@@ -484,18 +528,42 @@ mod tests {
     #[test]
     fn rejects_inconsistent_configs_naming_the_field() {
         let cases = [
-            (KIMI_LINEAR_48B.replace("\"kimi_linear\"", "\"llama\""), "model_type"),
-            (KIMI_LINEAR_48B.replace("[4, 8, 12", "[3, 8, 12"), "listed twice"),
-            (KIMI_LINEAR_48B.replace("24, 27]", "24, 28]"), "full_attn_layers"),
-            (KIMI_LINEAR_48B.replace("\"num_expert_group\": 1", "\"num_expert_group\": 3"), "num_expert_group"),
-            (KIMI_LINEAR_48B.replace("\"hidden_size\": 2304,", ""), "hidden_size"),
-            (KIMI_LINEAR_48B.replace("\"silu\"", "\"gelu\""), "hidden_act"),
-            (KIMI_LINEAR_48B.replace("\"kv_lora_rank\": 512", "\"kv_lora_rank\": -1"), "kv_lora_rank"),
+            (
+                KIMI_LINEAR_48B.replace("\"kimi_linear\"", "\"llama\""),
+                "model_type",
+            ),
+            (
+                KIMI_LINEAR_48B.replace("[4, 8, 12", "[3, 8, 12"),
+                "listed twice",
+            ),
+            (
+                KIMI_LINEAR_48B.replace("24, 27]", "24, 28]"),
+                "full_attn_layers",
+            ),
+            (
+                KIMI_LINEAR_48B.replace("\"num_expert_group\": 1", "\"num_expert_group\": 3"),
+                "num_expert_group",
+            ),
+            (
+                KIMI_LINEAR_48B.replace("\"hidden_size\": 2304,", ""),
+                "hidden_size",
+            ),
+            (
+                KIMI_LINEAR_48B.replace("\"silu\"", "\"gelu\""),
+                "hidden_act",
+            ),
+            (
+                KIMI_LINEAR_48B.replace("\"kv_lora_rank\": 512", "\"kv_lora_rank\": -1"),
+                "kv_lora_rank",
+            ),
             ("{not json".to_string(), "not valid JSON"),
         ];
         for (text, needle) in cases {
             let err = parse(&text).unwrap_err().to_string();
-            assert!(err.contains(needle), "error `{err}` should mention `{needle}`");
+            assert!(
+                err.contains(needle),
+                "error `{err}` should mention `{needle}`"
+            );
         }
     }
 }

@@ -23,14 +23,22 @@ fn check_prompt(model: &Model, prompt: &[u32]) -> Result<()> {
     }
     let vocab = model.config.vocab_size;
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-        return Err(EngineError::InvalidInput(format!("token id {bad} is outside the vocabulary (size {vocab})")));
+        return Err(EngineError::InvalidInput(format!(
+            "token id {bad} is outside the vocabulary (size {vocab})"
+        )));
     }
     Ok(())
 }
 
 /// Feeds `prompt` in chunks; returns the logits of every prompt position (`[T, vocab]`) when
 /// `all`, else of the last position only.
-pub fn prefill(model: &Model, prompt: &[u32], state: &mut SequenceState, chunk: Option<usize>, all: bool) -> Result<Vec<f32>> {
+pub fn prefill(
+    model: &Model,
+    prompt: &[u32],
+    state: &mut SequenceState,
+    chunk: Option<usize>,
+    all: bool,
+) -> Result<Vec<f32>> {
     check_prompt(model, prompt)?;
     let chunk = chunk.unwrap_or(prompt.len()).max(1);
     let mut out = Vec::new();

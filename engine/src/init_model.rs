@@ -98,7 +98,9 @@ fn dims(p: Preset) -> Dims {
 
 fn config_json(d: &Dims) -> serde_json::Value {
     let specials = tiny_tokenizer::special_ids(d.vocab);
-    let kda: Vec<usize> = (1..=d.layers).filter(|l| !d.mla_layers.contains(l)).collect();
+    let kda: Vec<usize> = (1..=d.layers)
+        .filter(|l| !d.mla_layers.contains(l))
+        .collect();
     json!({
         "architectures": ["KimiLinearForCausalLM"],
         "model_type": "kimi_linear",
@@ -169,12 +171,21 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
     let d = cfg.hidden_size;
     let proj = Init::Normal(0.04);
     let mut v = Vec::new();
-    let mut t = |name: String, shape: Vec<usize>, init: Init| v.push(TensorSpec { name, shape, init });
-    t("model.embed_tokens.weight".into(), vec![cfg.vocab_size, d], Init::Normal(1.0));
+    let mut t =
+        |name: String, shape: Vec<usize>, init: Init| v.push(TensorSpec { name, shape, init });
+    t(
+        "model.embed_tokens.weight".into(),
+        vec![cfg.vocab_size, d],
+        Init::Normal(1.0),
+    );
     for l in 0..cfg.num_layers() {
         let p = format!("model.layers.{l}.");
         t(format!("{p}input_layernorm.weight"), vec![d], Init::Ones);
-        t(format!("{p}post_attention_layernorm.weight"), vec![d], Init::Ones);
+        t(
+            format!("{p}post_attention_layernorm.weight"),
+            vec![d],
+            Init::Ones,
+        );
         let a = format!("{p}self_attn.");
         match cfg.attn[l] {
             AttnKind::Kda => {
@@ -185,7 +196,11 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
                 }
                 let bound = 1.0 / (k as f64).sqrt();
                 for n in ["q_conv1d", "k_conv1d", "v_conv1d"] {
-                    t(format!("{a}{n}.weight"), vec![pd, 1, k], Init::Uniform(-bound, bound));
+                    t(
+                        format!("{a}{n}.weight"),
+                        vec![pd, 1, k],
+                        Init::Uniform(-bound, bound),
+                    );
                 }
                 t(format!("{a}A_log"), vec![1, 1, h, 1], Init::ALog);
                 t(format!("{a}dt_bias"), vec![pd], Init::DtBias);
@@ -199,15 +214,34 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
             }
             AttnKind::Mla => {
                 let m = &cfg.mla;
-                t(format!("{a}q_proj.weight"), vec![m.num_heads * m.qk_head_dim(), d], proj);
-                t(format!("{a}kv_a_proj_with_mqa.weight"), vec![m.latent_dim(), d], proj);
-                t(format!("{a}kv_a_layernorm.weight"), vec![m.kv_lora_rank], Init::Ones);
                 t(
-                    format!("{a}kv_b_proj.weight"),
-                    vec![m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank],
+                    format!("{a}q_proj.weight"),
+                    vec![m.num_heads * m.qk_head_dim(), d],
                     proj,
                 );
-                t(format!("{a}o_proj.weight"), vec![d, m.num_heads * m.v_head_dim], proj);
+                t(
+                    format!("{a}kv_a_proj_with_mqa.weight"),
+                    vec![m.latent_dim(), d],
+                    proj,
+                );
+                t(
+                    format!("{a}kv_a_layernorm.weight"),
+                    vec![m.kv_lora_rank],
+                    Init::Ones,
+                );
+                t(
+                    format!("{a}kv_b_proj.weight"),
+                    vec![
+                        m.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                        m.kv_lora_rank,
+                    ],
+                    proj,
+                );
+                t(
+                    format!("{a}o_proj.weight"),
+                    vec![d, m.num_heads * m.v_head_dim],
+                    proj,
+                );
             }
         }
         let f = format!("{p}block_sparse_moe.");
@@ -221,16 +255,44 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
             FfnKind::Moe => {
                 let m = &cfg.moe;
                 t(format!("{f}gate.weight"), vec![m.num_experts, d], proj);
-                t(format!("{f}gate.e_score_correction_bias"), vec![m.num_experts], Init::Zeros);
+                t(
+                    format!("{f}gate.e_score_correction_bias"),
+                    vec![m.num_experts],
+                    Init::Zeros,
+                );
                 for e in 0..m.num_experts {
-                    t(format!("{f}experts.{e}.w1.weight"), vec![m.intermediate_size, d], proj);
-                    t(format!("{f}experts.{e}.w3.weight"), vec![m.intermediate_size, d], proj);
-                    t(format!("{f}experts.{e}.w2.weight"), vec![d, m.intermediate_size], proj);
+                    t(
+                        format!("{f}experts.{e}.w1.weight"),
+                        vec![m.intermediate_size, d],
+                        proj,
+                    );
+                    t(
+                        format!("{f}experts.{e}.w3.weight"),
+                        vec![m.intermediate_size, d],
+                        proj,
+                    );
+                    t(
+                        format!("{f}experts.{e}.w2.weight"),
+                        vec![d, m.intermediate_size],
+                        proj,
+                    );
                 }
                 let si = m.intermediate_size * m.num_shared_experts;
-                t(format!("{f}shared_experts.gate_proj.weight"), vec![si, d], proj);
-                t(format!("{f}shared_experts.up_proj.weight"), vec![si, d], proj);
-                t(format!("{f}shared_experts.down_proj.weight"), vec![d, si], proj);
+                t(
+                    format!("{f}shared_experts.gate_proj.weight"),
+                    vec![si, d],
+                    proj,
+                );
+                t(
+                    format!("{f}shared_experts.up_proj.weight"),
+                    vec![si, d],
+                    proj,
+                );
+                t(
+                    format!("{f}shared_experts.down_proj.weight"),
+                    vec![d, si],
+                    proj,
+                );
             }
         }
     }
@@ -241,9 +303,15 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
 
 /// Published Kimi checkpoints keep the small recurrence and routing tensors in F32.
 fn stored_as_f32(name: &str) -> bool {
-    ["A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias"]
-        .iter()
-        .any(|suffix| name.ends_with(suffix))
+    [
+        "A_log",
+        "dt_bias",
+        "conv1d.weight",
+        "o_norm.weight",
+        "e_score_correction_bias",
+    ]
+    .iter()
+    .any(|suffix| name.ends_with(suffix))
 }
 
 fn fill(init: Init, n: usize, rng: &mut Rng) -> Vec<f32> {
@@ -280,7 +348,10 @@ pub fn write_model(out: &Path, preset: Preset, seed: u64) -> Result<()> {
             if stored_as_f32(&s.name) {
                 values.into_iter().flat_map(f32::to_le_bytes).collect()
             } else {
-                values.into_iter().flat_map(|x| half::bf16::from_f32(x).to_le_bytes()).collect()
+                values
+                    .into_iter()
+                    .flat_map(|x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect()
             }
         })
         .collect();
@@ -288,16 +359,23 @@ pub fn write_model(out: &Path, preset: Preset, seed: u64) -> Result<()> {
         .iter()
         .zip(&data)
         .map(|(s, bytes)| {
-            let dtype = if stored_as_f32(&s.name) { Dtype::F32 } else { Dtype::BF16 };
-            let view = TensorView::new(dtype, s.shape.clone(), bytes).expect("sizes match by construction");
+            let dtype = if stored_as_f32(&s.name) {
+                Dtype::F32
+            } else {
+                Dtype::BF16
+            };
+            let view = TensorView::new(dtype, s.shape.clone(), bytes)
+                .expect("sizes match by construction");
             (s.name.clone(), view)
         })
         .collect();
     let st_path = out.join("model.safetensors");
     let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(views, Some(meta), &st_path).map_err(|e| EngineError::CorruptCheckpoint {
-        path: st_path.clone(),
-        message: e.to_string(),
+    safetensors::serialize_to_file(views, Some(meta), &st_path).map_err(|e| {
+        EngineError::CorruptCheckpoint {
+            path: st_path.clone(),
+            message: e.to_string(),
+        }
     })?;
 
     write_text(&out.join("config.json"), &cfg_text)?;
@@ -307,7 +385,10 @@ pub fn write_model(out: &Path, preset: Preset, seed: u64) -> Result<()> {
         "eos_token_id": [specials.eos, specials.im_end],
         "pad_token_id": specials.pad,
     });
-    write_text(&out.join("generation_config.json"), &serde_json::to_string_pretty(&gen).unwrap())?;
+    write_text(
+        &out.join("generation_config.json"),
+        &serde_json::to_string_pretty(&gen).unwrap(),
+    )?;
     tiny_tokenizer::write_tiny_tokenizer(out, d.vocab)?;
     Ok(())
 }

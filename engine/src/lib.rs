@@ -28,5 +28,7 @@ pub use state::SequenceState;
 
 /// Sets the number of CPU threads the kernels use. Call once, before any model work.
 pub fn set_num_threads(n: usize) -> std::result::Result<(), rayon::ThreadPoolBuildError> {
-    rayon::ThreadPoolBuilder::new().num_threads(n).build_global()
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
 }

@@ -8,7 +8,11 @@ use crate::error::{EngineError, Result};
 pub fn write_f32(path: &Path, shape: &[usize], data: &[f32]) -> Result<()> {
     debug_assert_eq!(shape.iter().product::<usize>(), data.len());
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    let shape_txt = if dims.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
+    let shape_txt = if dims.len() == 1 {
+        format!("({},)", dims[0])
+    } else {
+        format!("({})", dims.join(", "))
+    };
     let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape_txt}, }}");
     // Magic (6) + version (2) + length (2) + header + newline, padded to a multiple of 64.
     let unpadded = 10 + header.len() + 1;
@@ -34,10 +38,14 @@ pub fn read_f32(path: &Path) -> Result<(Vec<usize>, Vec<f32>)> {
     }
     let (hlen, hstart) = match bytes[6] {
         1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
-        2 | 3 => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
+        2 | 3 => (
+            u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+            12,
+        ),
         _ => return Err(bad("unknown .npy version")),
     };
-    let header = std::str::from_utf8(&bytes[hstart..hstart + hlen]).map_err(|_| bad("header is not UTF-8"))?;
+    let header = std::str::from_utf8(&bytes[hstart..hstart + hlen])
+        .map_err(|_| bad("header is not UTF-8"))?;
     if !header.contains("'<f4'") || header.contains("'fortran_order': True") {
         return Err(bad("only little-endian f32 C-order arrays are supported"));
     }

@@ -56,7 +56,10 @@ mod tests {
         let mut a = Rng::new(7);
         let mut b = Rng::new(7);
         let xs: Vec<f64> = (0..10_000).map(|_| a.uniform()).collect();
-        assert!(xs.iter().zip((0..10_000).map(|_| b.uniform())).all(|(x, y)| *x == y));
+        assert!(xs
+            .iter()
+            .zip((0..10_000).map(|_| b.uniform()))
+            .all(|(x, y)| *x == y));
         let mean = xs.iter().sum::<f64>() / xs.len() as f64;
         assert!((mean - 0.5).abs() < 0.02, "mean {mean}");
         assert_ne!(Rng::new(8).next_u64(), Rng::new(7).next_u64());

@@ -34,7 +34,10 @@ impl SamplingParams {
             )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(EngineError::InvalidInput(format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(EngineError::InvalidInput(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
         }
         Ok(())
     }
@@ -109,21 +112,43 @@ mod tests {
 
     #[test]
     fn top_k_one_is_greedy_and_seed_repeats() {
-        let p = SamplingParams { temperature: 1.0, top_k: 1, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            ..Default::default()
+        };
         let mut s = Sampler::new(p).unwrap();
         assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9]), 1);
-        let p = SamplingParams { temperature: 1.0, seed: 42, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: 42,
+            ..Default::default()
+        };
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
-        let a: Vec<u32> = { let mut s = Sampler::new(p.clone()).unwrap(); (0..20).map(|_| s.sample(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(p).unwrap(); (0..20).map(|_| s.sample(&logits)).collect() };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(p.clone()).unwrap();
+            (0..20).map(|_| s.sample(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(p).unwrap();
+            (0..20).map(|_| s.sample(&logits)).collect()
+        };
         assert_eq!(a, b);
-        assert!(a.iter().any(|&x| x != a[0]), "sampling at temperature 1 should vary");
+        assert!(
+            a.iter().any(|&x| x != a[0]),
+            "sampling at temperature 1 should vary"
+        );
     }
 
     #[test]
     fn top_p_keeps_only_the_nucleus() {
         // One token holds ~0.99 of the mass: top_p 0.5 must always pick it.
-        let p = SamplingParams { temperature: 1.0, top_p: 0.5, seed: 3, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.5,
+            seed: 3,
+            ..Default::default()
+        };
         let mut s = Sampler::new(p).unwrap();
         let logits = [0.0, 10.0, 0.0, 0.0];
         assert!((0..100).all(|_| s.sample(&logits) == 1));
@@ -131,7 +156,11 @@ mod tests {
 
     #[test]
     fn sampling_follows_the_distribution() {
-        let p = SamplingParams { temperature: 1.0, seed: 11, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: 11,
+            ..Default::default()
+        };
         let mut s = Sampler::new(p).unwrap();
         let logits = [0.0f32, (3.0f32).ln()]; // probabilities 0.25 / 0.75
         let ones = (0..4000).filter(|_| s.sample(&logits) == 1).count() as f64 / 4000.0;
@@ -140,8 +169,20 @@ mod tests {
 
     #[test]
     fn rejects_bad_parameters() {
-        assert!(Sampler::new(SamplingParams { temperature: -1.0, ..Default::default() }).is_err());
-        assert!(Sampler::new(SamplingParams { top_p: 0.0, ..Default::default() }).is_err());
-        assert!(Sampler::new(SamplingParams { temperature: f32::NAN, ..Default::default() }).is_err());
+        assert!(Sampler::new(SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        })
+        .is_err());
+        assert!(Sampler::new(SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        })
+        .is_err());
+        assert!(Sampler::new(SamplingParams {
+            temperature: f32::NAN,
+            ..Default::default()
+        })
+        .is_err());
     }
 }

@@ -45,7 +45,10 @@ impl SequenceState {
                     let p = cfg.kda.proj_dim();
                     LayerState::Kda(KdaState {
                         conv: vec![0.0; 3 * p * (cfg.kda.conv_kernel - 1)],
-                        recurrent: vec![0.0; cfg.kda.num_heads * cfg.kda.head_dim * cfg.kda.head_dim],
+                        recurrent: vec![
+                            0.0;
+                            cfg.kda.num_heads * cfg.kda.head_dim * cfg.kda.head_dim
+                        ],
                     })
                 }
                 AttnKind::Mla => LayerState::Mla(MlaState::default()),

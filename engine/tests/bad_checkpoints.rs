@@ -9,13 +9,21 @@ use tessera_engine::init_model::{write_model, Preset};
 use tessera_engine::Model;
 
 /// Rewrites `model.safetensors`, letting `edit` drop or replace tensors.
-fn rewrite(dir: &Path, edit: impl Fn(&str, Dtype, Vec<usize>, Vec<u8>) -> Option<(Dtype, Vec<usize>, Vec<u8>)>) {
+fn rewrite(
+    dir: &Path,
+    edit: impl Fn(&str, Dtype, Vec<usize>, Vec<u8>) -> Option<(Dtype, Vec<usize>, Vec<u8>)>,
+) {
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let mut kept: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, view) in st.tensors() {
-        if let Some((dt, shape, data)) = edit(&name, view.dtype(), view.shape().to_vec(), view.data().to_vec()) {
+        if let Some((dt, shape, data)) = edit(
+            &name,
+            view.dtype(),
+            view.shape().to_vec(),
+            view.data().to_vec(),
+        ) {
             kept.push((name, dt, shape, data));
         }
     }
@@ -93,13 +101,20 @@ fn truncated_file_is_reported() {
     let bytes = std::fs::read(&p).unwrap();
     std::fs::write(&p, &bytes[..bytes.len() - 1000]).unwrap();
     let e = load_err(d.path());
-    assert!(e.contains("model.safetensors") && e.contains("not valid safetensors"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("not valid safetensors"),
+        "{e}"
+    );
 }
 
 #[test]
 fn garbage_header_is_reported() {
     let d = fresh();
-    std::fs::write(d.path().join("model.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all").unwrap();
+    std::fs::write(
+        d.path().join("model.safetensors"),
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all",
+    )
+    .unwrap();
     let e = load_err(d.path());
     assert!(e.contains("not valid safetensors"), "{e}");
 }
@@ -108,10 +123,15 @@ fn garbage_header_is_reported() {
 fn config_that_disagrees_with_the_weights_names_the_tensor() {
     let d = fresh();
     let p = d.path().join("config.json");
-    let text = std::fs::read_to_string(&p).unwrap().replace("\"hidden_size\": 128", "\"hidden_size\": 96");
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("\"hidden_size\": 128", "\"hidden_size\": 96");
     std::fs::write(&p, text).unwrap();
     let e = load_err(d.path());
-    assert!(e.contains("model.embed_tokens.weight") && e.contains("[1024, 96]"), "{e}");
+    assert!(
+        e.contains("model.embed_tokens.weight") && e.contains("[1024, 96]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -128,7 +148,11 @@ fn missing_config_and_missing_weights_are_reported() {
 fn shard_index_naming_a_missing_file_is_reported() {
     let d = fresh();
     let index = serde_json::json!({"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}});
-    std::fs::write(d.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(
+        d.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
     let e = load_err(d.path());
     assert!(e.contains("model-00002-of-00002.safetensors"), "{e}");
 }
@@ -138,7 +162,7 @@ fn a_log_with_the_wrong_head_count_is_named() {
     let d = fresh();
     rewrite(d.path(), |n, dt, s, b| {
         if n == "model.layers.0.self_attn.A_log" {
-            Some((dt, vec![2], b[..2 * dt.size()].to_vec()))
+            Some((dt, vec![2], b[..2 * dt.bitsize() / 8].to_vec()))
         } else {
             Some((dt, s, b))
         }

@@ -11,7 +11,10 @@ fn main() {
     let mut shapes: Vec<(usize, usize, usize)> = std::env::args()
         .skip(1)
         .map(|s| {
-            let v: Vec<usize> = s.split('x').map(|t| t.parse().expect("shape MxKxN")).collect();
+            let v: Vec<usize> = s
+                .split('x')
+                .map(|t| t.parse().expect("shape MxKxN"))
+                .collect();
             (v[0], v[1], v[2])
         })
         .collect();
@@ -19,11 +22,18 @@ fn main() {
         shapes = vec![(1, 2048, 2048), (8, 2048, 2048), (128, 2048, 2048)];
     }
     if let Some(peak) = fma_peak_gflops() {
-        println!("rayon threads: {threads}; FMA peak ≈ {peak:.1} GFLOP/s per core, {:.1} all threads", peak * threads as f64);
+        println!(
+            "rayon threads: {threads}; FMA peak ≈ {peak:.1} GFLOP/s per core, {:.1} all threads",
+            peak * threads as f64
+        );
     }
     for (m, k, n) in shapes {
-        let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 104_729) % 1000) as f32 * 1e-3 - 0.5).collect();
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 104_729) % 1000) as f32 * 1e-3 - 0.5)
+            .collect();
         let mut out = vec![0.0f32; m * n];
         linear(&x, m, k, &w, n, &mut out); // warm up (pool start, page faults)
         let flops = 2.0 * (m * k * n) as f64;
@@ -37,7 +47,11 @@ fn main() {
             }
             best = best.min(t.elapsed().as_secs_f64() / iters as f64);
         }
-        println!("linear {m:>4} x {k} -> {n}: {:8.3} ms  {:7.1} GFLOP/s", best * 1e3, flops / best / 1e9);
+        println!(
+            "linear {m:>4} x {k} -> {n}: {:8.3} ms  {:7.1} GFLOP/s",
+            best * 1e3,
+            flops / best / 1e9
+        );
         std::hint::black_box(&out);
     }
 }

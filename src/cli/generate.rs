@@ -44,7 +44,10 @@ pub struct GenerateArgs {
 
 pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     let (dir, model) = a.model.load()?;
-    let tokenizer = || Tokenizer::from_dir(&dir).with_context(|| format!("loading the tokenizer from {}", dir.display()));
+    let tokenizer = || {
+        Tokenizer::from_dir(&dir)
+            .with_context(|| format!("loading the tokenizer from {}", dir.display()))
+    };
     let prompt = match (&a.prompt_ids, &a.prompt) {
         (Some(ids), _) => ids.0.clone(),
         (None, Some(text)) => tokenizer()?.encode(text, false)?,
@@ -60,7 +63,11 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             top_k: a.top_k,
             seed: a.seed,
         },
-        stop_ids: if a.ignore_eos { vec![] } else { model.config.eos_token_ids.clone() },
+        stop_ids: if a.ignore_eos {
+            vec![]
+        } else {
+            model.config.eos_token_ids.clone()
+        },
         prefill_chunk: a.prefill_chunk,
     };
     let out = generate(&model, &req)?;

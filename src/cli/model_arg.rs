@@ -17,13 +17,15 @@ impl ModelArg {
     pub fn dir(&self) -> anyhow::Result<PathBuf> {
         match &self.model {
             Some(p) => Ok(p.clone()),
-            None => tessera_engine::init_model::ensure_default_model().context("preparing the embedded default model"),
+            None => tessera_engine::init_model::ensure_default_model()
+                .context("preparing the embedded default model"),
         }
     }
 
     pub fn load(&self) -> anyhow::Result<(PathBuf, tessera_engine::Model)> {
         let dir = self.dir()?;
-        let model = tessera_engine::Model::load(&dir).with_context(|| format!("loading model from {}", dir.display()))?;
+        let model = tessera_engine::Model::load(&dir)
+            .with_context(|| format!("loading model from {}", dir.display()))?;
         Ok((dir, model))
     }
 }

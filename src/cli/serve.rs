@@ -57,12 +57,16 @@ pub struct ServeArgs {
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let (dir, model) = a.model.load()?;
-    let tokenizer = Tokenizer::from_dir(&dir).with_context(|| format!("loading the tokenizer from {}", dir.display()))?;
+    let tokenizer = Tokenizer::from_dir(&dir)
+        .with_context(|| format!("loading the tokenizer from {}", dir.display()))?;
     let template = ChatTemplate::from_dir(&dir).context("loading the chat template")?;
     let eos = model.config.eos_token_ids.clone();
     let vocab = model.config.vocab_size;
     let model_id = a.served_model_name.clone().unwrap_or_else(|| {
-        dir.file_name().map_or_else(|| "tessera".to_string(), |n| n.to_string_lossy().into_owned())
+        dir.file_name().map_or_else(
+            || "tessera".to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        )
     });
     let cfg = SchedulerConfig {
         page_tokens: a.page_tokens,
@@ -74,24 +78,44 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     };
     let engine = EngineHandle::spawn(model, cfg).context("starting the engine")?;
     eprintln!("{}", engine.layout_report());
-    let backend = Arc::new(EngineBackend::new(engine, model_id.clone(), a.max_model_len, a.max_waiting));
+    let backend = Arc::new(EngineBackend::new(
+        engine,
+        model_id.clone(),
+        a.max_model_len,
+        a.max_waiting,
+    ));
     let front = HttpFront::new(
         backend,
         tokenizer,
         template,
         eos,
-        FrontOptions { served_model_name: Some(model_id.clone()), max_body_bytes: a.max_body_bytes, vocab_size: Some(vocab), ..FrontOptions::default() },
+        FrontOptions {
+            served_model_name: Some(model_id.clone()),
+            max_body_bytes: a.max_body_bytes,
+            vocab_size: Some(vocab),
+            ..FrontOptions::default()
+        },
     );
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
-        let addr: SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| format!("bad address {}:{}", a.host, a.port))?;
-        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let addr: SocketAddr = format!("{}:{}", a.host, a.port)
+            .parse()
+            .with_context(|| format!("bad address {}:{}", a.host, a.port))?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr()?;
         // Scripts wait for this line.
         println!("tessera serve: model `{model_id}` at http://{local}/v1");
         use std::io::Write;
         std::io::stdout().flush().ok();
-        front.serve(listener, shutdown_signal()).await.context("HTTP server")?;
+        front
+            .serve(listener, shutdown_signal())
+            .await
+            .context("HTTP server")?;
         anyhow::Ok(())
     })
 }
@@ -100,7 +124,8 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("signal handler");
         tokio::select! {
             _ = ctrl_c => {},
             _ = term.recv() => {},

@@ -3,9 +3,13 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use tessera_engine::serving::{EngineEvent, EngineHandle, EngineRequest, EventSink, FinishReason as EngineFinish};
+use tessera_engine::serving::{
+    EngineEvent, EngineHandle, EngineRequest, EventSink, FinishReason as EngineFinish,
+};
 use tessera_engine::SamplingParams;
-use tessera_router::{BackendError, FinishReason, GenerationBackend, GenerationRequest, TokenEvent, Usage};
+use tessera_router::{
+    BackendError, FinishReason, GenerationBackend, GenerationRequest, TokenEvent, Usage,
+};
 use tokio::sync::mpsc;
 
 pub struct EngineBackend {
@@ -17,8 +21,15 @@ pub struct EngineBackend {
 }
 
 impl EngineBackend {
-    pub fn new(engine: EngineHandle, model_id: String, max_model_len: usize, max_waiting: usize) -> Self {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    pub fn new(
+        engine: EngineHandle,
+        model_id: String,
+        max_model_len: usize,
+        max_waiting: usize,
+    ) -> Self {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
         EngineBackend {
             engine: Arc::new(engine),
             model_id,
@@ -39,14 +50,25 @@ impl EventSink for ChannelSink {
         let ev = match event {
             EngineEvent::Prefilled { cached_tokens } => TokenEvent::Prefilled { cached_tokens },
             EngineEvent::Token(t) => TokenEvent::Token(t),
-            EngineEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens } => TokenEvent::Finished {
+            EngineEvent::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+            } => TokenEvent::Finished {
                 reason: match reason {
                     EngineFinish::Length => FinishReason::Length,
                     EngineFinish::Stop => FinishReason::Stop,
                 },
-                usage: Usage { prompt_tokens, completion_tokens, cached_tokens },
+                usage: Usage {
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                },
             },
-            EngineEvent::Failed(m) if m.contains("does not fit") => TokenEvent::Failed(BackendError::Overloaded(m)),
+            EngineEvent::Failed(m) if m.contains("does not fit") => {
+                TokenEvent::Failed(BackendError::Overloaded(m))
+            }
             EngineEvent::Failed(m) => TokenEvent::Failed(BackendError::InvalidRequest(m)),
         };
         // The channel holds every event a request can produce, so this never waits.
@@ -70,10 +92,16 @@ impl GenerationBackend for EngineBackend {
     fn submit(&self, req: GenerationRequest) -> Result<mpsc::Receiver<TokenEvent>, BackendError> {
         let stats = self.engine.stats();
         if stats.waiting >= self.max_waiting {
-            return Err(BackendError::Overloaded(format!("{} requests are already waiting", stats.waiting)));
+            return Err(BackendError::Overloaded(format!(
+                "{} requests are already waiting",
+                stats.waiting
+            )));
         }
         let (tx, rx) = mpsc::channel(req.max_tokens + 4);
-        let seed = req.sampling.seed.unwrap_or_else(|| self.seeds.fetch_add(0x9E37_79B9, Ordering::Relaxed));
+        let seed = req
+            .sampling
+            .seed
+            .unwrap_or_else(|| self.seeds.fetch_add(0x9E37_79B9, Ordering::Relaxed));
         let engine_req = EngineRequest {
             prompt: req.prompt_ids,
             max_new_tokens: req.max_tokens,
@@ -101,23 +129,59 @@ impl GenerationBackend for EngineBackend {
                 out.push_str(&format!("{name}{labels} {v}\n"));
             }
         };
-        line("tessera_requests_running", "gauge", "Requests in the running batch.", vec![(String::new(), s.running as f64)]);
-        line("tessera_requests_waiting", "gauge", "Requests queued for admission.", vec![(String::new(), s.waiting as f64)]);
-        line("tessera_preemptions_total", "counter", "Requests preempted for pages (recomputed later).", vec![(String::new(), s.preemptions as f64)]);
-        line("tessera_prefix_cache_lookups_total", "counter", "Prefix-cache lookups.", vec![(String::new(), s.prefix_lookups as f64)]);
-        line("tessera_prefix_cache_hits_total", "counter", "Prefix-cache lookups that hit.", vec![(String::new(), s.prefix_hits as f64)]);
-        line("tessera_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.", vec![(String::new(), s.prefix_hit_tokens as f64)]);
+        line(
+            "tessera_requests_running",
+            "gauge",
+            "Requests in the running batch.",
+            vec![(String::new(), s.running as f64)],
+        );
+        line(
+            "tessera_requests_waiting",
+            "gauge",
+            "Requests queued for admission.",
+            vec![(String::new(), s.waiting as f64)],
+        );
+        line(
+            "tessera_preemptions_total",
+            "counter",
+            "Requests preempted for pages (recomputed later).",
+            vec![(String::new(), s.preemptions as f64)],
+        );
+        line(
+            "tessera_prefix_cache_lookups_total",
+            "counter",
+            "Prefix-cache lookups.",
+            vec![(String::new(), s.prefix_lookups as f64)],
+        );
+        line(
+            "tessera_prefix_cache_hits_total",
+            "counter",
+            "Prefix-cache lookups that hit.",
+            vec![(String::new(), s.prefix_hits as f64)],
+        );
+        line(
+            "tessera_prefix_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens served from the prefix cache.",
+            vec![(String::new(), s.prefix_hit_tokens as f64)],
+        );
         line(
             "tessera_kv_pages_used",
             "gauge",
             "Live pages in the flat KV pool, by cache group.",
-            s.pool.iter().map(|(g, used, _)| (format!("{{group=\"{g}\"}}"), *used as f64)).collect(),
+            s.pool
+                .iter()
+                .map(|(g, used, _)| (format!("{{group=\"{g}\"}}"), *used as f64))
+                .collect(),
         );
         line(
             "tessera_kv_pages_total",
             "gauge",
             "Pages the flat KV pool could hold, by cache group (groups share parents).",
-            s.pool.iter().map(|(g, _, total)| (format!("{{group=\"{g}\"}}"), *total as f64)).collect(),
+            s.pool
+                .iter()
+                .map(|(g, _, total)| (format!("{{group=\"{g}\"}}"), *total as f64))
+                .collect(),
         );
         out
     }

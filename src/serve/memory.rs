@@ -4,12 +4,17 @@
 /// available now).
 pub fn parse_kv_memory(s: &str) -> Result<usize, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let value: f64 = num.parse().map_err(|_| format!("`{s}` is not a size (e.g. 512MiB, 2GiB, or a fraction like 0.2)"))?;
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 512MiB, 2GiB, or a fraction like 0.2)"))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" if value < 1.0 => {
-            let avail = available_memory().ok_or("a fraction needs /proc/meminfo; give bytes instead")?;
+            let avail =
+                available_memory().ok_or("a fraction needs /proc/meminfo; give bytes instead")?;
             return Ok((value * avail as f64) as usize);
         }
         "" | "b" => 1.0,
@@ -19,7 +24,11 @@ pub fn parse_kv_memory(s: &str) -> Result<usize, String> {
         "mib" => 1024.0 * 1024.0,
         "g" | "gb" => 1e9,
         "gib" => 1024.0 * 1024.0 * 1024.0,
-        other => return Err(format!("unknown unit `{other}` in `{s}` (use B, KiB, MiB, GiB, KB, MB, GB)")),
+        other => {
+            return Err(format!(
+                "unknown unit `{other}` in `{s}` (use B, KiB, MiB, GiB, KB, MB, GB)"
+            ))
+        }
     };
     Ok((value * mult) as usize)
 }

@@ -51,22 +51,33 @@ pub fn reference(dir: &Path) -> Reference {
 pub fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
     assert_eq!(ours.len(), reference.len(), "length mismatch");
     let max_ref = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let max_diff = ours
-        .iter()
-        .zip(reference)
-        .fold(0f32, |m, (a, b)| if a.is_nan() || b.is_nan() { f32::INFINITY } else { m.max((a - b).abs()) });
+    let max_diff = ours.iter().zip(reference).fold(0f32, |m, (a, b)| {
+        if a.is_nan() || b.is_nan() {
+            f32::INFINITY
+        } else {
+            m.max((a - b).abs())
+        }
+    });
     max_diff / max_ref.max(f32::MIN_POSITIVE)
 }
 
 /// Greedy tokens must agree up to (and including) the first step whose reference margin is a
 /// near tie; returns how many steps were compared.
-pub fn assert_greedy_matches(ours: &[u32], reference: &[u32], margins: &[f32], what: &str) -> usize {
+pub fn assert_greedy_matches(
+    ours: &[u32],
+    reference: &[u32],
+    margins: &[f32],
+    what: &str,
+) -> usize {
     let mut compared = 0;
     for (i, (&o, &r)) in ours.iter().zip(reference).enumerate() {
         if margins[i] < NEAR_TIE {
             break;
         }
-        assert_eq!(o, r, "{what}: greedy token {i} differs (ours {ours:?}, reference {reference:?})");
+        assert_eq!(
+            o, r,
+            "{what}: greedy token {i} differs (ours {ours:?}, reference {reference:?})"
+        );
         compared += 1;
     }
     compared

@@ -22,7 +22,8 @@ fn with_tokenizer(model: &Path) -> tempfile::TempDir {
         let e = e.unwrap();
         std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
     }
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
     let vocab = cfg["vocab_size"].as_u64().unwrap() as usize;
     tessera_engine::tokenizer::tiny::write_tiny_tokenizer(dir.path(), vocab).unwrap();
     dir
@@ -49,7 +50,11 @@ impl Server {
                 break rest.trim_end_matches("/v1").to_string();
             }
         };
-        Server { child, addr, _model_copy: copy }
+        Server {
+            child,
+            addr,
+            _model_copy: copy,
+        }
     }
 
     /// Sends one request; returns (status, body).
@@ -69,13 +74,23 @@ impl Server {
         let text = String::from_utf8_lossy(&raw).into_owned();
         let (head, rest) = text.split_once("\r\n\r\n").expect("an HTTP response");
         let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-        let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(rest) } else { rest.to_string() };
+        let body = if head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            dechunk(rest)
+        } else {
+            rest.to_string()
+        };
         (status, body)
     }
 
     pub fn post_json(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
         let (st, text) = self.request("POST", path, Some(&body.to_string()));
-        (st, serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON ({st}): {text}")))
+        (
+            st,
+            serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON ({st}): {text}")),
+        )
     }
 
     /// Starts a streamed request and reads only `events` SSE events, then drops the connection.
@@ -116,14 +131,13 @@ impl Drop for Server {
 
 fn dechunk(mut s: &str) -> String {
     let mut out = String::new();
-    loop {
-        let Some((size, rest)) = s.split_once("\r\n") else { break };
+    while let Some((size, rest)) = s.split_once("\r\n") {
         let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
         if n == 0 {
             break;
         }
         out.push_str(&rest[..n]);
-        s = &rest[n..].trim_start_matches("\r\n");
+        s = rest[n..].trim_start_matches("\r\n");
     }
     out
 }

@@ -74,10 +74,12 @@ impl KdaLayer {
     }
 
     pub fn parameter_count(&self) -> usize {
-        [&self.qkv, &self.f_a, &self.f_b, &self.b, &self.g_a, &self.g_b, &self.o]
-            .iter()
-            .map(|l| l.w.len())
-            .sum::<usize>()
+        [
+            &self.qkv, &self.f_a, &self.f_b, &self.b, &self.g_a, &self.g_b, &self.o,
+        ]
+        .iter()
+        .map(|l| l.w.len())
+        .sum::<usize>()
             + self.conv.len()
             + self.dt_bias.len()
             + self.decay_rate.len()
@@ -86,7 +88,13 @@ impl KdaLayer {
 
     /// `invariant`: use the recurrent form for every segment so results do not depend on how
     /// tokens are split into calls (see `Model::set_batch_invariant`).
-    pub fn forward(&self, x: &[f32], rows: &Rows, states: &mut [&mut KdaState], invariant: bool) -> Vec<f32> {
+    pub fn forward(
+        &self,
+        x: &[f32],
+        rows: &Rows,
+        states: &mut [&mut KdaState],
+        invariant: bool,
+    ) -> Vec<f32> {
         let n = rows.total();
         let (h, dk) = (self.heads, self.head_dim);
         let p = h * dk;
@@ -117,7 +125,11 @@ impl KdaLayer {
         for t in 0..n {
             for (c, gv) in g[t * p..(t + 1) * p].iter_mut().enumerate() {
                 let z = *gv + self.dt_bias[c];
-                let softplus = if z > SOFTPLUS_THRESHOLD { z } else { (1.0 + z.exp()).ln() };
+                let softplus = if z > SOFTPLUS_THRESHOLD {
+                    z
+                } else {
+                    (1.0 + z.exp()).ln()
+                };
                 *gv = -self.decay_rate[c / dk] * softplus;
             }
         }
@@ -131,14 +143,46 @@ impl KdaLayer {
             let (bh_a, bh_b) = (range.start * h, range.end * h);
             let st = &mut states[s].recurrent;
             if range.len() == 1 || invariant {
-                cpu::kda_recurrent(&q[a..b], &k[a..b], &v[a..b], &g[a..b], &beta[bh_a..bh_b], h, dk, dk, scale, st, &mut core[a..b]);
+                cpu::kda_recurrent(
+                    &q[a..b],
+                    &k[a..b],
+                    &v[a..b],
+                    &g[a..b],
+                    &beta[bh_a..bh_b],
+                    h,
+                    dk,
+                    dk,
+                    scale,
+                    st,
+                    &mut core[a..b],
+                );
             } else {
-                cpu::kda_chunked(&q[a..b], &k[a..b], &v[a..b], &g[a..b], &beta[bh_a..bh_b], h, dk, dk, scale, CHUNK, st, &mut core[a..b]);
+                cpu::kda_chunked(
+                    &q[a..b],
+                    &k[a..b],
+                    &v[a..b],
+                    &g[a..b],
+                    &beta[bh_a..bh_b],
+                    h,
+                    dk,
+                    dk,
+                    scale,
+                    CHUNK,
+                    st,
+                    &mut core[a..b],
+                );
             }
         }
         let gate = self.g_b.forward(&self.g_a.forward(x, n), n);
         let mut normed = vec![0.0; n * p];
-        cpu::rms_norm_gated(&core, dk, &self.o_norm.w, &gate, self.o_norm.eps, &mut normed);
+        cpu::rms_norm_gated(
+            &core,
+            dk,
+            &self.o_norm.w,
+            &gate,
+            self.o_norm.eps,
+            &mut normed,
+        );
         self.o.forward(&normed, n)
     }
 }

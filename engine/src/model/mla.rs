@@ -44,7 +44,12 @@ impl MlaLayer {
         Ok(MlaLayer {
             q,
             kv_a: Linear::load(ck, &n("kv_a_proj_with_mqa.weight"), c.latent_dim(), d)?,
-            kv_norm: Norm::load(ck, &n("kv_a_layernorm.weight"), c.kv_lora_rank, c.latent_norm_eps)?,
+            kv_norm: Norm::load(
+                ck,
+                &n("kv_a_layernorm.weight"),
+                c.kv_lora_rank,
+                c.latent_norm_eps,
+            )?,
             kv_b: Linear::load(
                 ck,
                 &n("kv_b_proj.weight"),
@@ -66,10 +71,22 @@ impl MlaLayer {
 
     /// `invariant`: use the absorbed form for every query so results do not depend on how
     /// tokens are split into calls (see `Model::set_batch_invariant`).
-    pub fn forward(&self, x: &[f32], rows: &Rows, states: &mut [&mut MlaState], invariant: bool) -> Vec<f32> {
+    pub fn forward(
+        &self,
+        x: &[f32],
+        rows: &Rows,
+        states: &mut [&mut MlaState],
+        invariant: bool,
+    ) -> Vec<f32> {
         let n = rows.total();
         let c = &self.c;
-        let (h, dn, dr, dv, r) = (c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let (h, dn, dr, dv, r) = (
+            c.num_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        );
         let q = match &self.q {
             QueryProj::Full(l) => l.forward(x, n),
             QueryProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x, n)), n),
@@ -101,7 +118,12 @@ impl MlaLayer {
     /// Keys and values expanded from the whole latent history; standard causal attention.
     fn attend_expanded(&self, q: &[f32], t: usize, st: &MlaState, out: &mut [f32]) {
         let c = &self.c;
-        let (h, dn, dr, dv) = (c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim);
+        let (h, dn, dr, dv) = (
+            c.num_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        );
         let s = st.ckv.len() / c.kv_lora_rank;
         let kvb = self.kv_b.forward(&st.ckv, s);
         let (dqk, per_head) = (dn + dr, dn + dv);
@@ -124,7 +146,13 @@ impl MlaLayer {
     /// computed on its own, so a token gets the same bits in a decode step and inside a prompt.
     fn attend_absorbed(&self, q: &[f32], t: usize, st: &MlaState, out: &mut [f32]) {
         let c = &self.c;
-        let (h, dn, dr, dv, r) = (c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let (h, dn, dr, dv, r) = (
+            c.num_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        );
         let s = st.ckv.len() / r;
         let per_head = dn + dv;
         let mut q_lat = vec![0.0; t * h * r];
@@ -140,20 +168,36 @@ impl MlaLayer {
             let w_uk = &self.kv_b.w[hh * per_head * r..(hh * per_head + dn) * r];
             cpu::matmul(&q_nope, t, dn, w_uk, r, &mut lat_h);
             for i in 0..t {
-                q_lat[(i * h + hh) * r..(i * h + hh + 1) * r].copy_from_slice(&lat_h[i * r..(i + 1) * r]);
+                q_lat[(i * h + hh) * r..(i * h + hh + 1) * r]
+                    .copy_from_slice(&lat_h[i * r..(i + 1) * r]);
             }
         }
         let mut out_lat = vec![0.0; t * h * r];
-        cpu::mla_absorbed_attention(&q_lat, &q_pe, &st.ckv, &st.kpe, t, s, h, r, dr, s - t, self.scale(), &mut out_lat);
+        cpu::mla_absorbed_attention(
+            &q_lat,
+            &q_pe,
+            &st.ckv,
+            &st.kpe,
+            t,
+            s,
+            h,
+            r,
+            dr,
+            s - t,
+            self.scale(),
+            &mut out_lat,
+        );
         let mut o_h = vec![0.0; t * dv];
         for hh in 0..h {
             for i in 0..t {
-                lat_h[i * r..(i + 1) * r].copy_from_slice(&out_lat[(i * h + hh) * r..(i * h + hh + 1) * r]);
+                lat_h[i * r..(i + 1) * r]
+                    .copy_from_slice(&out_lat[(i * h + hh) * r..(i * h + hh + 1) * r]);
             }
             let w_uv = &self.kv_b.w[(hh * per_head + dn) * r..(hh + 1) * per_head * r];
             cpu::linear(&lat_h, t, r, w_uv, dv, &mut o_h);
             for i in 0..t {
-                out[(i * h + hh) * dv..(i * h + hh + 1) * dv].copy_from_slice(&o_h[i * dv..(i + 1) * dv]);
+                out[(i * h + hh) * dv..(i * h + hh + 1) * dv]
+                    .copy_from_slice(&o_h[i * dv..(i + 1) * dv]);
             }
         }
     }

@@ -183,7 +183,11 @@ impl Model {
         if !self.config.tie_word_embeddings {
             n += self.lm_head.w.len();
         }
-        n + self.layers.iter().map(Layer::parameter_count).sum::<usize>()
+        n + self
+            .layers
+            .iter()
+            .map(Layer::parameter_count)
+            .sum::<usize>()
     }
 
     pub fn new_state(&self) -> SequenceState {
@@ -199,12 +203,17 @@ impl Model {
                 return Err(EngineError::InvalidInput("a segment has no tokens".into()));
             }
             if seg.state.layers.len() != self.layers.len() {
-                return Err(EngineError::InvalidInput("state does not belong to this model".into()));
+                return Err(EngineError::InvalidInput(
+                    "state does not belong to this model".into(),
+                ));
             }
         }
         let rows = Rows::new(segments.iter().map(|s| s.tokens.len()));
         let n = rows.total();
-        let ids: Vec<u32> = segments.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let ids: Vec<u32> = segments
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
         let mut h = vec![0.0; n * d];
         cpu::embedding(&self.embed, d, &ids, &mut h)?;
 
@@ -262,8 +271,17 @@ impl Model {
     }
 
     /// Convenience for one sequence: feeds `tokens`, returns the requested logits.
-    pub fn forward_one(&self, tokens: &[u32], state: &mut SequenceState, logits: LogitsWanted) -> Result<Vec<f32>> {
-        let mut segs = [Segment { tokens, state, logits }];
+    pub fn forward_one(
+        &self,
+        tokens: &[u32],
+        state: &mut SequenceState,
+        logits: LogitsWanted,
+    ) -> Result<Vec<f32>> {
+        let mut segs = [Segment {
+            tokens,
+            state,
+            logits,
+        }];
         Ok(self.forward(&mut segs)?.pop().unwrap_or_default())
     }
 }

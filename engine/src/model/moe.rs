@@ -101,7 +101,10 @@ impl Moe {
             }
             let y = self.experts[e].forward(&xs, toks.len());
             for (i, &(r, w)) in toks.iter().enumerate() {
-                for (o, v) in routed[r * d..(r + 1) * d].iter_mut().zip(&y[i * d..(i + 1) * d]) {
+                for (o, v) in routed[r * d..(r + 1) * d]
+                    .iter_mut()
+                    .zip(&y[i * d..(i + 1) * d])
+                {
                     *o += w * v;
                 }
             }

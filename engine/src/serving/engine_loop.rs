@@ -37,7 +37,9 @@ impl EngineHandle {
         let thread = std::thread::Builder::new()
             .name("tessera-engine".into())
             .spawn(move || run(model, scheduler, rx, shared))
-            .map_err(|e| EngineError::InvalidInput(format!("cannot start the engine thread: {e}")))?;
+            .map_err(|e| {
+                EngineError::InvalidInput(format!("cannot start the engine thread: {e}"))
+            })?;
         Ok(EngineHandle {
             tx,
             stats,
@@ -72,7 +74,12 @@ impl Drop for EngineHandle {
     }
 }
 
-fn run(model: Model, mut sched: Scheduler, rx: Receiver<Command>, stats: Arc<Mutex<SchedulerStats>>) {
+fn run(
+    model: Model,
+    mut sched: Scheduler,
+    rx: Receiver<Command>,
+    stats: Arc<Mutex<SchedulerStats>>,
+) {
     loop {
         // Block only when idle; otherwise take what has arrived and keep stepping.
         let mut next = if sched.has_work() {

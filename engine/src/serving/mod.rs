@@ -6,4 +6,6 @@ pub mod paged;
 pub mod scheduler;
 
 pub use engine_loop::EngineHandle;
-pub use scheduler::{EngineEvent, EngineRequest, EventSink, FinishReason, Scheduler, SchedulerConfig, SchedulerStats};
+pub use scheduler::{
+    EngineEvent, EngineRequest, EventSink, FinishReason, Scheduler, SchedulerConfig, SchedulerStats,
+};

@@ -40,7 +40,10 @@ impl LayerSlots {
     }
 
     fn kda_index(&self, g: GroupId) -> usize {
-        self.kda_groups.iter().position(|&x| x == g).expect("a KDA group")
+        self.kda_groups
+            .iter()
+            .position(|&x| x == g)
+            .expect("a KDA group")
     }
 }
 
@@ -65,7 +68,11 @@ impl PagedSeq {
 
     /// Every page this sequence references.
     pub fn pages(&self) -> impl Iterator<Item = PageId> + '_ {
-        self.mla_pages.iter().chain(&self.kda_pages).copied().filter(|p| !p.is_null())
+        self.mla_pages
+            .iter()
+            .chain(&self.kda_pages)
+            .copied()
+            .filter(|p| !p.is_null())
     }
 
     /// Drops every reference; the sequence is empty afterwards.
@@ -84,15 +91,26 @@ impl PagedSeq {
     /// fresh state page per KDA group whose current page is absent or shared).
     pub fn pages_needed(&self, slots: &LayerSlots, pool: &PagePool, new_len: usize) -> usize {
         let mla = if slots.mla_group.is_some() {
-            new_len.div_ceil(slots.page_tokens).saturating_sub(self.mla_pages.len())
+            new_len
+                .div_ceil(slots.page_tokens)
+                .saturating_sub(self.mla_pages.len())
         } else {
             0
         };
-        mla + self.kda_pages.iter().filter(|&&p| !writable(pool, p)).count()
+        mla + self
+            .kda_pages
+            .iter()
+            .filter(|&&p| !writable(pool, p))
+            .count()
     }
 
     /// Allocates what growing to `new_len` needs; on failure nothing stays allocated.
-    pub fn reserve(&mut self, slots: &LayerSlots, pool: &mut PagePool, new_len: usize) -> Result<Reserved, KvError> {
+    pub fn reserve(
+        &mut self,
+        slots: &LayerSlots,
+        pool: &mut PagePool,
+        new_len: usize,
+    ) -> Result<Reserved, KvError> {
         let mut fresh_mla = Vec::new();
         let mut fresh_kda = vec![PageId::NULL; self.kda_pages.len()];
         let result = (|| {
@@ -120,7 +138,12 @@ impl PagedSeq {
 
     /// The working state for a step: KDA state from the current pages (zeros at the start), MLA
     /// latent rows `0..len` gathered from the page table.
-    pub fn gather(&self, slots: &LayerSlots, pool: &PagePool, cfg: &ModelConfig) -> Result<SequenceState, KvError> {
+    pub fn gather(
+        &self,
+        slots: &LayerSlots,
+        pool: &PagePool,
+        cfg: &ModelConfig,
+    ) -> Result<SequenceState, KvError> {
         let mut st = SequenceState::new(cfg);
         st.len = self.len;
         let p = slots.page_tokens;
@@ -130,8 +153,10 @@ impl PagedSeq {
                 LayerState::Kda(k) => {
                     let page = self.kda_pages[slots.kda_index(g)];
                     if !page.is_null() {
-                        k.conv.copy_from_slice(pool.slice(plane, page, Field::Conv)?);
-                        k.recurrent.copy_from_slice(pool.slice(plane, page, Field::Recurrent)?);
+                        k.conv
+                            .copy_from_slice(pool.slice(plane, page, Field::Conv)?);
+                        k.recurrent
+                            .copy_from_slice(pool.slice(plane, page, Field::Recurrent)?);
                     }
                 }
                 LayerState::Mla(m) => {
@@ -156,7 +181,13 @@ impl PagedSeq {
 
     /// Writes a step's results back: latent rows `len..st.len` into the page table, the KDA state
     /// into each group's page (the fresh one where `reserve` made one, releasing the old page).
-    pub fn scatter(&mut self, slots: &LayerSlots, pool: &mut PagePool, st: &SequenceState, reserved: Reserved) -> Result<(), KvError> {
+    pub fn scatter(
+        &mut self,
+        slots: &LayerSlots,
+        pool: &mut PagePool,
+        st: &SequenceState,
+        reserved: Reserved,
+    ) -> Result<(), KvError> {
         let p = slots.page_tokens;
         let targets: Vec<PageId> = self
             .kda_pages
@@ -169,14 +200,17 @@ impl PagedSeq {
             match layer {
                 LayerState::Kda(KdaState { conv, recurrent }) => {
                     let page = targets[slots.kda_index(g)];
-                    pool.slice_mut(plane, page, Field::Conv)?.copy_from_slice(conv);
-                    pool.slice_mut(plane, page, Field::Recurrent)?.copy_from_slice(recurrent);
+                    pool.slice_mut(plane, page, Field::Conv)?
+                        .copy_from_slice(conv);
+                    pool.slice_mut(plane, page, Field::Recurrent)?
+                        .copy_from_slice(recurrent);
                 }
                 LayerState::Mla(MlaState { ckv, kpe }) => {
                     let (rank, pe) = (slots.rank, slots.latent - slots.rank);
                     for t in self.len..st.len {
                         let page = self.mla_pages[t / p];
-                        let row = &mut pool.slice_mut(plane, page, Field::Latent)?[(t % p) * slots.latent..(t % p + 1) * slots.latent];
+                        let row = &mut pool.slice_mut(plane, page, Field::Latent)?
+                            [(t % p) * slots.latent..(t % p + 1) * slots.latent];
                         row[..rank].copy_from_slice(&ckv[t * rank..(t + 1) * rank]);
                         row[rank..].copy_from_slice(&kpe[t * pe..(t + 1) * pe]);
                     }
@@ -214,5 +248,7 @@ impl Reserved {
 
 /// A page this sequence may write in place: its own, unshared and unpublished.
 fn writable(pool: &PagePool, page: PageId) -> bool {
-    !page.is_null() && pool.refcount(page).map_or(false, |r| r == 1) && !pool.is_sealed(page).unwrap_or(true)
+    !page.is_null()
+        && pool.refcount(page).is_ok_and(|r| r == 1)
+        && !pool.is_sealed(page).unwrap_or(true)
 }

@@ -69,7 +69,9 @@ pub enum FinishReason {
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineEvent {
     /// The prompt has been processed (sent once, before the first token).
-    Prefilled { cached_tokens: usize },
+    Prefilled {
+        cached_tokens: usize,
+    },
     Token(u32),
     Finished {
         reason: FinishReason,
@@ -146,9 +148,11 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(model: &Model, cfg: SchedulerConfig) -> Result<Self> {
         if cfg.page_tokens == 0 {
-            return Err(EngineError::InvalidInput("page_tokens must be at least 1".into()));
+            return Err(EngineError::InvalidInput(
+                "page_tokens must be at least 1".into(),
+            ));
         }
-        if cfg.snapshot_interval % cfg.page_tokens != 0 {
+        if !cfg.snapshot_interval.is_multiple_of(cfg.page_tokens) {
             return Err(EngineError::InvalidInput(format!(
                 "snapshot_interval {} must be a multiple of page_tokens {}",
                 cfg.snapshot_interval, cfg.page_tokens
@@ -160,7 +164,12 @@ impl Scheduler {
                 cfg.max_batch_tokens, cfg.page_tokens
             )));
         }
-        let layout = KvLayout::plan(&model.config, cfg.page_tokens, cfg.kv_memory_bytes, StateDtypes::F32)?;
+        let layout = KvLayout::plan(
+            &model.config,
+            cfg.page_tokens,
+            cfg.kv_memory_bytes,
+            StateDtypes::F32,
+        )?;
         tracing::info!("kv layout: {}", layout.report());
         let slots = LayerSlots::new(&model.config, &layout);
         let index = PrefixIndex::new(&layout);
@@ -189,8 +198,15 @@ impl Scheduler {
         self.next_id += 1;
         let problem = if req.prompt.is_empty() {
             Some("the prompt has no tokens".to_string())
-        } else if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= self.model_cfg.vocab_size) {
-            Some(format!("token id {t} is outside the vocabulary (size {})", self.model_cfg.vocab_size))
+        } else if let Some(t) = req
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.model_cfg.vocab_size)
+        {
+            Some(format!(
+                "token id {t} is outside the vocabulary (size {})",
+                self.model_cfg.vocab_size
+            ))
         } else if req.max_new_tokens == 0 {
             Some("max_new_tokens must be at least 1".to_string())
         } else {
@@ -237,8 +253,16 @@ impl Scheduler {
                 .usage()
                 .iter()
                 .map(|u| {
-                    let name = if Some(u.group) == self.slots.mla_group { "mla".to_string() } else { format!("kda{}", u.group.0) };
-                    (name, u.live_pages, self.pool.total_pages(u.group).unwrap_or(0))
+                    let name = if Some(u.group) == self.slots.mla_group {
+                        "mla".to_string()
+                    } else {
+                        format!("kda{}", u.group.0)
+                    };
+                    (
+                        name,
+                        u.live_pages,
+                        self.pool.total_pages(u.group).unwrap_or(0),
+                    )
                 })
                 .collect(),
         }
@@ -304,7 +328,12 @@ impl Scheduler {
         let order: Vec<usize> = {
             // Decoding requests first: they cost one token each and keep latency low.
             let mut o: Vec<usize> = (0..self.running.len()).collect();
-            o.sort_by_key(|&i| (self.running[i].tokens.len() - self.running[i].paged.len > 1, i));
+            o.sort_by_key(|&i| {
+                (
+                    self.running[i].tokens.len() - self.running[i].paged.len > 1,
+                    i,
+                )
+            });
             o
         };
         for i in order {
@@ -323,22 +352,29 @@ impl Scheduler {
         let mut k = 0;
         while k < plan.len() {
             let (i, end) = plan[k];
-            match self.running[i].paged.reserve(&self.slots, &mut self.pool, end) {
+            match self.running[i]
+                .paged
+                .reserve(&self.slots, &mut self.pool, end)
+            {
                 Ok(r) => {
                     reserved[i] = Some(r);
                     k += 1;
                 }
                 Err(KvError::OutOfPages(_)) => {
-                    let need = self.running[i].paged.pages_needed(&self.slots, &self.pool, end);
+                    let need = self.running[i]
+                        .paged
+                        .pages_needed(&self.slots, &self.pool, end);
                     if self.index.evict(&mut self.pool, need.max(1))? > 0 {
                         continue;
                     }
                     // Preempt the youngest request not yet given pages this step; if every other
                     // one already has its pages, this request waits (preempted itself). Alone, it
                     // cannot fit at all.
-                    let victim = (0..self.running.len())
-                        .rev()
-                        .find(|&v| v != i && reserved[v].is_none() && self.running[v].paged.pages().next().is_some());
+                    let victim = (0..self.running.len()).rev().find(|&v| {
+                        v != i
+                            && reserved[v].is_none()
+                            && self.running[v].paged.pages().next().is_some()
+                    });
                     let out = match victim {
                         Some(v) => v,
                         None if self.running.len() > 1 => i,
@@ -361,7 +397,10 @@ impl Scheduler {
                             p.0 -= 1;
                         }
                     }
-                    k = plan.iter().position(|&(j, _)| reserved[j].is_none()).unwrap_or(plan.len());
+                    k = plan
+                        .iter()
+                        .position(|&(j, _)| reserved[j].is_none())
+                        .unwrap_or(plan.len());
                 }
                 Err(e) => return Err(e.into()),
             }
@@ -372,7 +411,11 @@ impl Scheduler {
         // Gather, run, scatter.
         let mut states = Vec::with_capacity(plan.len());
         for &(i, _) in &plan {
-            states.push(self.running[i].paged.gather(&self.slots, &self.pool, &self.model_cfg)?);
+            states.push(
+                self.running[i]
+                    .paged
+                    .gather(&self.slots, &self.pool, &self.model_cfg)?,
+            );
         }
         let logits = {
             let mut segs: Vec<Segment> = plan
@@ -383,7 +426,11 @@ impl Scheduler {
                     Segment {
                         tokens: &s.tokens[s.paged.len..end],
                         state: st,
-                        logits: if end == s.tokens.len() { LogitsWanted::Last } else { LogitsWanted::None },
+                        logits: if end == s.tokens.len() {
+                            LogitsWanted::Last
+                        } else {
+                            LogitsWanted::None
+                        },
                     }
                 })
                 .collect();
@@ -399,7 +446,15 @@ impl Scheduler {
             let chunk_end = end;
             s.paged.scatter(&self.slots, &mut self.pool, st, r)?;
             if self.cfg.prefix_cache {
-                publish(&mut self.index, &mut self.pool, &self.slots, s, &self.cfg, was_prefill, chunk_end)?;
+                publish(
+                    &mut self.index,
+                    &mut self.pool,
+                    &self.slots,
+                    s,
+                    &self.cfg,
+                    was_prefill,
+                    chunk_end,
+                )?;
             }
             if !lg.is_empty() {
                 let next = s.sampler.sample(&lg);
@@ -430,8 +485,8 @@ impl Scheduler {
         if start < last_full && end > last_full {
             end = last_full;
         }
-        if self.cfg.snapshot_interval > 0 {
-            let next = (start / self.cfg.snapshot_interval + 1) * self.cfg.snapshot_interval;
+        if let Some(k) = start.checked_div(self.cfg.snapshot_interval) {
+            let next = (k + 1) * self.cfg.snapshot_interval;
             if end > next {
                 end = next;
             }
@@ -441,11 +496,15 @@ impl Scheduler {
 
     fn admit(&mut self) -> Result<()> {
         while self.running.len() < self.cfg.max_running {
-            let Some(mut s) = self.waiting.pop_front() else { break };
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
             if s.paged.len == 0 && self.cfg.prefix_cache && s.tokens.len() > 1 {
                 // Never hit the whole sequence: the last token must run to produce logits.
                 let probe = &s.tokens[..s.tokens.len() - 1];
-                let hit = self.index.lookup(&mut self.pool, probe, s.req.cache_salt.as_deref())?;
+                let hit = self
+                    .index
+                    .lookup(&mut self.pool, probe, s.req.cache_salt.as_deref())?;
                 if hit.tokens > 0 {
                     s.paged.len = hit.tokens;
                     s.paged.mla_pages = hit.mla_pages;
@@ -467,7 +526,10 @@ impl Scheduler {
                         break true;
                     }
                     Err(KvError::OutOfPages(_)) => {
-                        let need = s.paged.pages_needed(&self.slots, &self.pool, first_end).max(1);
+                        let need = s
+                            .paged
+                            .pages_needed(&self.slots, &self.pool, first_end)
+                            .max(1);
                         if self.index.evict(&mut self.pool, need)? == 0 {
                             break false;
                         }
@@ -524,7 +586,11 @@ impl Scheduler {
         for &i in sampled {
             let s = &mut self.running[i];
             let tok = *s.tokens.last().expect("a token was sampled");
-            if s.generated() == 1 && !s.sink.send(EngineEvent::Prefilled { cached_tokens: s.cached_tokens }) {
+            if s.generated() == 1
+                && !s.sink.send(EngineEvent::Prefilled {
+                    cached_tokens: s.cached_tokens,
+                })
+            {
                 done.push(i);
                 continue;
             }
@@ -561,7 +627,8 @@ impl Scheduler {
     pub fn cancel_all(&mut self) -> Result<()> {
         for mut s in self.running.drain(..).chain(self.waiting.drain(..)) {
             s.paged.release_all(&mut self.pool)?;
-            s.sink.send(EngineEvent::Failed("the engine is shutting down".into()));
+            s.sink
+                .send(EngineEvent::Failed("the engine is shutting down".into()));
         }
         Ok(())
     }
@@ -569,16 +636,30 @@ impl Scheduler {
 
 /// After a step: full MLA pages go into the prefix index; the KDA state is published as a
 /// snapshot at prefill chunk ends on page boundaries and every `snapshot_interval` tokens.
-fn publish(index: &mut PrefixIndex, pool: &mut PagePool, slots: &LayerSlots, s: &mut Seq, cfg: &SchedulerConfig, was_prefill: bool, end: usize) -> Result<()> {
+fn publish(
+    index: &mut PrefixIndex,
+    pool: &mut PagePool,
+    slots: &LayerSlots,
+    s: &mut Seq,
+    cfg: &SchedulerConfig,
+    was_prefill: bool,
+    end: usize,
+) -> Result<()> {
     let p = cfg.page_tokens;
     let salt = s.req.cache_salt.as_deref();
     let full = end / p;
     if slots.mla_group.is_some() && full > s.indexed_pages {
-        index.insert_mla(pool, &s.tokens[..full * p], salt, &s.paged.mla_pages[..full])?;
+        index.insert_mla(
+            pool,
+            &s.tokens[..full * p],
+            salt,
+            &s.paged.mla_pages[..full],
+        )?;
         s.indexed_pages = full;
     }
-    let on_boundary = end % p == 0 && end > 0;
-    let wanted = (was_prefill && on_boundary) || (cfg.snapshot_interval > 0 && end % cfg.snapshot_interval == 0 && end > 0);
+    let on_boundary = end.is_multiple_of(p) && end > 0;
+    let wanted = (was_prefill && on_boundary)
+        || (cfg.snapshot_interval > 0 && end.is_multiple_of(cfg.snapshot_interval) && end > 0);
     if wanted && !slots.kda_groups.is_empty() {
         for (gi, &g) in slots.kda_groups.iter().enumerate() {
             index.publish_snapshot(pool, &s.tokens[..end], salt, g, s.paged.kda_pages[gi])?;
@@ -586,4 +667,3 @@ fn publish(index: &mut PrefixIndex, pool: &mut PagePool, slots: &LayerSlots, s: 
     }
     Ok(())
 }
-

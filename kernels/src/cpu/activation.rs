@@ -108,7 +108,11 @@ mod tests {
         let sig = |v: f32| 1.0 / (1.0 + (-(v as f64)).exp());
         let mut out = vec![0.0; n];
         silu_mul(&g, &u, &mut out);
-        let want: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| (g as f64 * sig(g) * u as f64) as f32).collect();
+        let want: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| (g as f64 * sig(g) * u as f64) as f32)
+            .collect();
         assert_close(&out, &want, 1e-6, "silu_mul");
         let mut s = g.clone();
         silu_inplace(&mut s);

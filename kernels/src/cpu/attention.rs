@@ -52,10 +52,30 @@ fn attend_block(q1: View, q2: View, lens: &[usize], keys: &Keys, scale: f32, w: 
     debug_assert!(lens.windows(2).all(|p| p[0] <= p[1]) && lmin > 0);
     let dv = keys.v.cols;
     w.scores.resize(rows * smax, 0.0);
-    gemm_nt_seq(q1.data, q1.ld, rows, q1.cols, keys.k1.data, keys.k1.ld, smax, &mut w.scores, smax);
+    gemm_nt_seq(
+        q1.data,
+        q1.ld,
+        rows,
+        q1.cols,
+        keys.k1.data,
+        keys.k1.ld,
+        smax,
+        &mut w.scores,
+        smax,
+    );
     if keys.k2.cols > 0 {
         w.s2.resize(rows * smax, 0.0);
-        gemm_nt_seq(q2.data, q2.ld, rows, q2.cols, keys.k2.data, keys.k2.ld, smax, &mut w.s2, smax);
+        gemm_nt_seq(
+            q2.data,
+            q2.ld,
+            rows,
+            q2.cols,
+            keys.k2.data,
+            keys.k2.ld,
+            smax,
+            &mut w.s2,
+            smax,
+        );
     }
     for (b, &len) in lens.iter().enumerate() {
         let p = &mut w.scores[b * smax..b * smax + len];
@@ -72,7 +92,18 @@ fn attend_block(q1: View, q2: View, lens: &[usize], keys: &Keys, scale: f32, w: 
     // (decode) value rows are streamed once each instead (same chain).
     let shared = if rows >= SHARED_MM_MIN_ROWS { lmin } else { 0 };
     if shared > 0 {
-        mm_strided(&w.scores, smax, rows, shared, keys.v.data, keys.v.ld, dv, &mut w.out, dv, false);
+        mm_strided(
+            &w.scores,
+            smax,
+            rows,
+            shared,
+            keys.v.data,
+            keys.v.ld,
+            dv,
+            &mut w.out,
+            dv,
+            false,
+        );
     } else {
         w.out.fill(0.0);
     }
@@ -113,8 +144,17 @@ simd::multiversion! {
 /// `0..=offset+i`; requires `offset + t == s`. Softmax in f32 with max subtraction.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_causal(
-    q: &[f32], k: &[f32], v: &[f32], t: usize, s: usize, heads: usize, dqk: usize, dv: usize,
-    offset: usize, scale: f32, out: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    t: usize,
+    s: usize,
+    heads: usize,
+    dqk: usize,
+    dv: usize,
+    offset: usize,
+    scale: f32,
+    out: &mut [f32],
 ) {
     assert_eq!(offset + t, s, "attention_causal: offset + t must equal s");
     assert_eq!(q.len(), t * heads * dqk, "attention_causal: q shape");
@@ -131,11 +171,27 @@ pub fn attention_causal(
         let i1 = (i0 + QB).min(t);
         let lens: Vec<usize> = (i0..i1).map(|i| offset + i + 1).collect();
         let ld = heads * dqk;
-        let q1 = View { data: &q[i0 * ld + h * dqk..], ld, cols: dqk };
+        let q1 = View {
+            data: &q[i0 * ld + h * dqk..],
+            ld,
+            cols: dqk,
+        };
         let keys = Keys {
-            k1: View { data: &k[h * dqk..], ld, cols: dqk },
-            k2: View { data: &[], ld: 0, cols: 0 },
-            v: View { data: &v[h * dv..], ld: heads * dv, cols: dv },
+            k1: View {
+                data: &k[h * dqk..],
+                ld,
+                cols: dqk,
+            },
+            k2: View {
+                data: &[],
+                ld: 0,
+                cols: 0,
+            },
+            v: View {
+                data: &v[h * dv..],
+                ld: heads * dv,
+                cols: dv,
+            },
         };
         attend_block(q1, keys.k2, &lens, &keys, scale, w);
         for (b, i) in (i0..i1).enumerate() {
@@ -150,7 +206,9 @@ pub fn attention_causal(
     if units == 1 {
         unit(0, &mut Work::default());
     } else {
-        (0..units).into_par_iter().for_each_init(Work::default, |w, u| unit(u, w));
+        (0..units)
+            .into_par_iter()
+            .for_each_init(Work::default, |w, u| unit(u, w));
     }
 }
 
@@ -162,40 +220,91 @@ pub fn attention_causal(
 /// `out_lat[i, h] = Σ_j p·ckv_j` → out_lat [t, heads, rank]. Requires `offset + t == s`.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_absorbed_attention(
-    q_lat: &[f32], q_pe: &[f32], ckv: &[f32], kpe: &[f32], t: usize, s: usize, heads: usize, rank: usize,
-    dpe: usize, offset: usize, scale: f32, out_lat: &mut [f32],
+    q_lat: &[f32],
+    q_pe: &[f32],
+    ckv: &[f32],
+    kpe: &[f32],
+    t: usize,
+    s: usize,
+    heads: usize,
+    rank: usize,
+    dpe: usize,
+    offset: usize,
+    scale: f32,
+    out_lat: &mut [f32],
 ) {
-    assert_eq!(offset + t, s, "mla_absorbed_attention: offset + t must equal s");
-    assert_eq!(q_lat.len(), t * heads * rank, "mla_absorbed_attention: q_lat shape");
-    assert_eq!(q_pe.len(), t * heads * dpe, "mla_absorbed_attention: q_pe shape");
+    assert_eq!(
+        offset + t,
+        s,
+        "mla_absorbed_attention: offset + t must equal s"
+    );
+    assert_eq!(
+        q_lat.len(),
+        t * heads * rank,
+        "mla_absorbed_attention: q_lat shape"
+    );
+    assert_eq!(
+        q_pe.len(),
+        t * heads * dpe,
+        "mla_absorbed_attention: q_pe shape"
+    );
     assert_eq!(ckv.len(), s * rank, "mla_absorbed_attention: ckv shape");
     assert_eq!(kpe.len(), s * dpe, "mla_absorbed_attention: kpe shape");
-    assert_eq!(out_lat.len(), t * heads * rank, "mla_absorbed_attention: out shape");
+    assert_eq!(
+        out_lat.len(),
+        t * heads * rank,
+        "mla_absorbed_attention: out shape"
+    );
     if t == 0 || heads == 0 || rank == 0 {
         return;
     }
     let keys = Keys {
-        k1: View { data: ckv, ld: rank, cols: rank },
-        k2: View { data: kpe, ld: dpe, cols: dpe },
-        v: View { data: ckv, ld: rank, cols: rank },
+        k1: View {
+            data: ckv,
+            ld: rank,
+            cols: rank,
+        },
+        k2: View {
+            data: kpe,
+            ld: dpe,
+            cols: dpe,
+        },
+        v: View {
+            data: ckv,
+            ld: rank,
+            cols: rank,
+        },
     };
     // All heads share the keys, so a block is consecutive (query, head) rows;
     // smaller blocks when there are few rows, so decode still splits.
     let total = t * heads;
-    let qb = total.div_ceil(2 * rayon::current_num_threads()).clamp(1, QB);
+    let qb = total
+        .div_ceil(2 * rayon::current_num_threads())
+        .clamp(1, QB);
     let unit = |(blk, ob): (usize, &mut [f32]), w: &mut Work| {
         let r0 = blk * qb;
         let n = ob.len() / rank;
         let lens: Vec<usize> = (r0..r0 + n).map(|r| offset + r / heads + 1).collect();
-        let q1 = View { data: &q_lat[r0 * rank..], ld: rank, cols: rank };
-        let q2 = View { data: &q_pe[r0 * dpe..], ld: dpe, cols: dpe };
+        let q1 = View {
+            data: &q_lat[r0 * rank..],
+            ld: rank,
+            cols: rank,
+        };
+        let q2 = View {
+            data: &q_pe[r0 * dpe..],
+            ld: dpe,
+            cols: dpe,
+        };
         attend_block(q1, q2, &lens, &keys, scale, w);
         ob.copy_from_slice(&w.out[..n * rank]);
     };
     if total <= qb {
         unit((0, out_lat), &mut Work::default());
     } else {
-        out_lat.par_chunks_mut(qb * rank).enumerate().for_each_init(Work::default, |w, x| unit(x, w));
+        out_lat
+            .par_chunks_mut(qb * rank)
+            .enumerate()
+            .for_each_init(Work::default, |w, x| unit(x, w));
     }
 }
 
@@ -207,8 +316,13 @@ mod tests {
     /// f64 naive causal attention over per-head key/query vectors given by closures.
     #[allow(clippy::too_many_arguments)]
     fn naive(
-        t: usize, heads: usize, dv: usize, offset: usize, scale: f32,
-        score: impl Fn(usize, usize, usize) -> f64, val: impl Fn(usize, usize, usize) -> f64,
+        t: usize,
+        heads: usize,
+        dv: usize,
+        offset: usize,
+        scale: f32,
+        score: impl Fn(usize, usize, usize) -> f64,
+        val: impl Fn(usize, usize, usize) -> f64,
     ) -> Vec<f32> {
         let mut out = vec![0.0f32; t * heads * dv];
         for i in 0..t {
@@ -219,7 +333,8 @@ mod tests {
                 let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for d in 0..dv {
-                    out[(i * heads + h) * dv + d] = ((0..n).map(|j| e[j] * val(h, j, d)).sum::<f64>() / z) as f32;
+                    out[(i * heads + h) * dv + d] =
+                        ((0..n).map(|j| e[j] * val(h, j, d)).sum::<f64>() / z) as f32;
                 }
             }
         }
@@ -242,15 +357,32 @@ mod tests {
             let q = &qall[offset * heads * dqk..];
             let mut out = vec![f32::NAN; t * heads * dv];
             attention_causal(q, &k, &v, t, s, heads, dqk, dv, offset, scale, &mut out);
-            let want = naive(t, heads, dv, offset, scale,
-                |i, h, j| (0..dqk).map(|d| q[(i * heads + h) * dqk + d] as f64 * k[(j * heads + h) * dqk + d] as f64).sum(),
-                |h, j, d| v[(j * heads + h) * dv + d] as f64);
+            let want = naive(
+                t,
+                heads,
+                dv,
+                offset,
+                scale,
+                |i, h, j| {
+                    (0..dqk)
+                        .map(|d| {
+                            q[(i * heads + h) * dqk + d] as f64
+                                * k[(j * heads + h) * dqk + d] as f64
+                        })
+                        .sum()
+                },
+                |h, j, d| v[(j * heads + h) * dv + d] as f64,
+            );
             assert_close(&out, &want, 2e-6, &format!("offset {offset}"));
             if offset == 0 {
                 full = out;
             } else {
                 // Same queries inside the prefill → identical bits.
-                assert_eq!(out, full[offset * heads * dv..], "offset {offset} vs prefill");
+                assert_eq!(
+                    out,
+                    full[offset * heads * dv..],
+                    "offset {offset} vs prefill"
+                );
             }
         }
     }
@@ -270,20 +402,36 @@ mod tests {
             let q_lat = &q_lat_all[offset * heads * rank..];
             let q_pe = &q_pe_all[offset * heads * dpe..];
             let mut out = vec![f32::NAN; t * heads * rank];
-            mla_absorbed_attention(q_lat, q_pe, &ckv, &kpe, t, s, heads, rank, dpe, offset, scale, &mut out);
+            mla_absorbed_attention(
+                q_lat, q_pe, &ckv, &kpe, t, s, heads, rank, dpe, offset, scale, &mut out,
+            );
             // Expanded: per head, key_j = [ckv_j, kpe_j], query = [q_lat, q_pe], value_j = ckv_j.
-            let want = naive(t, heads, rank, offset, scale,
+            let want = naive(
+                t,
+                heads,
+                rank,
+                offset,
+                scale,
                 |i, h, j| {
                     let r = i * heads + h;
-                    (0..rank).map(|d| q_lat[r * rank + d] as f64 * ckv[j * rank + d] as f64).sum::<f64>()
-                        + (0..dpe).map(|d| q_pe[r * dpe + d] as f64 * kpe[j * dpe + d] as f64).sum::<f64>()
+                    (0..rank)
+                        .map(|d| q_lat[r * rank + d] as f64 * ckv[j * rank + d] as f64)
+                        .sum::<f64>()
+                        + (0..dpe)
+                            .map(|d| q_pe[r * dpe + d] as f64 * kpe[j * dpe + d] as f64)
+                            .sum::<f64>()
                 },
-                |_, j, d| ckv[j * rank + d] as f64);
+                |_, j, d| ckv[j * rank + d] as f64,
+            );
             assert_close(&out, &want, 2e-6, &format!("mla offset {offset}"));
             if offset == 0 {
                 full = out;
             } else {
-                assert_eq!(out, full[offset * heads * rank..], "mla offset {offset} vs prefill");
+                assert_eq!(
+                    out,
+                    full[offset * heads * rank..],
+                    "mla offset {offset} vs prefill"
+                );
             }
         }
     }

@@ -21,15 +21,34 @@ const ROWS_PER_TASK: usize = 16;
 ///   kernel-1 inputs of `state ++ x`.
 ///
 /// `out[t,c] = silu(Σ_j weight[c,j] · xx[t+j, c])` with `xx = state ++ x`.
-pub fn short_conv_silu(x: &[f32], channels: usize, weight: &[f32], kernel: usize, state: &mut [f32], out: &mut [f32]) {
+pub fn short_conv_silu(
+    x: &[f32],
+    channels: usize,
+    weight: &[f32],
+    kernel: usize,
+    state: &mut [f32],
+    out: &mut [f32],
+) {
     assert!(kernel >= 1, "short_conv_silu: kernel must be >= 1");
-    assert_eq!(weight.len(), channels * kernel, "short_conv_silu: weight shape");
-    assert_eq!(state.len(), channels * (kernel - 1), "short_conv_silu: state shape");
+    assert_eq!(
+        weight.len(),
+        channels * kernel,
+        "short_conv_silu: weight shape"
+    );
+    assert_eq!(
+        state.len(),
+        channels * (kernel - 1),
+        "short_conv_silu: state shape"
+    );
     assert_eq!(x.len(), out.len(), "short_conv_silu: x/out length");
     if channels == 0 || x.is_empty() {
         return;
     }
-    assert_eq!(x.len() % channels, 0, "short_conv_silu: x not a multiple of channels");
+    assert_eq!(
+        x.len() % channels,
+        0,
+        "short_conv_silu: x not a multiple of channels"
+    );
     let t_len = x.len() / channels;
     let hist_len = kernel - 1;
     // Time-major copies of the weight ([K, C]) and history ([K-1, C]) so every
@@ -83,7 +102,13 @@ multiversion! {
 
 /// Row `i` of `xx = hist ++ x` (time-major, `channels` wide).
 #[inline(always)]
-fn xx_row<'a>(x: &'a [f32], hist: &'a [f32], channels: usize, hist_len: usize, i: usize) -> &'a [f32] {
+fn xx_row<'a>(
+    x: &'a [f32],
+    hist: &'a [f32],
+    channels: usize,
+    hist_len: usize,
+    i: usize,
+) -> &'a [f32] {
     if i < hist_len {
         &hist[i * channels..(i + 1) * channels]
     } else {
@@ -113,7 +138,11 @@ mod tests {
                 let mut s = 0.0f64;
                 for j in 0..k {
                     let i = ti + j; // index into state ++ x
-                    let v = if i < k - 1 { state[ch * (k - 1) + i] } else { x[(i - (k - 1)) * c + ch] };
+                    let v = if i < k - 1 {
+                        state[ch * (k - 1) + i]
+                    } else {
+                        x[(i - (k - 1)) * c + ch]
+                    };
                     s += w[ch * k + j] as f64 * v as f64;
                 }
                 out[ti * c + ch] = (s / (1.0 + (-s).exp())) as f32;

@@ -73,35 +73,65 @@ pub(crate) fn linear_with(
     assert_eq!(w.len(), out_dim * in_dim, "linear: w shape");
     assert_eq!(out.len(), rows * out_dim, "linear: out shape");
     let parallel = rows * in_dim * out_dim >= PAR_MIN_MACS;
-    gemm(isa, x, in_dim, rows, in_dim, w, in_dim, out_dim, out, out_dim, parallel);
+    gemm(
+        isa, x, in_dim, rows, in_dim, w, in_dim, out_dim, out, out_dim, parallel,
+    );
 }
 
 /// Sequential `linear` on row-strided operands: out[r*ldo + c] =
 /// Σ_k x[r*ldx + k] · w[c*ldw + k] for r < rows, c < n. Same per-element
 /// arithmetic as [`linear`] (used inside already-parallel kernels).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_nt_seq(x: &[f32], ldx: usize, rows: usize, k: usize, w: &[f32], ldw: usize, n: usize, out: &mut [f32], ldo: usize) {
+pub(crate) fn gemm_nt_seq(
+    x: &[f32],
+    ldx: usize,
+    rows: usize,
+    k: usize,
+    w: &[f32],
+    ldw: usize,
+    n: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
     gemm(Isa::detect(), x, ldx, rows, k, w, ldw, n, out, ldo, false);
 }
 
 /// Extent a row-strided matrix needs: (rows-1)·ld + cols, or 0 when empty.
 fn extent(rows: usize, ld: usize, cols: usize) -> usize {
-    if rows == 0 || cols == 0 { 0 } else { (rows - 1) * ld + cols }
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * ld + cols
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
 fn gemm(
-    isa: Isa, x: &[f32], ldx: usize, rows: usize, k: usize, w: &[f32], ldw: usize, n: usize,
-    out: &mut [f32], ldo: usize, parallel: bool,
+    isa: Isa,
+    x: &[f32],
+    ldx: usize,
+    rows: usize,
+    k: usize,
+    w: &[f32],
+    ldw: usize,
+    n: usize,
+    out: &mut [f32],
+    ldo: usize,
+    parallel: bool,
 ) {
     assert!(x.len() >= extent(rows, ldx, k) && ldx >= k, "gemm: x shape");
     assert!(w.len() >= extent(n, ldw, k) && ldw >= k, "gemm: w shape");
-    assert!(out.len() >= extent(rows, ldo, n) && ldo >= n, "gemm: out shape");
+    assert!(
+        out.len() >= extent(rows, ldo, n) && ldo >= n,
+        "gemm: out shape"
+    );
     if rows == 0 || n == 0 {
         return;
     }
     if k == 0 {
-        out.chunks_mut(ldo).take(rows).for_each(|r| r[..n].fill(0.0));
+        out.chunks_mut(ldo)
+            .take(rows)
+            .for_each(|r| r[..n].fill(0.0));
         return;
     }
     let xp = pack_x(x, ldx, rows, k, parallel);
@@ -114,7 +144,17 @@ fn gemm(
         let (mi, ni) = (t % m_blocks, t / m_blocks);
         let (m0, n0) = (mi * mb, ni * NB);
         let (m1, n1) = ((m0 + mb).min(rows), (n0 + NB).min(n));
-        let g = Geom { xp: &xp, w, ldw, k, ldo, m0, m1, n0, n1 };
+        let g = Geom {
+            xp: &xp,
+            w,
+            ldw,
+            k,
+            ldo,
+            m0,
+            m1,
+            n0,
+            n1,
+        };
         // SAFETY: tasks cover disjoint [m0,m1)×[n0,n1) tiles of `out`, which
         // outlives this call; all indices stay inside the asserted extents.
         unsafe {
@@ -129,7 +169,9 @@ fn gemm(
         let mut scratch = Scratch::default();
         (0..tasks).for_each(|t| task(t, &mut scratch));
     } else {
-        (0..tasks).into_par_iter().for_each_init(Scratch::default, |s, t| task(t, s));
+        (0..tasks)
+            .into_par_iter()
+            .for_each_init(Scratch::default, |s, t| task(t, s));
     }
 }
 
@@ -253,7 +295,9 @@ fn pack(src: &[f32], ld: usize, r0: usize, n: usize, k0: usize, klen: usize, dst
     for r in 0..n {
         let row = &src[(r0 + r) * ld + k0..(r0 + r) * ld + k0 + klen];
         for (s, chunk) in row.chunks_exact(LANES).enumerate() {
-            let d: &mut [f32; LANES] = (&mut dst[(s * n + r) * LANES..(s * n + r + 1) * LANES]).try_into().unwrap();
+            let d: &mut [f32; LANES] = (&mut dst[(s * n + r) * LANES..(s * n + r + 1) * LANES])
+                .try_into()
+                .unwrap();
             *d = chunk.try_into().unwrap();
         }
         if steps > full {
@@ -291,7 +335,15 @@ unsafe fn run_task<M: Micro>(g: &Geom, sc: &mut Scratch, out: *mut f32) {
             let mut c = 0;
             while c < nc {
                 let cc = (nc - c).min(PACKED_COLS);
-                pack(g.w, g.ldw, g.n0 + c, cc, k0, klen, &mut wp[c * kc..(c + cc) * kc]);
+                pack(
+                    g.w,
+                    g.ldw,
+                    g.n0 + c,
+                    cc,
+                    k0,
+                    klen,
+                    &mut wp[c * kc..(c + cc) * kc],
+                );
                 c += cc;
             }
         }
@@ -391,17 +443,21 @@ unsafe fn avx2_tile<const R: usize, const C: usize>(t: &Tile) {
     let steps = t.klen / LANES;
     let tail = t.klen % LANES;
     for s in 0..steps {
-        avx2_step::<R, C>(&mut acc, |r| _mm256_loadu_ps(t.x.add(r * t.ldx + s * t.sx)), |c| {
-            _mm256_loadu_ps(t.w.add(c * t.ldw + s * t.sw))
-        });
+        avx2_step::<R, C>(
+            &mut acc,
+            |r| _mm256_loadu_ps(t.x.add(r * t.ldx + s * t.sx)),
+            |c| _mm256_loadu_ps(t.w.add(c * t.ldw + s * t.sw)),
+        );
     }
     if tail > 0 {
         // Zero-padded final step: masked loads never touch memory past `k`.
         let s = steps;
         let mask = _mm256_loadu_si256(TAIL_MASK.as_ptr().add(LANES - tail) as *const __m256i);
-        avx2_step::<R, C>(&mut acc, |r| _mm256_maskload_ps(t.x.add(r * t.ldx + s * t.sx), mask), |c| {
-            _mm256_maskload_ps(t.w.add(c * t.ldw + s * t.sw), mask)
-        });
+        avx2_step::<R, C>(
+            &mut acc,
+            |r| _mm256_maskload_ps(t.x.add(r * t.ldx + s * t.sx), mask),
+            |c| _mm256_maskload_ps(t.w.add(c * t.ldw + s * t.sw), mask),
+        );
     }
     for (r, row) in acc.iter().enumerate() {
         for (c, a) in row.iter().enumerate() {
@@ -495,11 +551,13 @@ impl Micro for Portable {
             let n = LANES.min(t.klen - off);
             let mut xv = [[0.0f32; LANES]; R];
             for (r, v) in xv.iter_mut().enumerate() {
-                v[..n].copy_from_slice(std::slice::from_raw_parts(t.x.add(r * t.ldx + s * t.sx), n));
+                v[..n]
+                    .copy_from_slice(std::slice::from_raw_parts(t.x.add(r * t.ldx + s * t.sx), n));
             }
             for c in 0..C {
                 let mut wv = [0.0f32; LANES];
-                wv[..n].copy_from_slice(std::slice::from_raw_parts(t.w.add(c * t.ldw + s * t.sw), n));
+                wv[..n]
+                    .copy_from_slice(std::slice::from_raw_parts(t.w.add(c * t.ldw + s * t.sw), n));
                 for r in 0..R {
                     for l in 0..LANES {
                         acc[r][c][l] = fmadd(xv[r][l], wv[l], acc[r][c][l]);

@@ -7,7 +7,9 @@ fn naive(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
     let mut o = vec![0.0f32; m * n];
     for i in 0..m {
         for j in 0..n {
-            let s: f64 = (0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum();
+            let s: f64 = (0..k)
+                .map(|p| x[i * k + p] as f64 * w[j * k + p] as f64)
+                .sum();
             o[i * n + j] = s as f32;
         }
     }
@@ -25,7 +27,16 @@ fn isas() -> Vec<Isa> {
 #[test]
 fn matches_naive_on_odd_shapes() {
     let mut rng = Rng::new(1);
-    let shapes = [(1, 1, 1), (3, 17, 5), (37, 300, 129), (64, 1024, 1000), (5, 7, 2), (2, 513, 50), (20, 1100, 7), (150, 70, 50)];
+    let shapes = [
+        (1, 1, 1),
+        (3, 17, 5),
+        (37, 300, 129),
+        (64, 1024, 1000),
+        (5, 7, 2),
+        (2, 513, 50),
+        (20, 1100, 7),
+        (150, 70, 50),
+    ];
     for &(m, k, n) in &shapes {
         let x = rng.vec(m * k, 1.0);
         let w = rng.vec(n * k, 1.0);
@@ -33,7 +44,12 @@ fn matches_naive_on_odd_shapes() {
         for isa in isas() {
             let mut out = vec![f32::NAN; m * n];
             linear_with(isa, &x, m, k, &w, n, &mut out);
-            assert_close(&out, &want, 1e-5 * (k as f32).sqrt(), &format!("{isa:?} {m}x{k}->{n}"));
+            assert_close(
+                &out,
+                &want,
+                1e-5 * (k as f32).sqrt(),
+                &format!("{isa:?} {m}x{k}->{n}"),
+            );
         }
     }
 }
@@ -59,7 +75,11 @@ fn rows_are_bitwise_independent_of_batch() {
                 let row = &batch[r * k..(r + 1) * k];
                 let mut alone = vec![0.0f32; n];
                 linear_with(isa, row, 1, k, &w, n, &mut alone);
-                assert_eq!(bits(&alone), bits(&full[r * n..(r + 1) * n]), "{isa:?} alone r={r}");
+                assert_eq!(
+                    bits(&alone),
+                    bits(&full[r * n..(r + 1) * n]),
+                    "{isa:?} alone r={r}"
+                );
                 // 138 rows: block 0 (128 rows, packed weights) and
                 // block 1 (10 rows, unpacked; rows 136-137 form a 2-row edge tile).
                 let m = 138;
@@ -68,7 +88,11 @@ fn rows_are_bitwise_independent_of_batch() {
                     big[at * k..(at + 1) * k].copy_from_slice(row);
                     let mut out = vec![0.0f32; m * n];
                     linear_with(isa, &big, m, k, &w, n, &mut out);
-                    assert_eq!(bits(&out[at * n..(at + 1) * n]), bits(&alone), "{isa:?} at={at}");
+                    assert_eq!(
+                        bits(&out[at * n..(at + 1) * n]),
+                        bits(&alone),
+                        "{isa:?} at={at}"
+                    );
                 }
             }
         }
@@ -82,7 +106,10 @@ fn independent_of_thread_count() {
     let x = rng.vec(m * k, 1.0);
     let w = rng.vec(n * k, 1.0);
     let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
         let mut out = vec![0.0f32; m * n];
         pool.install(|| linear(&x, m, k, &w, n, &mut out));
         out

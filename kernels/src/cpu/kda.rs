@@ -28,7 +28,18 @@ struct Dims {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn check(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], heads: usize, dk: usize, dv: usize, state: &[f32], out: &[f32]) -> Dims {
+fn check(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    heads: usize,
+    dk: usize,
+    dv: usize,
+    state: &[f32],
+    out: &[f32],
+) -> Dims {
     assert!(heads > 0 && dk > 0 && dv > 0, "kda: zero dimension");
     let t = beta.len() / heads;
     assert_eq!(beta.len(), t * heads, "kda: beta shape");
@@ -43,7 +54,12 @@ fn check(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], heads: usize,
 
 /// Runs `f(head, state_h, out_h)` for every head in parallel, where `out_h`
 /// is a [T, dv] scratch that is then scattered into `out` [T, heads, dv].
-fn per_head(d: Dims, state: &mut [f32], out: &mut [f32], f: impl Fn(usize, &mut [f32], &mut [f32]) + Sync) {
+fn per_head(
+    d: Dims,
+    state: &mut [f32],
+    out: &mut [f32],
+    f: impl Fn(usize, &mut [f32], &mut [f32]) + Sync,
+) {
     let outp = SyncPtr::new(out);
     let head = |(h, s): (usize, &mut [f32])| {
         let mut oh = vec![0.0f32; d.t * d.dv];
@@ -69,15 +85,26 @@ fn per_head(d: Dims, state: &mut [f32], out: &mut [f32], f: impl Fn(usize, &mut 
 /// overwritten with the final state; out: [T, heads, dv].
 #[allow(clippy::too_many_arguments)]
 pub fn kda_recurrent(
-    q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32],
-    heads: usize, dk: usize, dv: usize, scale: f32, state: &mut [f32], out: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    heads: usize,
+    dk: usize,
+    dv: usize,
+    scale: f32,
+    state: &mut [f32],
+    out: &mut [f32],
 ) {
     let d = check(q, k, v, g, beta, heads, dk, dv, state, out);
     if d.t == 0 {
         return;
     }
     let inp = Inputs { q, k, v, g, beta };
-    per_head(d, state, out, |h, s, oh| recurrent_head(&inp, d.t, d.heads, d.dk, d.dv, h, scale, s, oh));
+    per_head(d, state, out, |h, s, oh| {
+        recurrent_head(&inp, d.t, d.heads, d.dk, d.dv, h, scale, s, oh)
+    });
 }
 
 /// Per-token inputs of one call, [T, heads, ·] layouts.
@@ -130,8 +157,18 @@ multiversion! {
 /// last chunk may be partial. Matches the recurrent form to f32 rounding.
 #[allow(clippy::too_many_arguments)]
 pub fn kda_chunked(
-    q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32],
-    heads: usize, dk: usize, dv: usize, scale: f32, chunk: usize, state: &mut [f32], out: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    heads: usize,
+    dk: usize,
+    dv: usize,
+    scale: f32,
+    chunk: usize,
+    state: &mut [f32],
+    out: &mut [f32],
 ) {
     assert!(chunk > 0, "kda_chunked: chunk must be > 0");
     let d = check(q, k, v, g, beta, heads, dk, dv, state, out);
@@ -144,7 +181,19 @@ pub fn kda_chunked(
         let mut c0 = 0;
         while c0 < d.t {
             let len = chunk.min(d.t - c0);
-            chunk_step(&inp, d.heads, dk, dv, h, scale, c0, len, &mut ws, s, &mut oh[c0 * dv..(c0 + len) * dv]);
+            chunk_step(
+                &inp,
+                d.heads,
+                dk,
+                dv,
+                h,
+                scale,
+                c0,
+                len,
+                &mut ws,
+                s,
+                &mut oh[c0 * dv..(c0 + len) * dv],
+            );
             c0 += len;
         }
     });
@@ -152,27 +201,38 @@ pub fn kda_chunked(
 
 /// Per-head scratch for one chunk of up to `c` tokens.
 struct Workspace {
-    qs: Vec<f32>,  // [c, dk] scale·q
-    kc: Vec<f32>,  // [c, dk] k
-    gc: Vec<f32>,  // [c, dk] cumulative log decay within the chunk
+    qs: Vec<f32>,   // [c, dk] scale·q
+    kc: Vec<f32>,   // [c, dk] k
+    gc: Vec<f32>,   // [c, dk] cumulative log decay within the chunk
     beta: Vec<f32>, // [c]
-    a: Vec<f32>,   // [c, c] strictly lower -β k kᵀ decay, then (I - that)⁻¹ via the solve
-    qk: Vec<f32>,  // [c, c] lower (incl. diag) q kᵀ decay
-    u: Vec<f32>,   // [c, dv] A·(β v), then v_new
-    w: Vec<f32>,   // [c, dk] A·(β k ⊙ exp(gc)) (k_cumdecay)
-    tmp: Vec<f32>, // [c, max(dk, dv)] staging for matmul operands/results
-    o: Vec<f32>,   // [c, dv]
-    kdt: Vec<f32>, // [dk, c] (k ⊙ exp(g_last − gc))ᵀ
-    row: Vec<f32>, // [c]
-    kw: Vec<f32>,  // [dk] one decayed key row
+    a: Vec<f32>,    // [c, c] strictly lower -β k kᵀ decay, then (I - that)⁻¹ via the solve
+    qk: Vec<f32>,   // [c, c] lower (incl. diag) q kᵀ decay
+    u: Vec<f32>,    // [c, dv] A·(β v), then v_new
+    w: Vec<f32>,    // [c, dk] A·(β k ⊙ exp(gc)) (k_cumdecay)
+    tmp: Vec<f32>,  // [c, max(dk, dv)] staging for matmul operands/results
+    o: Vec<f32>,    // [c, dv]
+    kdt: Vec<f32>,  // [dk, c] (k ⊙ exp(g_last − gc))ᵀ
+    row: Vec<f32>,  // [c]
+    kw: Vec<f32>,   // [dk] one decayed key row
 }
 
 impl Workspace {
     fn new(c: usize, dk: usize, dv: usize) -> Self {
         let z = |n: usize| vec![0.0f32; n];
         Workspace {
-            qs: z(c * dk), kc: z(c * dk), gc: z(c * dk), beta: z(c), a: z(c * c), qk: z(c * c),
-            u: z(c * dv), w: z(c * dk), tmp: z(c * dk.max(dv)), o: z(c * dv), kdt: z(dk * c), row: z(c), kw: z(dk),
+            qs: z(c * dk),
+            kc: z(c * dk),
+            gc: z(c * dk),
+            beta: z(c),
+            a: z(c * c),
+            qk: z(c * c),
+            u: z(c * dv),
+            w: z(c * dk),
+            tmp: z(c * dk.max(dv)),
+            o: z(c * dv),
+            kdt: z(dk * c),
+            row: z(c),
+            kw: z(dk),
         }
     }
 }
@@ -181,7 +241,14 @@ impl Workspace {
 /// decayed key goes through `kw` once (a plain loop, so the exps vectorise)
 /// and feeds both dot products.
 #[inline(always)]
-fn decay_dots(ki: &[f32], qi: &[f32], kj: &[f32], gi: &[f32], gj: &[f32], kw: &mut [f32]) -> (f32, f32) {
+fn decay_dots(
+    ki: &[f32],
+    qi: &[f32],
+    kj: &[f32],
+    gi: &[f32],
+    gj: &[f32],
+    kw: &mut [f32],
+) -> (f32, f32) {
     for ((w, &k), (&a, &b)) in kw.iter_mut().zip(kj).zip(gi.iter().zip(gj)) {
         *w = k * simd::exp(a - b);
     }

@@ -31,9 +31,22 @@ fn case(seed: u64, t: usize, heads: usize, dk: usize, dv: usize) -> Case {
     l2(&mut k, dk);
     // Log decays in [-1.5, 0): a mix of slow and fast channels, so a 64-token
     // chunk spans cumulative decays far below exp's range (-87).
-    let g = (0..t * heads * dk).map(|_| -1.5 * rng.unit().powi(3) - 1e-3).collect();
+    let g = (0..t * heads * dk)
+        .map(|_| -1.5 * rng.unit().powi(3) - 1e-3)
+        .collect();
     let beta = (0..t * heads).map(|_| rng.unit()).collect();
-    Case { t, heads, dk, dv, q, k, v: rng.vec(t * heads * dv, 1.0), g, beta, state: rng.vec(heads * dk * dv, 0.5) }
+    Case {
+        t,
+        heads,
+        dk,
+        dv,
+        q,
+        k,
+        v: rng.vec(t * heads * dv, 1.0),
+        g,
+        beta,
+        state: rng.vec(heads * dk * dv, 0.5),
+    }
 }
 
 /// Direct f64 transcription of the recurrence (transformers' recurrent_kimi_delta_attention).
@@ -50,12 +63,16 @@ fn reference(c: &Case, scale: f32) -> (Vec<f32>, Vec<f32>) {
                 s[i * dv..(i + 1) * dv].iter_mut().for_each(|v| *v *= e);
             }
             for j in 0..dv {
-                let kv: f64 = (0..dk).map(|i| s[i * dv + j] * c.k[r * dk + i] as f64).sum();
+                let kv: f64 = (0..dk)
+                    .map(|i| s[i * dv + j] * c.k[r * dk + i] as f64)
+                    .sum();
                 let delta = c.beta[r] as f64 * (c.v[r * dv + j] as f64 - kv);
                 for i in 0..dk {
                     s[i * dv + j] += c.k[r * dk + i] as f64 * delta;
                 }
-                out[r * dv + j] = (0..dk).map(|i| s[i * dv + j] * c.q[r * dk + i] as f64 * scale as f64).sum::<f64>() as f32;
+                out[r * dv + j] = (0..dk)
+                    .map(|i| s[i * dv + j] * c.q[r * dk + i] as f64 * scale as f64)
+                    .sum::<f64>() as f32;
             }
         }
     }
@@ -65,14 +82,18 @@ fn reference(c: &Case, scale: f32) -> (Vec<f32>, Vec<f32>) {
 fn run_recurrent(c: &Case, scale: f32) -> (Vec<f32>, Vec<f32>) {
     let mut st = c.state.clone();
     let mut out = vec![f32::NAN; c.t * c.heads * c.dv];
-    kda_recurrent(&c.q, &c.k, &c.v, &c.g, &c.beta, c.heads, c.dk, c.dv, scale, &mut st, &mut out);
+    kda_recurrent(
+        &c.q, &c.k, &c.v, &c.g, &c.beta, c.heads, c.dk, c.dv, scale, &mut st, &mut out,
+    );
     (out, st)
 }
 
 fn run_chunked(c: &Case, scale: f32, chunk: usize) -> (Vec<f32>, Vec<f32>) {
     let mut st = c.state.clone();
     let mut out = vec![f32::NAN; c.t * c.heads * c.dv];
-    kda_chunked(&c.q, &c.k, &c.v, &c.g, &c.beta, c.heads, c.dk, c.dv, scale, chunk, &mut st, &mut out);
+    kda_chunked(
+        &c.q, &c.k, &c.v, &c.g, &c.beta, c.heads, c.dk, c.dv, scale, chunk, &mut st, &mut out,
+    );
     (out, st)
 }
 
@@ -96,7 +117,10 @@ fn chunked_matches_recurrent() {
                 let (ro, rs) = run_recurrent(&c, scale);
                 let (co, cs) = run_chunked(&c, scale, chunk);
                 let (eo, es) = (rel_err(&co, &ro), rel_err(&cs, &rs));
-                assert!(eo < 1e-5 && es < 1e-5, "T={t} chunk={chunk} dk={dk}: out err {eo}, state err {es}");
+                assert!(
+                    eo < 1e-5 && es < 1e-5,
+                    "T={t} chunk={chunk} dk={dk}: out err {eo}, state err {es}"
+                );
             }
         }
     }
@@ -114,8 +138,18 @@ fn chunked_split_calls_continue_state() {
     let mut out = vec![0.0; c.t * hv];
     for (a, b) in [(0, split), (split, c.t)] {
         kda_chunked(
-            &c.q[a * hk..b * hk], &c.k[a * hk..b * hk], &c.v[a * hv..b * hv], &c.g[a * hk..b * hk],
-            &c.beta[a * c.heads..b * c.heads], c.heads, c.dk, c.dv, scale, 32, &mut st, &mut out[a * hv..b * hv],
+            &c.q[a * hk..b * hk],
+            &c.k[a * hk..b * hk],
+            &c.v[a * hv..b * hv],
+            &c.g[a * hk..b * hk],
+            &c.beta[a * c.heads..b * c.heads],
+            c.heads,
+            c.dk,
+            c.dv,
+            scale,
+            32,
+            &mut st,
+            &mut out[a * hv..b * hv],
         );
     }
     assert!(rel_err(&out, &whole) < 1e-5 && rel_err(&st, &ws) < 1e-5);

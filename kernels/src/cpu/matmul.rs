@@ -35,19 +35,49 @@ pub fn matmul(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, out: &mut [f32
 
 /// Sequential c[m, n] (+)= a[m, k] · b[k, n]; with `accumulate` the FMA chain
 /// starts from the existing `c` instead of 0.
-pub(crate) fn mm_seq(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], accumulate: bool) {
+pub(crate) fn mm_seq(
+    a: &[f32],
+    m: usize,
+    k: usize,
+    b: &[f32],
+    n: usize,
+    c: &mut [f32],
+    accumulate: bool,
+) {
     mm_strided(a, k, m, k, b, n, n, c, n, accumulate);
 }
 
 /// [`mm_seq`] on row-strided operands (row `i` of `a` at `a[i*lda..]`, etc.).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mm_strided(
-    a: &[f32], lda: usize, m: usize, k: usize, b: &[f32], ldb: usize, n: usize, c: &mut [f32], ldc: usize,
+    a: &[f32],
+    lda: usize,
+    m: usize,
+    k: usize,
+    b: &[f32],
+    ldb: usize,
+    n: usize,
+    c: &mut [f32],
+    ldc: usize,
     accumulate: bool,
 ) {
-    let extent = |rows: usize, ld: usize, cols: usize| if rows == 0 || cols == 0 { 0 } else { (rows - 1) * ld + cols };
-    assert!(lda >= k && ldb >= n && ldc >= n, "mm: leading dimension too small");
-    assert!(a.len() >= extent(m, lda, k) && b.len() >= extent(k, ldb, n) && c.len() >= extent(m, ldc, n), "mm: shape");
+    let extent = |rows: usize, ld: usize, cols: usize| {
+        if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * ld + cols
+        }
+    };
+    assert!(
+        lda >= k && ldb >= n && ldc >= n,
+        "mm: leading dimension too small"
+    );
+    assert!(
+        a.len() >= extent(m, lda, k)
+            && b.len() >= extent(k, ldb, n)
+            && c.len() >= extent(m, ldc, n),
+        "mm: shape"
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -80,7 +110,16 @@ struct Strides {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn mm_portable(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], g: Strides, accumulate: bool) {
+fn mm_portable(
+    a: &[f32],
+    m: usize,
+    k: usize,
+    b: &[f32],
+    n: usize,
+    c: &mut [f32],
+    g: Strides,
+    accumulate: bool,
+) {
     for i in 0..m {
         let ci = &mut c[i * g.ldc..i * g.ldc + n];
         if !accumulate {
@@ -113,7 +152,10 @@ mod avx2 {
         let av = _mm256_set1_ps(a);
         let mut i = 0;
         while i + 8 <= n {
-            _mm256_storeu_ps(yp.add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(yp.add(i))));
+            _mm256_storeu_ps(
+                yp.add(i),
+                _mm256_fmadd_ps(av, _mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(yp.add(i))),
+            );
             i += 8;
         }
         for j in i..n {
@@ -123,7 +165,16 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn mm(a: &[f32], m: usize, k: usize, b: &[f32], n: usize, c: &mut [f32], g: super::Strides, acc: bool) {
+    pub(super) unsafe fn mm(
+        a: &[f32],
+        m: usize,
+        k: usize,
+        b: &[f32],
+        n: usize,
+        c: &mut [f32],
+        g: super::Strides,
+        acc: bool,
+    ) {
         let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
         let mut i = 0;
         while i < m {
@@ -133,8 +184,20 @@ mod avx2 {
                 let cols = (n - j).min(V * 8);
                 let nv = cols.div_ceil(8);
                 let rem = cols % 8;
-                let mask = _mm256_loadu_si256(TAIL_MASK.as_ptr().add(if rem == 0 { 0 } else { 8 - rem }) as *const __m256i);
-                let t = T { a: ap.add(i * g.lda), lda: g.lda, b: bp.add(j), ldb: g.ldb, k, c: cp.add(i * g.ldc + j), ldc: g.ldc, acc, mask };
+                let mask =
+                    _mm256_loadu_si256(TAIL_MASK.as_ptr().add(if rem == 0 { 0 } else { 8 - rem })
+                        as *const __m256i);
+                let t = T {
+                    a: ap.add(i * g.lda),
+                    lda: g.lda,
+                    b: bp.add(j),
+                    ldb: g.ldb,
+                    k,
+                    c: cp.add(i * g.ldc + j),
+                    ldc: g.ldc,
+                    acc,
+                    mask,
+                };
                 macro_rules! go {
                     ($($r:literal, $v:literal);*) => {
                         match (r, nv, rem != 0) {
@@ -176,7 +239,11 @@ mod avx2 {
             for (r, row) in acc.iter_mut().enumerate() {
                 for (v, x) in row.iter_mut().enumerate() {
                     let ptr = t.c.add(r * t.ldc + v * 8);
-                    *x = if MASKED && v + 1 == NV { _mm256_maskload_ps(ptr, t.mask) } else { _mm256_loadu_ps(ptr) };
+                    *x = if MASKED && v + 1 == NV {
+                        _mm256_maskload_ps(ptr, t.mask)
+                    } else {
+                        _mm256_loadu_ps(ptr)
+                    };
                 }
             }
         }
@@ -184,7 +251,11 @@ mod avx2 {
             let mut bv = [_mm256_setzero_ps(); NV];
             for (v, x) in bv.iter_mut().enumerate() {
                 let ptr = t.b.add(p * t.ldb + v * 8);
-                *x = if MASKED && v + 1 == NV { _mm256_maskload_ps(ptr, t.mask) } else { _mm256_loadu_ps(ptr) };
+                *x = if MASKED && v + 1 == NV {
+                    _mm256_maskload_ps(ptr, t.mask)
+                } else {
+                    _mm256_loadu_ps(ptr)
+                };
             }
             for r in 0..R {
                 let av = _mm256_broadcast_ss(&*t.a.add(r * t.lda + p));
@@ -215,7 +286,9 @@ mod tests {
         let mut o = vec![0.0f32; m * n];
         for i in 0..m {
             for j in 0..n {
-                o[i * n + j] = (0..k).map(|p| a[i * k + p] as f64 * b[p * n + j] as f64).sum::<f64>() as f32;
+                o[i * n + j] = (0..k)
+                    .map(|p| a[i * k + p] as f64 * b[p * n + j] as f64)
+                    .sum::<f64>() as f32;
             }
         }
         o
@@ -224,15 +297,40 @@ mod tests {
     #[test]
     fn matches_naive() {
         let mut rng = Rng::new(11);
-        for &(m, k, n) in &[(1, 1, 1), (3, 17, 5), (37, 64, 129), (64, 128, 128), (5, 3, 24), (9, 200, 23)] {
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (3, 17, 5),
+            (37, 64, 129),
+            (64, 128, 128),
+            (5, 3, 24),
+            (9, 200, 23),
+        ] {
             let a = rng.vec(m * k, 1.0);
             let b = rng.vec(k * n, 1.0);
             let want = naive(&a, m, k, &b, n);
             let mut out = vec![f32::NAN; m * n];
             matmul(&a, m, k, &b, n, &mut out);
-            assert_close(&out, &want, 1e-5 * (k as f32).sqrt(), &format!("{m}x{k}x{n}"));
+            assert_close(
+                &out,
+                &want,
+                1e-5 * (k as f32).sqrt(),
+                &format!("{m}x{k}x{n}"),
+            );
             let mut p = vec![f32::NAN; m * n];
-            mm_portable(&a, m, k, &b, n, &mut p, Strides { lda: k, ldb: n, ldc: n }, false);
+            mm_portable(
+                &a,
+                m,
+                k,
+                &b,
+                n,
+                &mut p,
+                Strides {
+                    lda: k,
+                    ldb: n,
+                    ldc: n,
+                },
+                false,
+            );
             assert_close(&p, &want, 1e-5 * (k as f32).sqrt(), "portable");
             // accumulate: c = want + a·b
             let mut c = want.clone();

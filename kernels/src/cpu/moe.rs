@@ -24,7 +24,10 @@ fn desc(vals: &[f32]) -> impl Fn(&usize, &usize) -> std::cmp::Ordering + '_ {
     move |&a, &b| {
         let (x, y) = (vals[a], vals[b]);
         let key = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
-        key(y).partial_cmp(&key(x)).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b))
+        key(y)
+            .partial_cmp(&key(x))
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
     }
 }
 
@@ -36,12 +39,23 @@ fn desc(vals: &[f32]) -> impl Fn(&usize, &usize) -> std::cmp::Ordering + '_ {
 /// `choice` order) and weighted by their `scores` (not `choice`), optionally
 /// renormalised by `sum + 1e-20`, then multiplied by `scaling`.
 /// `idx`, `weight`: [T, top_k].
-pub fn route_sigmoid_grouped(logits: &[f32], experts: usize, bias: &[f32], cfg: &MoeRouting, idx: &mut [u32], weight: &mut [f32]) {
+pub fn route_sigmoid_grouped(
+    logits: &[f32],
+    experts: usize,
+    bias: &[f32],
+    cfg: &MoeRouting,
+    idx: &mut [u32],
+    weight: &mut [f32],
+) {
     assert!(experts > 0, "route: experts must be > 0");
     assert_eq!(logits.len() % experts, 0, "route: logits shape");
     assert_eq!(bias.len(), experts, "route: bias length");
     let n_group = cfg.n_group.max(1);
-    assert_eq!(experts % n_group, 0, "route: experts not divisible by n_group");
+    assert_eq!(
+        experts % n_group,
+        0,
+        "route: experts not divisible by n_group"
+    );
     assert!(cfg.top_k <= experts, "route: top_k > experts");
     let t = logits.len() / experts;
     assert_eq!(idx.len(), t * cfg.top_k, "route: idx shape");
@@ -77,7 +91,10 @@ pub fn route_sigmoid_grouped(logits: &[f32], experts: usize, bias: &[f32], cfg: 
         order.clear();
         order.extend(0..experts);
         order.sort_by(desc(&choice));
-        let (oi, ow) = (&mut idx[tok * cfg.top_k..(tok + 1) * cfg.top_k], &mut weight[tok * cfg.top_k..(tok + 1) * cfg.top_k]);
+        let (oi, ow) = (
+            &mut idx[tok * cfg.top_k..(tok + 1) * cfg.top_k],
+            &mut weight[tok * cfg.top_k..(tok + 1) * cfg.top_k],
+        );
         for (slot, &e) in order[..cfg.top_k].iter().enumerate() {
             oi[slot] = e as u32;
             ow[slot] = scores[e];
@@ -106,12 +123,22 @@ mod tests {
         let bias = [0.0; 8];
         let mut idx = [0u32; 2];
         let mut w = [0.0f32; 2];
-        let grouped = MoeRouting { n_group: 4, topk_group: 2, top_k: 2, renormalize: false, scaling: 1.0 };
+        let grouped = MoeRouting {
+            n_group: 4,
+            topk_group: 2,
+            top_k: 2,
+            renormalize: false,
+            scaling: 1.0,
+        };
         route_sigmoid_grouped(&logits, 8, &bias, &grouped, &mut idx, &mut w);
         assert_eq!(idx, [2, 3]);
         assert!((w[0] - 0.6).abs() < 1e-6 && (w[1] - 0.59).abs() < 1e-6);
         // Without grouping the two best experts win.
-        let flat = MoeRouting { n_group: 1, topk_group: 1, ..grouped };
+        let flat = MoeRouting {
+            n_group: 1,
+            topk_group: 1,
+            ..grouped
+        };
         route_sigmoid_grouped(&logits, 8, &bias, &flat, &mut idx, &mut w);
         assert_eq!(idx, [0, 6]);
     }
@@ -121,7 +148,13 @@ mod tests {
         let p = [0.9f32, 0.8, 0.3, 0.2];
         let logits: Vec<f32> = p.iter().map(|&p| logit(p)).collect();
         let bias = [0.0, 0.0, 1.0, 0.0]; // expert 2's choice = 1.3 (best)
-        let cfg = MoeRouting { n_group: 1, topk_group: 1, top_k: 2, renormalize: true, scaling: 2.5 };
+        let cfg = MoeRouting {
+            n_group: 1,
+            topk_group: 1,
+            top_k: 2,
+            renormalize: true,
+            scaling: 2.5,
+        };
         let (mut idx, mut w) = ([0u32; 4], [0.0f32; 4]);
         // Two tokens: the second has bias-free-equivalent logits reversed.
         let mut two = logits.clone();
@@ -141,7 +174,13 @@ mod tests {
         // though g0 holds the single best expert.
         let p = [0.9f32, 0.1, 0.6, 0.55];
         let logits: Vec<f32> = p.iter().map(|&p| logit(p)).collect();
-        let cfg = MoeRouting { n_group: 2, topk_group: 1, top_k: 1, renormalize: false, scaling: 1.0 };
+        let cfg = MoeRouting {
+            n_group: 2,
+            topk_group: 1,
+            top_k: 1,
+            renormalize: false,
+            scaling: 1.0,
+        };
         let (mut idx, mut w) = ([0u32; 1], [0.0f32; 1]);
         route_sigmoid_grouped(&logits, 4, &[0.0; 4], &cfg, &mut idx, &mut w);
         assert_eq!(idx, [2]);

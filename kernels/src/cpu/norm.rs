@@ -32,7 +32,14 @@ pub fn rms_norm(x: &[f32], dim: usize, weight: &[f32], eps: f32, out: &mut [f32]
 }
 
 /// `rms_norm(x) · sigmoid(gate)`; `gate` has the shape of `x`.
-pub fn rms_norm_gated(x: &[f32], dim: usize, weight: &[f32], gate: &[f32], eps: f32, out: &mut [f32]) {
+pub fn rms_norm_gated(
+    x: &[f32],
+    dim: usize,
+    weight: &[f32],
+    gate: &[f32],
+    eps: f32,
+    out: &mut [f32],
+) {
     assert_eq!(x.len(), out.len(), "rms_norm_gated: x/out length");
     assert_eq!(gate.len(), x.len(), "rms_norm_gated: gate length");
     assert_eq!(weight.len(), dim, "rms_norm_gated: weight length");
@@ -128,7 +135,12 @@ mod tests {
         let mut y = vec![3.0f32, 4.0, 0.0, 0.0];
         l2_normalize(&mut y, 2, 1e-6);
         let n = (25.0f64 + 1e-6).sqrt();
-        assert_close(&y, &[(3.0 / n) as f32, (4.0 / n) as f32, 0.0, 0.0], 1e-7, "l2");
+        assert_close(
+            &y,
+            &[(3.0 / n) as f32, (4.0 / n) as f32, 0.0, 0.0],
+            1e-7,
+            "l2",
+        );
         // eps=11 distinguishes "+eps" (norm 6) from "max(norm, eps)" (norm 11).
         let mut z = vec![3.0f32, 4.0];
         l2_normalize(&mut z, 2, 11.0);

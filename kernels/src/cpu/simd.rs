@@ -121,7 +121,12 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: features checked; both slices hold at least n elements.
         return unsafe { avx2::dot(a.as_ptr(), b.as_ptr(), n) };
     }
-    let (a, b) = (&a[..n], &b[..n]);
+    dot_portable(&a[..n], &b[..n])
+}
+
+/// Portable [`dot`]: 8 lanes over increasing k, then `hsum8`.
+#[inline(always)]
+fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
     let ac = a.chunks_exact(LANES);
     let bc = b.chunks_exact(LANES);
@@ -142,7 +147,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     /// 8 ones then 8 zeros: loading at offset `8 - tail` yields a `tail`-lane mask.
-    pub(crate) static TAIL_MASK: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
+    pub(crate) static TAIL_MASK: [i32; 16] =
+        [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
@@ -170,9 +176,16 @@ mod avx2 {
         }
         if i < n {
             let m = _mm256_loadu_si256(TAIL_MASK.as_ptr().add(8 - (n - i)) as *const __m256i);
-            acc[0] = _mm256_fmadd_ps(_mm256_maskload_ps(a.add(i), m), _mm256_maskload_ps(b.add(i), m), acc[0]);
+            acc[0] = _mm256_fmadd_ps(
+                _mm256_maskload_ps(a.add(i), m),
+                _mm256_maskload_ps(b.add(i), m),
+                acc[0],
+            );
         }
-        hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
+        hsum(_mm256_add_ps(
+            _mm256_add_ps(acc[0], acc[1]),
+            _mm256_add_ps(acc[2], acc[3]),
+        ))
     }
 }
 
@@ -269,6 +282,18 @@ mod tests {
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp(100.0), f32::INFINITY);
         assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn dot_both_paths() {
+        for n in [0usize, 1, 7, 8, 31, 32, 33, 100, 203] {
+            let a: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3).collect();
+            let b: Vec<f32> = (0..n).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.7).collect();
+            let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+            for got in [dot(&a, &b), dot_portable(&a, &b)] {
+                assert!((got as f64 - want).abs() < 1e-4, "n={n}: {got} vs {want}");
+            }
+        }
     }
 
     #[test]

@@ -29,7 +29,10 @@ pub(crate) fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let err = (g - w).abs();
-        assert!(err.is_finite() && err <= tol * (1.0 + w.abs()), "{what}: [{i}] got {g} want {w} (err {err}, tol {tol})");
+        assert!(
+            err.is_finite() && err <= tol * (1.0 + w.abs()),
+            "{what}: [{i}] got {g} want {w} (err {err}, tol {tol})"
+        );
     }
 }
 
@@ -40,6 +43,9 @@ pub(crate) fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     if got.iter().any(|v| !v.is_finite()) {
         return f32::INFINITY;
     }
-    let err = got.iter().zip(want).fold(0.0f32, |m, (g, w)| m.max((g - w).abs()));
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0.0f32, |m, (g, w)| m.max((g - w).abs()));
     err / scale
 }
