@@ -98,4 +98,18 @@ fn main() {
             params as f64 / 1e6
         );
     }
+
+    // Decode as `tessera serve` runs it (batch-invariant kernels), against batch size.
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), Preset::Small, 0).unwrap();
+    let mut model = Model::load(dir.path()).unwrap();
+    model.set_batch_invariant(true);
+    println!();
+    println!("Decode throughput vs batch size, `small` preset, serving kernels, context 128");
+    println!("| batch | tokens/s | ms/step |");
+    println!("|---|---|---|");
+    for batch in [1, 2, 4, 8, 16, 32] {
+        let tps = decode(&model, batch, 128, 8, budget);
+        println!("| {batch} | {tps:.1} | {:.1} |", 1000.0 * batch as f64 / tps);
+    }
 }

@@ -1,7 +1,56 @@
-//! Wire contracts between Tessera's processes.
+//! Wire contracts between Tessera's processes (DESIGN.md §4–§7).
 //!
-//! This crate will own the `.proto` files for the worker services (prefill, decode, encoder:
-//! submit, token streams, cancel, page reservation, transfer handshake, stats) and the public
-//! `tessera.v1.Generate` streaming service, with tonic/prost code generated into `OUT_DIR` at
-//! build time without a system `protoc`. It arrives with the disaggregated cluster; until then it
-//! exports nothing.
+//! The `.proto` files live in `proto/proto/tessera/v1/` (package `tessera.v1`); `build.rs`
+//! compiles them with `protox` (pure Rust, no system `protoc`) and `tonic-prost-build` into
+//! `OUT_DIR`, and [`v1`] includes the result:
+//!
+//! | file | service | used by |
+//! |---|---|---|
+//! | `worker.proto` | — (shared messages: [`v1::WorkerInfo`], [`v1::PageLayoutDescriptor`], [`v1::ErrorDetail`], …) | everyone |
+//! | `decode.proto` | [`v1::decode_worker_server::DecodeWorker`]: `ReservePages`, `ReleaseReservation`, `StartDecode` (server stream), `Cancel`, `Stats`, `TransferHandshake` | router, prefill → decode |
+//! | `prefill.proto` | [`v1::prefill_worker_server::PrefillWorker`]: `Prefill`, `Cancel`, `Stats` | router → prefill |
+//! | `encoder.proto` | [`v1::encoder_worker_server::EncoderWorker`]: `Encode`, `Release`, `Stats` | router → encoder |
+//! | `generate.proto` | [`v1::generate_server::Generate`]: `Generate` (server stream), `ListModels` | gRPC clients → router |
+//!
+//! Every daemon also serves the standard `grpc.health.v1` service: [`health`] re-exports
+//! `tonic-health` (same tonic version) so workers and the router need no extra dependency.
+//!
+//! The few helpers here are about the messages themselves: [`v1::Role`] and
+//! [`v1::FinishReason`] names, [`v1::ErrorDetail`] in and out of a [`tonic::Status`], the
+//! incarnation check, and the page-layout comparison peers run before a transfer.
+//!
+//! To add a message or field: edit the `.proto` (new field numbers only, never reuse one),
+//! rebuild; the Rust types appear under [`v1`].
+
+mod error;
+mod layout;
+mod names;
+
+pub use error::check_incarnation;
+pub use names::ParseNameError;
+
+/// Generated code for package `tessera.v1`: messages, plus `*_client` and `*_server` modules for
+/// each service.
+pub mod v1 {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+    tonic::include_proto!("tessera.v1");
+}
+
+/// The standard gRPC health service (`grpc.health.v1`), from `tonic-health`.
+///
+/// Serve it with [`health::server::health_reporter`]; query it with
+/// [`health::pb::health_client::HealthClient`].
+pub use tonic_health as health;
+
+/// The tonic and prost versions the generated code is built against; dependents use these
+/// re-exports so the versions cannot drift.
+pub use prost;
+pub use tonic;
+
+/// The encoded `FileDescriptorSet` of every `tessera.v1` file (with source info), for gRPC
+/// reflection and tools such as `grpcurl -protoset`.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/tessera_descriptor.bin"));
+
+#[cfg(test)]
+mod tests;
