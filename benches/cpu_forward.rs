@@ -110,6 +110,9 @@ fn main() {
     println!("|---|---|---|");
     for batch in [1, 2, 4, 8, 16, 32] {
         let tps = decode(&model, batch, 128, 8, budget);
-        println!("| {batch} | {tps:.1} | {:.1} |", 1000.0 * batch as f64 / tps);
+        println!(
+            "| {batch} | {tps:.1} | {:.1} |",
+            1000.0 * batch as f64 / tps
+        );
     }
 }

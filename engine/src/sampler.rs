@@ -55,6 +55,16 @@ impl Sampler {
         Ok(Sampler { params, rng })
     }
 
+    /// Advances the random stream past `n` samples taken elsewhere (a prefill worker samples a
+    /// request's first token; decode continues the same stream).
+    pub fn skip(&mut self, n: usize) {
+        if self.params.temperature > 0.0 {
+            for _ in 0..n {
+                self.rng.uniform();
+            }
+        }
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.params.temperature == 0.0 {
             return tessera_kernels::cpu::argmax(logits) as u32;

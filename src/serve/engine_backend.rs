@@ -70,6 +70,10 @@ impl EventSink for ChannelSink {
                 TokenEvent::Failed(BackendError::Overloaded(m))
             }
             EngineEvent::Failed(m) => TokenEvent::Failed(BackendError::InvalidRequest(m)),
+            // This backend never asks for prefill-only requests.
+            EngineEvent::Handoff(_) => {
+                TokenEvent::Failed(BackendError::Internal("unexpected handoff".into()))
+            }
         };
         // The channel holds every event a request can produce, so this never waits.
         self.tx.try_send(ev).is_ok()
@@ -113,6 +117,7 @@ impl GenerationBackend for EngineBackend {
             },
             stop_ids: req.stop_token_ids,
             cache_salt: None,
+            prefill_only: false,
         };
         self.engine
             .submit(engine_req, Box::new(ChannelSink { tx }))

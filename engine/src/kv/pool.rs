@@ -107,6 +107,53 @@ impl PagePool<HostArena> {
         Ok(self.arena.floats(off, len))
     }
 
+    /// The page's bytes in every plane of its group, as `(arena offset, length)` extents: what a
+    /// transfer moves for this page, whatever family the group belongs to.
+    pub fn page_extents(&self, id: PageId) -> Result<Vec<(usize, usize)>, KvError> {
+        let g = self.group_of(id)?;
+        let group = self.layout.group(g)?;
+        (0..group.layers.len())
+            .map(|k| {
+                Ok((
+                    self.layout.page_offset(Plane(k as u16), g, id)?,
+                    group.page_payload,
+                ))
+            })
+            .collect()
+    }
+
+    /// Raw bytes of the arena (the source side of a transfer).
+    pub fn arena_bytes(&self, offset: usize, len: usize) -> &[u8] {
+        let floats = self.arena.floats(offset, len);
+        // SAFETY: f32 has no padding; viewing its storage as bytes is always valid.
+        unsafe { std::slice::from_raw_parts(floats.as_ptr().cast::<u8>(), len) }
+    }
+
+    /// Writes raw bytes into page `id` at arena `offset` (the destination side of a transfer).
+    /// The extent must lie inside the page, and the page must be writable (held once, unsealed).
+    pub fn write_page_bytes(
+        &mut self,
+        id: PageId,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<(), KvError> {
+        if self.refcount(id)? != 1 || self.is_sealed(id)? {
+            return Err(KvError::ReadOnly(id));
+        }
+        let inside = self
+            .page_extents(id)?
+            .iter()
+            .any(|&(o, l)| offset >= o && offset + bytes.len() <= o + l);
+        if !inside || offset % 4 != 0 || bytes.len() % 4 != 0 {
+            return Err(KvError::InvalidPage(id));
+        }
+        let floats = self.arena.floats_mut(offset, bytes.len());
+        for (f, b) in floats.iter_mut().zip(bytes.chunks_exact(4)) {
+            *f = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        Ok(())
+    }
+
     /// Writable host view; refused for a page that is shared or sealed.
     pub fn slice_mut(
         &mut self,

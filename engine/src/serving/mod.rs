@@ -2,10 +2,12 @@
 //! batching scheduler with a prefix cache, and a thread that drives it.
 
 pub mod engine_loop;
+pub mod handoff;
 pub mod paged;
 pub mod scheduler;
 
 pub use engine_loop::EngineHandle;
 pub use scheduler::{
-    EngineEvent, EngineRequest, EventSink, FinishReason, Scheduler, SchedulerConfig, SchedulerStats,
+    EngineEvent, EngineRequest, EventSink, FinishReason, Handoff, Reservation, Scheduler,
+    SchedulerConfig, SchedulerStats,
 };

@@ -230,6 +230,19 @@ impl PagedSeq {
     }
 }
 
+impl PagedSeq {
+    /// Takes the fresh state pages of `reserved` as the sequence's own (for a reservation that
+    /// will be filled by a transfer rather than by a step).
+    pub fn adopt(&mut self, reserved: Reserved) {
+        for (cur, fresh) in self.kda_pages.iter_mut().zip(reserved.kda_out) {
+            if !fresh.is_null() {
+                debug_assert!(cur.is_null());
+                *cur = fresh;
+            }
+        }
+    }
+}
+
 /// Pages `reserve` allocated for one step.
 #[derive(Debug)]
 #[must_use = "pass to scatter, or release with abandon"]

@@ -10,11 +10,11 @@
 //! `snapshot_interval` tokens, so that the state at each chunk end can be published as a snapshot:
 //! a prefix hit needs the MLA pages *and* a KDA snapshot exactly at the hit boundary.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::kv::{Field, GroupKind, KvError, KvLayout, PagePool, PrefixIndex, StateDtypes};
+use crate::kv::{Field, GroupKind, KvError, KvLayout, PageId, PagePool, PrefixIndex, StateDtypes};
 use crate::model::{LogitsWanted, Model, Segment};
 use crate::sampler::{Sampler, SamplingParams};
 
@@ -58,6 +58,9 @@ pub struct EngineRequest {
     pub stop_ids: Vec<u32>,
     /// Mixed into prefix-cache keys (e.g. a hash of the request's images).
     pub cache_salt: Option<Vec<u8>>,
+    /// Stop after the prompt and the first token, and hand the state over
+    /// ([`EngineEvent::Handoff`]) instead of decoding: what a prefill worker does.
+    pub prefill_only: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +83,30 @@ pub enum EngineEvent {
         cached_tokens: usize,
     },
     Failed(String),
+    /// A prefill-only request finished its prompt: its pages are held (see
+    /// [`Scheduler::release_handoff`]) until the state has been copied to a decode worker.
+    Handoff(Handoff),
+}
+
+/// The state a prefill worker hands to decode: the MLA pages covering the prompt and, per KDA
+/// group, the page holding the state at the prompt's end.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Handoff {
+    pub id: u64,
+    pub prompt_len: usize,
+    pub first_token: u32,
+    pub cached_tokens: usize,
+    pub mla_pages: Vec<PageId>,
+    pub kda_pages: Vec<PageId>,
+}
+
+/// Destination pages a decode worker reserved for an incoming request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reservation {
+    pub id: u64,
+    pub prompt_len: usize,
+    pub mla_pages: Vec<PageId>,
+    pub kda_pages: Vec<PageId>,
 }
 
 /// Where a request's events go.
@@ -140,6 +167,10 @@ pub struct Scheduler {
     slots: LayerSlots,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
+    /// Prefill-only requests whose state awaits transfer.
+    handoffs: HashMap<u64, PagedSeq>,
+    /// Pages reserved for incoming transfers.
+    reservations: HashMap<u64, PagedSeq>,
     next_id: u64,
     preemptions: u64,
     steps: u64,
@@ -182,6 +213,8 @@ impl Scheduler {
             slots,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            handoffs: HashMap::new(),
+            reservations: HashMap::new(),
             next_id: 0,
             preemptions: 0,
             steps: 0,
@@ -232,6 +265,131 @@ impl Scheduler {
             }),
         }
         id
+    }
+
+    /// Reserves destination pages for a `prompt_len`-token prompt arriving from a prefill
+    /// worker: the MLA pages covering it and one state page per KDA group, all zeroed.
+    pub fn reserve(&mut self, prompt_len: usize) -> Result<Reservation> {
+        if prompt_len == 0 {
+            return Err(EngineError::InvalidInput(
+                "cannot reserve pages for an empty prompt".into(),
+            ));
+        }
+        let mut seq = PagedSeq::new(&self.slots);
+        let reserved = loop {
+            match seq.reserve(&self.slots, &mut self.pool, prompt_len) {
+                Ok(r) => break r,
+                Err(KvError::OutOfPages(_)) => {
+                    let need = seq.pages_needed(&self.slots, &self.pool, prompt_len).max(1);
+                    if self.index.evict(&mut self.pool, need)? == 0 {
+                        seq.release_all(&mut self.pool)?;
+                        return Err(KvError::OutOfPages(
+                            self.pool.layout().group_ids().next().expect("a group"),
+                        )
+                        .into());
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        seq.adopt(reserved);
+        seq.len = prompt_len;
+        let id = self.next_id;
+        self.next_id += 1;
+        let r = Reservation {
+            id,
+            prompt_len,
+            mla_pages: seq.mla_pages.clone(),
+            kda_pages: seq.kda_pages.clone(),
+        };
+        self.reservations.insert(id, seq);
+        Ok(r)
+    }
+
+    /// Frees a reservation whose transfer was abandoned.
+    pub fn cancel_reservation(&mut self, id: u64) -> Result<bool> {
+        match self.reservations.remove(&id) {
+            Some(mut seq) => {
+                seq.release_all(&mut self.pool)?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Continues a request whose prompt state was written into reservation `id`, after the
+    /// prefill worker sampled `first_token` (already delivered to the client).
+    pub fn submit_resumed(
+        &mut self,
+        id: u64,
+        req: EngineRequest,
+        first_token: u32,
+        cached_tokens: usize,
+        mut sink: Box<dyn EventSink>,
+    ) -> Result<()> {
+        let paged = self
+            .reservations
+            .remove(&id)
+            .ok_or_else(|| EngineError::InvalidInput(format!("no reservation {id}")))?;
+        if paged.len != req.prompt.len() {
+            let mut paged = paged;
+            paged.release_all(&mut self.pool)?;
+            return Err(EngineError::InvalidInput(
+                "the reservation was made for another prompt length".into(),
+            ));
+        }
+        let mut sampler = Sampler::new(req.sampling.clone())?;
+        sampler.skip(1);
+        let mut tokens = req.prompt.clone();
+        tokens.push(first_token);
+        let done = req.stop_ids.contains(&first_token) || req.max_new_tokens <= 1;
+        let mut seq = Seq {
+            id,
+            tokens,
+            req,
+            paged,
+            sampler,
+            cached_tokens,
+            indexed_pages: 0,
+            sink: Box::new(|_: EngineEvent| true),
+        };
+        if done {
+            sink.send(EngineEvent::Finished {
+                reason: if seq.req.stop_ids.contains(&first_token) {
+                    FinishReason::Stop
+                } else {
+                    FinishReason::Length
+                },
+                prompt_tokens: seq.req.prompt.len(),
+                completion_tokens: 1,
+                cached_tokens,
+            });
+            seq.paged.release_all(&mut self.pool)?;
+            return Ok(());
+        }
+        seq.sink = sink;
+        self.running.push(seq);
+        Ok(())
+    }
+
+    /// Releases the pages of a finished handoff (after the transfer, or when it was abandoned).
+    pub fn release_handoff(&mut self, id: u64) -> Result<bool> {
+        match self.handoffs.remove(&id) {
+            Some(mut seq) => {
+                seq.release_all(&mut self.pool)?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The pool, for transfers in and out of it.
+    pub fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+
+    pub fn pool_mut(&mut self) -> &mut PagePool {
+        &mut self.pool
     }
 
     pub fn has_work(&self) -> bool {
@@ -583,6 +741,7 @@ impl Scheduler {
     /// Sends new tokens, applies stop conditions and releases finished or cancelled requests.
     fn emit_and_retire(&mut self, sampled: &[usize]) -> Result<()> {
         let mut done: Vec<usize> = Vec::new();
+        let mut handed: Vec<usize> = Vec::new();
         for &i in sampled {
             let s = &mut self.running[i];
             let tok = *s.tokens.last().expect("a token was sampled");
@@ -596,6 +755,10 @@ impl Scheduler {
             }
             if !s.sink.send(EngineEvent::Token(tok)) {
                 done.push(i);
+                continue;
+            }
+            if s.req.prefill_only {
+                handed.push(i);
                 continue;
             }
             let reason = if s.req.stop_ids.contains(&tok) {
@@ -615,9 +778,28 @@ impl Scheduler {
                 done.push(i);
             }
         }
-        done.sort_unstable();
-        for i in done.into_iter().rev() {
+        let mut gone: Vec<(usize, bool)> = done
+            .into_iter()
+            .map(|i| (i, false))
+            .chain(handed.into_iter().map(|i| (i, true)))
+            .collect();
+        gone.sort_unstable();
+        for (i, handoff) in gone.into_iter().rev() {
             let mut s = self.running.remove(i);
+            if handoff {
+                let h = Handoff {
+                    id: s.id,
+                    prompt_len: s.req.prompt.len(),
+                    first_token: *s.tokens.last().expect("sampled"),
+                    cached_tokens: s.cached_tokens,
+                    mla_pages: s.paged.mla_pages.clone(),
+                    kda_pages: s.paged.kda_pages.clone(),
+                };
+                if s.sink.send(EngineEvent::Handoff(h)) {
+                    self.handoffs.insert(s.id, std::mem::take(&mut s.paged));
+                    continue;
+                }
+            }
             s.paged.release_all(&mut self.pool)?;
         }
         Ok(())
@@ -625,6 +807,9 @@ impl Scheduler {
 
     /// Cancels every request (used at shutdown).
     pub fn cancel_all(&mut self) -> Result<()> {
+        for (_, mut seq) in self.handoffs.drain().chain(self.reservations.drain()) {
+            seq.release_all(&mut self.pool)?;
+        }
         for mut s in self.running.drain(..).chain(self.waiting.drain(..)) {
             s.paged.release_all(&mut self.pool)?;
             s.sink
