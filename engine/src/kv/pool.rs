@@ -144,7 +144,7 @@ impl PagePool<HostArena> {
             .page_extents(id)?
             .iter()
             .any(|&(o, l)| offset >= o && offset + bytes.len() <= o + l);
-        if !inside || offset % 4 != 0 || bytes.len() % 4 != 0 {
+        if !inside || !offset.is_multiple_of(4) || !bytes.len().is_multiple_of(4) {
             return Err(KvError::InvalidPage(id));
         }
         let floats = self.arena.floats_mut(offset, bytes.len());
