@@ -36,7 +36,7 @@ impl EventSink for Collector {
         let mut o = self.out.lock().unwrap();
         match e {
             EngineEvent::Token(t) => o.tokens.push(t),
-            EngineEvent::Prefilled { .. } => {}
+            EngineEvent::Prefilled { .. } | EngineEvent::Handoff(_) => {}
             EngineEvent::Failed(m) => o.failed = Some(m),
             fin @ EngineEvent::Finished { .. } => o.finished = Some(fin),
         }
@@ -62,6 +62,7 @@ fn submit(
         sampling,
         stop_ids: vec![],
         cache_salt: None,
+        prefill_only: false,
     };
     s.submit(
         req,
