@@ -116,46 +116,53 @@ fn cfg(
 
 #[test]
 fn concurrent_requests_match_transformers_and_single_runs() {
-    let m = model("kl_mixed");
-    let refs = reference(&fixtures_dir().join("kl_mixed")).prompts;
-    let mut s = Scheduler::new(&m, cfg(16, 64, 0, 64 << 20, true)).unwrap();
-    let outs: Vec<_> = refs
-        .iter()
-        .map(|p| {
-            submit(
-                &mut s,
-                &p.prompt_ids,
-                p.greedy_ids.len(),
-                SamplingParams::default(),
-                None,
-            )
-        })
-        .collect();
-    run_to_end(&mut s, &m);
-    for (p, o) in refs.iter().zip(outs) {
-        let o = o.lock().unwrap();
-        assert_greedy_matches(&o.tokens, &p.greedy_ids, &p.greedy_margins, &p.name);
-        assert_eq!(
-            o.tokens,
-            alone(
-                &m,
-                &p.prompt_ids,
-                p.greedy_ids.len(),
-                SamplingParams::default()
-            ),
-            "{}: batched != alone",
-            p.name
-        );
-        assert!(matches!(
-            o.finished,
-            Some(EngineEvent::Finished {
-                reason: FinishReason::Length,
-                ..
-            })
-        ));
+    // Every layer mix: 3:1 KDA:MLA, grouped routing, KDA only (no MLA group), MLA only.
+    for dir in fixtures() {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let m = model(&name);
+        let refs = reference(&dir).prompts;
+        for cache in [true, false] {
+            let mut s = Scheduler::new(&m, cfg(16, 64, 32, 64 << 20, cache)).unwrap();
+            let outs: Vec<_> = refs
+                .iter()
+                .chain(refs.iter())
+                .map(|p| {
+                    submit(
+                        &mut s,
+                        &p.prompt_ids,
+                        p.greedy_ids.len(),
+                        SamplingParams::default(),
+                        None,
+                    )
+                })
+                .collect();
+            run_to_end(&mut s, &m);
+            for (p, o) in refs.iter().chain(refs.iter()).zip(outs) {
+                let o = o.lock().unwrap();
+                let what = format!("{name}/{} cache={cache}", p.name);
+                assert_greedy_matches(&o.tokens, &p.greedy_ids, &p.greedy_margins, &what);
+                assert_eq!(
+                    o.tokens,
+                    alone(
+                        &m,
+                        &p.prompt_ids,
+                        p.greedy_ids.len(),
+                        SamplingParams::default()
+                    ),
+                    "{what}: batched != alone"
+                );
+                assert!(matches!(
+                    o.finished,
+                    Some(EngineEvent::Finished {
+                        reason: FinishReason::Length,
+                        ..
+                    })
+                ));
+            }
+            s.clear_prefix_cache().unwrap();
+            assert_eq!(s.live_pages(), 0, "{name}: pages leaked");
+        }
     }
-    s.clear_prefix_cache().unwrap();
-    assert_eq!(s.live_pages(), 0, "pages leaked");
 }
 
 #[test]
@@ -365,4 +372,29 @@ fn preemption_recomputes_and_changes_nothing() {
         assert_eq!(o.tokens, alone(&m, p, 12, SamplingParams::default()));
     }
     assert_eq!(s.live_pages(), 0);
+}
+
+#[test]
+fn prefix_hits_work_without_mla_and_without_kda_layers() {
+    for name in ["kl_kda_only", "kl_mla_only"] {
+        let m = model(name);
+        let vocab = m.config.vocab_size as u32;
+        let prompt: Vec<u32> = (0..90).map(|i| (i * 7 % (vocab - 10)) + 5).collect();
+        let cold = alone(&m, &prompt, 6, SamplingParams::default());
+        let mut s = Scheduler::new(&m, cfg(16, 32, 0, 64 << 20, true)).unwrap();
+        let a = submit(&mut s, &prompt, 6, SamplingParams::default(), None);
+        run_to_end(&mut s, &m);
+        let b = submit(&mut s, &prompt, 6, SamplingParams::default(), None);
+        run_to_end(&mut s, &m);
+        assert_eq!(a.lock().unwrap().tokens, cold, "{name}");
+        let b = b.lock().unwrap();
+        assert_eq!(b.tokens, cold, "{name}: resumed run differs");
+        match b.finished {
+            // Chunks of 32 publish snapshots at 32 and 64 and the last full page (80).
+            Some(EngineEvent::Finished { cached_tokens, .. }) => {
+                assert_eq!(cached_tokens, 80, "{name}")
+            }
+            ref other => panic!("{other:?}"),
+        }
+    }
 }
