@@ -142,35 +142,12 @@ impl KdaLayer {
             let (a, b) = (range.start * p, range.end * p);
             let (bh_a, bh_b) = (range.start * h, range.end * h);
             let st = &mut states[s].recurrent;
+            let (q, k, v, g) = (&q[a..b], &k[a..b], &v[a..b], &g[a..b]);
+            let (beta, out) = (&beta[bh_a..bh_b], &mut core[a..b]);
             if range.len() == 1 || invariant {
-                cpu::kda_recurrent(
-                    &q[a..b],
-                    &k[a..b],
-                    &v[a..b],
-                    &g[a..b],
-                    &beta[bh_a..bh_b],
-                    h,
-                    dk,
-                    dk,
-                    scale,
-                    st,
-                    &mut core[a..b],
-                );
+                cpu::kda_recurrent(q, k, v, g, beta, h, dk, dk, scale, st, out);
             } else {
-                cpu::kda_chunked(
-                    &q[a..b],
-                    &k[a..b],
-                    &v[a..b],
-                    &g[a..b],
-                    &beta[bh_a..bh_b],
-                    h,
-                    dk,
-                    dk,
-                    scale,
-                    CHUNK,
-                    st,
-                    &mut core[a..b],
-                );
+                cpu::kda_chunked(q, k, v, g, beta, h, dk, dk, scale, CHUNK, st, out);
             }
         }
         let gate = self.g_b.forward(&self.g_a.forward(x, n), n);
