@@ -1,4 +1,543 @@
-//! The prefill daemon (`tessera-prefill`).
+//! The prefill daemon (`tessera-prefill`): runs a request's prompt with the prefix cache
+//! (`prefill_only`), samples the first token, and writes the MLA pages plus the final KDA
+//! snapshot of every group straight into the pages a decode worker reserved, over the TCP
+//! transport of `tessera-transfer`.
 //!
-//! It will own chunked prefill with the prefix cache, and writing MLA pages plus the final KDA
-//! snapshot of every group straight into the pages a decode worker reserved.
+//! This crate also hosts [`runtime`], the worker runtime shared by every daemon (flags, health,
+//! metrics, drain). DESIGN §1's table has no crate for it, and putting it in the engine would
+//! pull tonic into the engine, so it lives here; `tessera-decode` depends on this crate for it.
+//!
+//! Transfer protocol (family-agnostic): the decode worker registers one staging region of
+//! `slots × slot_bytes` and publishes it in `TransferHandshake`; for each `(src, dst)` page pair
+//! the prefill worker packs the page's extents of every plane (in plane order) into
+//! `dst × slot_bytes` of that region, as one batch whose transfer id is the reservation id. The
+//! decode worker waits for that transfer, then unpacks each slot into its reserved page's extents
+//! on the engine thread (`EngineHandle::with_pool`). TODO: register the arena itself (RMA put
+//! straight into pages, no staging copy) once the pool's arena can be a transfer region.
+
+pub mod runtime;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant as StdInstant};
+
+use tessera_engine::kv::PageId;
+use tessera_engine::serving::handoff::transfer_pairs;
+use tessera_engine::serving::{EngineEvent, EngineHandle, EngineRequest, EventSink, Reservation};
+use tessera_proto::tonic::{self, Request, Response, Status};
+use tessera_proto::v1;
+use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
+use tessera_proto::v1::prefill_worker_server::{PrefillWorker, PrefillWorkerServer};
+use tessera_transfer::{
+    Extent, Incarnation, PeerId, RegionDescriptor, RegionHandle, RegionId, TcpTransport,
+    TransferId, Transport, WriteBatch,
+};
+
+use runtime::{Drain, WorkerArgs};
+
+fn err(code: v1::ErrorCode, msg: impl Into<String>) -> Status {
+    v1::ErrorDetail::new(code, msg).into_status()
+}
+
+/// What a decode worker told us in `TransferHandshake`.
+#[derive(Clone)]
+struct DecodePeer {
+    peer: PeerId,
+    region: RegionDescriptor,
+}
+
+pub struct PrefillService {
+    engine: Arc<EngineHandle>,
+    transport: Arc<TcpTransport>,
+    info: v1::WorkerInfo,
+    slot_bytes: usize,
+    drain: Arc<Drain>,
+    max_running: usize,
+    /// request id → cancel flag of the prefill in flight.
+    inflight: Mutex<HashMap<String, Arc<AtomicBool>>>,
+    /// decode gRPC address → connected peer and its staging region.
+    peers: tokio::sync::Mutex<HashMap<String, DecodePeer>>,
+    bytes_sent: AtomicU64,
+    transfers: AtomicU64,
+}
+
+/// Delivers the handoff (or the failure) of one prefill-only request.
+struct HandoffSink {
+    tx: Option<tokio::sync::oneshot::Sender<Result<tessera_engine::serving::Handoff, String>>>,
+    cancelled: Arc<AtomicBool>,
+}
+
+impl EventSink for HandoffSink {
+    fn send(&mut self, e: EngineEvent) -> bool {
+        match e {
+            EngineEvent::Handoff(h) => {
+                if let Some(tx) = self.tx.take() {
+                    return tx.send(Ok(h)).is_ok();
+                }
+                true
+            }
+            EngineEvent::Failed(m) => {
+                if let Some(tx) = self.tx.take() {
+                    let _ = tx.send(Err(m));
+                }
+                false
+            }
+            _ => self.tx.as_ref().is_some_and(|t| !t.is_closed()),
+        }
+    }
+    fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire) || self.tx.as_ref().is_some_and(|t| t.is_closed())
+    }
+}
+
+impl PrefillService {
+    pub async fn new(
+        engine: Arc<EngineHandle>,
+        transport: Arc<TcpTransport>,
+        worker_id: String,
+        model_id: String,
+        max_running: usize,
+        drain: Arc<Drain>,
+    ) -> anyhow::Result<Self> {
+        let e = engine.clone();
+        let ((slot_bytes, _), layout) = tokio::task::spawn_blocking(move || {
+            anyhow::Ok((runtime::slot_bytes(&e)?, runtime::layout_descriptor(&e)?))
+        })
+        .await??;
+        let info = v1::WorkerInfo {
+            worker_id,
+            incarnation_id: transport.incarnation().0,
+            role: v1::Role::Prefill as i32,
+            model_id,
+            transfer_endpoint: transport.endpoint(),
+            transfer_backend: v1::TransferBackend::Tcp as i32,
+            layout: Some(layout),
+            max_running: max_running as u32,
+            version: env!("CARGO_PKG_VERSION").into(),
+            ..Default::default()
+        };
+        Ok(PrefillService {
+            engine,
+            transport,
+            info,
+            slot_bytes,
+            drain,
+            max_running,
+            inflight: Mutex::default(),
+            peers: Default::default(),
+            bytes_sent: AtomicU64::new(0),
+            transfers: AtomicU64::new(0),
+        })
+    }
+
+    pub fn info(&self) -> &v1::WorkerInfo {
+        &self.info
+    }
+
+    /// Connects (once per decode worker) and learns its staging region.
+    async fn decode_peer(&self, dest: &v1::KvDestination) -> Result<DecodePeer, Status> {
+        let mut peers = self.peers.lock().await;
+        if let Some(p) = peers.get(&dest.decode_grpc_address) {
+            if p.region.incarnation.0 == dest.decode_incarnation_id
+                || dest.decode_incarnation_id == 0
+            {
+                return Ok(p.clone());
+            }
+        }
+        let addr = if dest.decode_grpc_address.contains("://") {
+            dest.decode_grpc_address.clone()
+        } else {
+            format!("http://{}", dest.decode_grpc_address)
+        };
+        let mut client = DecodeWorkerClient::connect(addr)
+            .await
+            .map_err(|e| err(v1::ErrorCode::TransferFailed, format!("decode gRPC: {e}")))?;
+        let reply = client
+            .transfer_handshake(v1::TransferHandshakeRequest {
+                initiator: Some(self.info.clone()),
+                target_incarnation: dest.decode_incarnation_id,
+                regions: vec![],
+            })
+            .await?
+            .into_inner();
+        let responder = reply.responder.unwrap_or_default();
+        if let (Some(a), Some(b)) = (&self.info.layout, &responder.layout) {
+            runtime::pages_compatible(a, b).map_err(|m| err(v1::ErrorCode::LayoutMismatch, m))?;
+        }
+        let r = reply
+            .regions
+            .iter()
+            .find(|r| r.kind == v1::memory_region::Kind::KvArena as i32)
+            .ok_or_else(|| err(v1::ErrorCode::TransferFailed, "decode offers no KV region"))?;
+        let region = RegionDescriptor {
+            region_id: RegionId(r.region_id as u64),
+            len: r.length_bytes,
+            incarnation: Incarnation(responder.incarnation_id),
+            remote_key: r.remote_key.clone(),
+        };
+        let endpoint = if dest.transfer_endpoint.is_empty() {
+            responder.transfer_endpoint.clone()
+        } else {
+            dest.transfer_endpoint.clone()
+        };
+        let deadline = tessera_transfer::Instant::now() + Duration::from_secs(10);
+        let peer = self
+            .transport
+            .connect(&endpoint, deadline)
+            .await
+            .map_err(|e| {
+                err(
+                    v1::ErrorCode::TransferFailed,
+                    format!("connect {endpoint}: {e}"),
+                )
+            })?;
+        let p = DecodePeer { peer, region };
+        peers.insert(dest.decode_grpc_address.clone(), p.clone());
+        Ok(p)
+    }
+
+    /// Moves `pairs` of this pool into the decode worker's staging slots as one transfer.
+    async fn send_pages(
+        &self,
+        peer: &DecodePeer,
+        transfer_id: u64,
+        pairs: Vec<(PageId, PageId)>,
+        timeout: Duration,
+    ) -> Result<v1::TransferStats, Status> {
+        let slot = self.slot_bytes;
+        let p2 = pairs.clone();
+        let engine = self.engine.clone();
+        // Pack on the engine thread: each page's extents of every plane, back to back.
+        let (packed, lens) = tokio::task::spawn_blocking(move || {
+            engine.with_pool(move |pool| {
+                let mut packed = Vec::new();
+                let mut lens = Vec::new();
+                for (s, _) in &p2 {
+                    let mut n = 0;
+                    for (off, len) in pool.page_extents(*s)? {
+                        packed.extend_from_slice(pool.arena_bytes(off, len));
+                        n += len;
+                    }
+                    lens.push(n);
+                }
+                Ok::<_, tessera_engine::kv::KvError>((packed, lens))
+            })
+        })
+        .await
+        .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?
+        .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?
+        .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?;
+        let region = RegionHandle::from_bytes(&packed);
+        let desc = self
+            .transport
+            .register(&region)
+            .map_err(|e| err(v1::ErrorCode::TransferFailed, e.to_string()))?;
+        let mut extents = Vec::with_capacity(pairs.len());
+        let mut src = 0u64;
+        for ((_, d), len) in pairs.iter().zip(&lens) {
+            if *len > slot {
+                return Err(err(
+                    v1::ErrorCode::LayoutMismatch,
+                    "page larger than a slot",
+                ));
+            }
+            extents.push(Extent {
+                src_region: desc.region_id,
+                src_offset: src,
+                dst_offset: d.0 as u64 * slot as u64,
+                len: *len as u64,
+            });
+            src += *len as u64;
+        }
+        let started = StdInstant::now();
+        let res = self
+            .transport
+            .write(
+                peer.peer,
+                WriteBatch {
+                    transfer_id: TransferId(transfer_id),
+                    dst_region: peer.region.clone(),
+                    extents,
+                },
+                tessera_transfer::Instant::now() + timeout,
+            )
+            .await;
+        self.transport.deregister(desc.region_id);
+        let receipt = res.map_err(|e| {
+            let code = if matches!(e, tessera_transfer::TransferError::Timeout) {
+                v1::ErrorCode::TransferTimeout
+            } else {
+                v1::ErrorCode::TransferFailed
+            };
+            err(code, format!("page transfer: {e}"))
+        })?;
+        self.bytes_sent.fetch_add(receipt.bytes, Ordering::Relaxed);
+        self.transfers.fetch_add(1, Ordering::Relaxed);
+        Ok(v1::TransferStats {
+            backend: v1::TransferBackend::Tcp as i32,
+            bytes: receipt.bytes,
+            duration_us: started.elapsed().as_micros() as u64,
+            retries: receipt.attempts.saturating_sub(1),
+            ..Default::default()
+        })
+    }
+
+    fn stats_now(&self) -> anyhow::Result<(v1::PoolStats, v1::LoadStats)> {
+        runtime::worker_stats(&self.engine, self.drain.is_draining(), 0, self.max_running)
+    }
+
+    /// Prometheus text for `/metrics` (blocking).
+    pub fn metrics_text(&self) -> String {
+        match self.stats_now() {
+            Ok((p, l)) => runtime::render_metrics(
+                "prefill",
+                &p,
+                &l,
+                &[
+                    (
+                        "transfer_bytes_total",
+                        self.bytes_sent.load(Ordering::Relaxed),
+                    ),
+                    ("transfers_total", self.transfers.load(Ordering::Relaxed)),
+                ],
+            ),
+            Err(e) => format!("# error: {e}\n"),
+        }
+    }
+}
+
+/// Cancels the running prefill unless disarmed (the gRPC call was dropped).
+struct CancelOnDrop(Arc<AtomicBool>, bool);
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if self.1 {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// The gRPC face of [`PrefillService`] (a newtype: the trait is foreign, and so is `Arc`).
+#[derive(Clone)]
+pub struct PrefillGrpc(pub Arc<PrefillService>);
+
+impl std::ops::Deref for PrefillGrpc {
+    type Target = PrefillService;
+    fn deref(&self) -> &PrefillService {
+        &self.0
+    }
+}
+
+#[tonic::async_trait]
+impl PrefillWorker for PrefillGrpc {
+    async fn prefill(
+        &self,
+        request: Request<v1::PrefillRequest>,
+    ) -> Result<Response<v1::PrefillReply>, Status> {
+        let _guard = self.drain.admit(&self.info.worker_id)?;
+        let req = request.into_inner();
+        tessera_proto::check_incarnation(
+            req.target_incarnation,
+            self.info.incarnation_id,
+            &self.info.worker_id,
+        )?;
+        if !req.images.is_empty() {
+            return Err(err(
+                v1::ErrorCode::InvalidArgument,
+                "images are not supported yet",
+            ));
+        }
+        let dest = req
+            .destination
+            .clone()
+            .ok_or_else(|| err(v1::ErrorCode::InvalidArgument, "no KV destination"))?;
+        let reservation_id: u64 = dest.reservation_id.parse().map_err(|_| {
+            err(
+                v1::ErrorCode::InvalidArgument,
+                "reservation_id is not a number",
+            )
+        })?;
+        if dest.cached_tokens != 0 {
+            return Err(err(
+                v1::ErrorCode::InvalidArgument,
+                "decode-side prefix reuse is not supported yet",
+            ));
+        }
+        let timeout = match dest.transfer_timeout_ms {
+            0 => Duration::from_secs(30),
+            ms => Duration::from_millis(ms as u64),
+        };
+        let peer = self.decode_peer(&dest).await?;
+        let started = StdInstant::now();
+        let cancelled = Arc::new(AtomicBool::new(false));
+        self.inflight
+            .lock()
+            .unwrap()
+            .insert(req.request_id.clone(), cancelled.clone());
+        let mut on_drop = CancelOnDrop(cancelled.clone(), true);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let ereq = EngineRequest {
+            prompt: req.prompt_token_ids.clone(),
+            max_new_tokens: 1,
+            sampling: runtime::sampling_from_wire(req.sampling.as_ref()),
+            stop_ids: vec![],
+            cache_salt: (!req.cache_salt.is_empty()).then(|| req.cache_salt.clone()),
+            prefill_only: true,
+        };
+        let sink = HandoffSink {
+            tx: Some(tx),
+            cancelled: cancelled.clone(),
+        };
+        let result = async {
+            self.engine
+                .submit(ereq, Box::new(sink))
+                .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?;
+            let h = match rx.await {
+                Ok(Ok(h)) => h,
+                Ok(Err(m)) => return Err(err(v1::ErrorCode::Internal, m)),
+                Err(_) => return Err(err(v1::ErrorCode::Cancelled, "prefill cancelled")),
+            };
+            let compute_us = started.elapsed().as_micros() as u64;
+            let resv = Reservation {
+                id: reservation_id,
+                prompt_len: req.prompt_token_ids.len(),
+                mla_pages: dest.mla_page_ids.iter().map(|&p| PageId(p)).collect(),
+                kda_pages: dest.kda_state_page_ids.iter().map(|&p| PageId(p)).collect(),
+            };
+            let pairs = transfer_pairs(&h, &resv);
+            let sent = match pairs {
+                Ok(pairs) if !cancelled.load(Ordering::Acquire) => {
+                    let (mla, kda) = (resv.mla_pages.len() as u32, resv.kda_pages.len() as u32);
+                    self.send_pages(&peer, reservation_id, pairs, timeout)
+                        .await
+                        .map(|mut s| {
+                            s.mla_pages_sent = mla;
+                            s.state_pages_sent = kda;
+                            s
+                        })
+                }
+                Ok(_) => Err(err(v1::ErrorCode::Cancelled, "prefill cancelled")),
+                Err(e) => Err(err(v1::ErrorCode::InvalidArgument, e.to_string())),
+            };
+            // Packed (or failed): the pages are no longer needed here either way.
+            let engine = self.engine.clone();
+            let id = h.id;
+            let _ = tokio::task::spawn_blocking(move || engine.release_handoff(id)).await;
+            let transfer = sent?;
+            Ok(v1::PrefillReply {
+                first_token: h.first_token,
+                prompt_tokens: h.prompt_len as u32,
+                cached_tokens: h.cached_tokens as u32,
+                transfer: Some(transfer),
+                compute_us,
+            })
+        }
+        .await;
+        on_drop.1 = false;
+        self.inflight.lock().unwrap().remove(&req.request_id);
+        result.map(Response::new)
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<v1::CancelRequest>,
+    ) -> Result<Response<v1::CancelReply>, Status> {
+        let req = request.into_inner();
+        let found = match self.inflight.lock().unwrap().get(&req.request_id) {
+            Some(f) => {
+                f.store(true, Ordering::Release);
+                true
+            }
+            None => false,
+        };
+        Ok(Response::new(v1::CancelReply {
+            found,
+            pages_freed: 0,
+        }))
+    }
+
+    async fn stats(
+        &self,
+        _request: Request<v1::StatsRequest>,
+    ) -> Result<Response<v1::WorkerStats>, Status> {
+        let me = self.clone();
+        let (pool, load) = tokio::task::spawn_blocking(move || me.stats_now())
+            .await
+            .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?
+            .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?;
+        Ok(Response::new(v1::WorkerStats {
+            info: Some(self.info.clone()),
+            pool: Some(pool),
+            load: Some(load),
+        }))
+    }
+}
+
+/// A running prefill daemon (in-process handle, for `main` and tests).
+pub struct RunningPrefill {
+    pub grpc: SocketAddr,
+    pub transfer_endpoint: String,
+    pub metrics: Option<SocketAddr>,
+    pub service: Arc<PrefillService>,
+    pub server: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+/// Starts the daemon: engine, transport, gRPC (+ health), `/metrics`; stops gracefully when
+/// `shutdown` resolves.
+pub async fn start(
+    args: WorkerArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<RunningPrefill> {
+    let a = args.clone();
+    let engine = tokio::task::spawn_blocking(move || runtime::start_engine(&a)).await??;
+    let transport = runtime::start_transport(&args).await?;
+    let drain = Drain::new();
+    let worker_id = args.worker_id("prefill");
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let grpc = listener.local_addr()?;
+    let mut svc = PrefillService::new(
+        engine,
+        transport.clone(),
+        worker_id.clone(),
+        args.model_id(),
+        args.max_running,
+        drain.clone(),
+    )
+    .await?;
+    svc.info.grpc_address = grpc.to_string();
+    let service = Arc::new(svc);
+    let metrics = match args.metrics_listen {
+        Some(addr) => {
+            let s = service.clone();
+            Some(runtime::serve_metrics(addr, Arc::new(move || s.metrics_text())).await?)
+        }
+        None => None,
+    };
+    let (health, health_svc) = tessera_proto::health::server::health_reporter();
+    health
+        .set_serving::<PrefillWorkerServer<PrefillGrpc>>()
+        .await;
+    let stop = runtime::drain_on::<PrefillWorkerServer<PrefillGrpc>>(
+        shutdown,
+        drain,
+        health,
+        Duration::from_secs(args.drain_timeout),
+    );
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let router = tonic::transport::Server::builder()
+        .add_service(health_svc)
+        .add_service(PrefillWorkerServer::new(PrefillGrpc(service.clone())));
+    let server = tokio::spawn(async move {
+        router.serve_with_incoming_shutdown(incoming, stop).await?;
+        Ok(())
+    });
+    runtime::announce_ready("prefill", &worker_id, grpc, &transport.endpoint(), metrics);
+    Ok(RunningPrefill {
+        grpc,
+        transfer_endpoint: transport.endpoint(),
+        metrics,
+        service,
+        server,
+    })
+}

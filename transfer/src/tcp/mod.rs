@@ -1,0 +1,559 @@
+//! TCP backend (tokio): the default between processes.
+//!
+//! One listener per worker. A peer is reached over `connections_per_peer` authenticated
+//! connections; a batch is split into parts of about equal bytes, one per connection, sent
+//! concurrently. Payload bytes go from the source region straight into the socket (one `writev`
+//! with the extent header) and from the socket straight into the leased destination extent: no
+//! staging buffers on either side. The wire format is in [`wire`].
+
+mod server;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::io::IoSlice;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use futures_util::future::join_all;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
+
+use self::wire::{
+    Ack, ClientHello, ClientProof, ExtentHeader, ExtentTrailer, PartHeader, ServerHello, Verdict,
+    FLAG_CHECKSUMS, HELLO_BAD_VERSION, HELLO_OK, HELLO_WRONG_INCARNATION, VERSION,
+};
+use crate::auth::{nonce, Side, Transcript, PROOF_LEN};
+use crate::checksum::{self, STREAM_CHUNK};
+use crate::endpoint::Endpoint;
+use crate::incoming::IncomingTable;
+use crate::plan;
+use crate::region::{ExtentRef, RegionTable};
+use crate::{
+    Incarnation, IncomingTransfer, PeerId, RegionDescriptor, RegionHandle, RegionId, TransferError,
+    TransferId, TransferReceipt, Transport, TransportConfig, WriteBatch,
+};
+
+const SCHEME: &str = "tcp";
+
+/// What the sending and the receiving halves of one worker share.
+struct Node {
+    config: TransportConfig,
+    regions: RegionTable,
+    incoming: IncomingTable,
+}
+
+/// One connected peer: its incarnation (learned in the handshake) and a pool of connections,
+/// each used by one part at a time.
+struct Peer {
+    address: String,
+    incarnation: Incarnation,
+    conns: Vec<tokio::sync::Mutex<Option<TcpStream>>>,
+    next: AtomicUsize,
+}
+
+/// TCP transport: bind it, publish [`Transport::endpoint`], connect to peers.
+pub struct TcpTransport {
+    node: Arc<Node>,
+    endpoint: String,
+    local_addr: SocketAddr,
+    peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
+    next_peer: AtomicU64,
+    attempts: AtomicU64,
+    accept: JoinHandle<()>,
+}
+
+impl TcpTransport {
+    /// Binds the listener (`config.bind`) and starts accepting peers. Needs a tokio runtime.
+    pub async fn bind(config: TransportConfig) -> Result<Self, TransferError> {
+        let socket = new_socket(config.bind, config.socket_buffer_bytes)?;
+        socket.set_reuseaddr(true)?;
+        socket.bind(config.bind)?;
+        let listener = socket.listen(1024)?;
+        let local_addr = listener.local_addr()?;
+        let host = match &config.advertise_host {
+            Some(h) => h.clone(),
+            None if local_addr.is_ipv6() => format!("[{}]", local_addr.ip()),
+            None => local_addr.ip().to_string(),
+        };
+        let endpoint = Endpoint {
+            scheme: SCHEME.into(),
+            address: format!("{host}:{}", local_addr.port()),
+            incarnation: Some(config.incarnation),
+        }
+        .to_string();
+        let node = Arc::new(Node {
+            incoming: crate::incoming::IncomingTable::new(config.incoming_ttl),
+            config,
+            regions: RegionTable::default(),
+        });
+        let accept = tokio::spawn(server::accept_loop(node.clone(), listener));
+        Ok(TcpTransport {
+            node,
+            endpoint,
+            local_addr,
+            peers: Mutex::new(HashMap::new()),
+            next_peer: AtomicU64::new(1),
+            attempts: AtomicU64::new(0),
+            accept,
+        })
+    }
+
+    /// Where the listener is bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    fn peer(&self, peer: PeerId) -> Result<Arc<Peer>, TransferError> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&peer)
+            .cloned()
+            .ok_or_else(|| TransferError::PeerGone(format!("{peer:?} is not connected")))
+    }
+
+    /// Sends `sources` as one transfer, split over the peer's connections (one task per part,
+    /// so parts run on several cores), retrying I/O failures.
+    async fn send(
+        &self,
+        peer: Arc<Peer>,
+        transfer_id: TransferId,
+        dst: &RegionDescriptor,
+        sources: Arc<[PartSource]>,
+        deadline: Instant,
+    ) -> Result<TransferReceipt, TransferError> {
+        let start = Instant::now();
+        if dst.incarnation != peer.incarnation {
+            return Err(TransferError::IncarnationMismatch {
+                expected: dst.incarnation,
+                found: peer.incarnation,
+            });
+        }
+        let lens: Vec<u64> = sources.iter().map(|s| s.bytes.len() as u64).collect();
+        let groups = plan::split(&lens, peer.conns.len());
+        let bytes = lens.iter().sum();
+        let tries = self.node.config.max_retries + 1;
+        let mut last = TransferError::Timeout;
+        for attempt_no in 1..=tries {
+            let attempt = self.attempts.fetch_add(1, Ordering::Relaxed) + 1;
+            let first = peer.next.fetch_add(groups.len(), Ordering::Relaxed);
+            // Dropping the set (deadline, or the caller gave up) aborts the parts, which drops
+            // their connections mid-stream: the receiver then frees what they had leased.
+            let mut parts = JoinSet::new();
+            for (k, group) in groups.iter().enumerate() {
+                let part = PartHeader {
+                    transfer_id,
+                    attempt,
+                    dst_region: dst.region_id.0,
+                    dst_incarnation: dst.incarnation,
+                    batch_extents: sources.len() as u32,
+                    part_extents: group.len() as u32,
+                    timeout_ms: 0,
+                    flags: if self.node.config.checksums {
+                        FLAG_CHECKSUMS
+                    } else {
+                        0
+                    },
+                };
+                parts.spawn(send_part(
+                    self.node.clone(),
+                    peer.clone(),
+                    (first + k) % peer.conns.len(),
+                    part,
+                    group.clone(),
+                    sources.clone(),
+                    deadline,
+                ));
+            }
+            let results = tokio::time::timeout_at(deadline, async {
+                let mut results = Vec::with_capacity(parts.len());
+                while let Some(r) = parts.join_next().await {
+                    results.push(r.unwrap_or_else(|e| {
+                        Err(std::io::Error::other(format!("transfer part task failed: {e}")).into())
+                    }));
+                }
+                results
+            })
+            .await
+            .map_err(|_| TransferError::Timeout)?;
+            let mut retryable = None;
+            for r in results {
+                match r {
+                    Ok(()) => {}
+                    Err(e) if e.is_retryable() => retryable = Some(e),
+                    Err(e) => return Err(e),
+                }
+            }
+            match retryable {
+                None => {
+                    return Ok(TransferReceipt {
+                        bytes,
+                        elapsed: start.elapsed(),
+                        attempts: attempt_no,
+                    })
+                }
+                Some(e) => {
+                    tracing::debug!(error = %e, transfer = %transfer_id, attempt_no, "transfer attempt failed");
+                    last = e;
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(TransferError::Timeout);
+            }
+        }
+        Err(last)
+    }
+}
+
+/// One extent ready to send; owns its source lease so that part tasks are `'static`.
+struct PartSource {
+    /// Position in the batch (reported back in `ChecksumMismatch`).
+    index: u32,
+    bytes: ExtentRef,
+    dst_offset: u64,
+}
+
+/// Sends one part over connection `conn` (dialling it again if it was dropped) and reads its
+/// ack. The connection goes back to the pool only when the exchange completed in sync.
+async fn send_part(
+    node: Arc<Node>,
+    peer: Arc<Peer>,
+    conn: usize,
+    mut part: PartHeader,
+    group: Vec<usize>,
+    sources: Arc<[PartSource]>,
+    deadline: Instant,
+) -> Result<(), TransferError> {
+    let mut slot = peer.conns[conn].lock().await;
+    let mut stream = match slot.take().filter(is_idle_and_open) {
+        Some(s) => s,
+        None => {
+            dial(&node, &peer.address, Some(peer.incarnation), deadline)
+                .await?
+                .0
+        }
+    };
+    let left = deadline.saturating_duration_since(Instant::now());
+    part.timeout_ms = left.as_millis().clamp(1, u32::MAX as u128) as u32;
+    let checksums = part.flags & FLAG_CHECKSUMS != 0;
+    // Small frames ride with the next payload write (one `writev`).
+    let mut pending: Vec<u8> = part.encode().to_vec();
+    for &i in &group {
+        let s = &sources[i];
+        let bytes: &[u8] = &s.bytes;
+        let head = ExtentHeader {
+            index: s.index,
+            dst_offset: s.dst_offset,
+            len: bytes.len() as u64,
+        };
+        pending.extend_from_slice(&head.encode());
+        let mut crc = 0;
+        if checksums {
+            // Checksum each chunk just before the kernel copies it: one pass from memory.
+            for chunk in bytes.chunks(STREAM_CHUNK) {
+                crc = checksum::extend(crc, chunk);
+                write_two(&mut stream, &pending, chunk).await?;
+                pending.clear();
+            }
+        } else if !bytes.is_empty() {
+            write_two(&mut stream, &pending, bytes).await?;
+            pending.clear();
+        }
+        pending.extend_from_slice(&ExtentTrailer { checksum: crc }.encode());
+    }
+    stream.write_all(&pending).await?;
+    let ack = read_ack(&mut stream).await?;
+    if ack.transfer_id != part.transfer_id || ack.attempt != part.attempt {
+        return Err(TransferError::protocol("ack for another part"));
+    }
+    *slot = Some(stream);
+    ack.into_result(part.dst_incarnation, peer.incarnation)
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+#[async_trait]
+impl Transport for TcpTransport {
+    fn kind(&self) -> &'static str {
+        SCHEME
+    }
+
+    fn incarnation(&self) -> Incarnation {
+        self.node.config.incarnation
+    }
+
+    fn endpoint(&self) -> String {
+        self.endpoint.clone()
+    }
+
+    fn register(&self, region: &RegionHandle) -> Result<RegionDescriptor, TransferError> {
+        self.node.regions.insert(region);
+        Ok(RegionDescriptor {
+            region_id: region.id(),
+            len: region.len() as u64,
+            incarnation: self.node.config.incarnation,
+            remote_key: Vec::new(),
+        })
+    }
+
+    fn deregister(&self, region: RegionId) -> bool {
+        self.node.regions.remove(region)
+    }
+
+    async fn connect(&self, endpoint: &str, deadline: Instant) -> Result<PeerId, TransferError> {
+        let ep = Endpoint::parse(endpoint)?;
+        if ep.scheme != SCHEME {
+            return Err(TransferError::PeerGone(format!(
+                "{endpoint:?} is not a tcp endpoint"
+            )));
+        }
+        let (first, incarnation) = dial(&self.node, &ep.address, ep.incarnation, deadline).await?;
+        let n = self.node.config.connections_per_peer.max(1);
+        // The others are dialled now but may fail: a missing one is dialled again when used.
+        let rest =
+            join_all((1..n).map(|_| dial(&self.node, &ep.address, Some(incarnation), deadline)))
+                .await;
+        let mut conns = vec![tokio::sync::Mutex::new(Some(first))];
+        conns.extend(
+            rest.into_iter()
+                .map(|r| tokio::sync::Mutex::new(r.ok().map(|(s, _)| s))),
+        );
+        let peer = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        self.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            peer,
+            Arc::new(Peer {
+                address: ep.address,
+                incarnation,
+                conns,
+                next: AtomicUsize::new(0),
+            }),
+        );
+        Ok(peer)
+    }
+
+    async fn write(
+        &self,
+        peer: PeerId,
+        batch: WriteBatch,
+        deadline: Instant,
+    ) -> Result<TransferReceipt, TransferError> {
+        let peer = self.peer(peer)?;
+        let leases = plan::lease_sources(&self.node.regions, &batch)?;
+        let sources: Arc<[PartSource]> = leases
+            .into_iter()
+            .zip(&batch.extents)
+            .enumerate()
+            .map(|(i, (bytes, e))| PartSource {
+                index: i as u32,
+                bytes,
+                dst_offset: e.dst_offset,
+            })
+            .collect();
+        self.send(
+            peer,
+            batch.transfer_id,
+            &batch.dst_region,
+            sources,
+            deadline,
+        )
+        .await
+    }
+
+    /// Copies `bytes` once into a transient region (part tasks need to own their source); to
+    /// send without that copy, register the buffer and use [`Transport::write`].
+    async fn write_bytes(
+        &self,
+        peer: PeerId,
+        transfer_id: TransferId,
+        dst: &RegionDescriptor,
+        dst_offset: u64,
+        bytes: &[u8],
+        deadline: Instant,
+    ) -> Result<TransferReceipt, TransferError> {
+        let peer = self.peer(peer)?;
+        plan::check_dst(dst.len, dst_offset, bytes.len() as u64, 0)?;
+        let staged = RegionHandle::from_bytes(bytes);
+        let source = PartSource {
+            index: 0,
+            bytes: staged.try_read(0..bytes.len())?,
+            dst_offset,
+        };
+        self.send(peer, transfer_id, dst, Arc::new([source]), deadline)
+            .await
+    }
+
+    async fn wait_incoming(
+        &self,
+        transfer_id: TransferId,
+        deadline: Instant,
+    ) -> Result<IncomingTransfer, TransferError> {
+        self.node.incoming.wait(transfer_id, deadline).await
+    }
+
+    fn abandon_incoming(&self, transfer_id: TransferId) {
+        self.node.incoming.abandon(transfer_id);
+    }
+}
+
+fn new_socket(addr: SocketAddr, buffer: Option<u32>) -> Result<TcpSocket, TransferError> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    if let Some(b) = buffer {
+        socket.set_send_buffer_size(b)?;
+        socket.set_recv_buffer_size(b)?;
+    }
+    Ok(socket)
+}
+
+/// Opens and authenticates one connection; returns it with the server's incarnation.
+async fn dial(
+    node: &Node,
+    address: &str,
+    expected: Option<Incarnation>,
+    deadline: Instant,
+) -> Result<(TcpStream, Incarnation), TransferError> {
+    let limit = deadline.min(Instant::now() + node.config.handshake_timeout);
+    let work = async {
+        let addr = tokio::net::lookup_host(address)
+            .await
+            .map_err(|e| TransferError::PeerGone(format!("cannot resolve {address}: {e}")))?
+            .next()
+            .ok_or_else(|| TransferError::PeerGone(format!("{address} resolves to nothing")))?;
+        let socket = new_socket(addr, node.config.socket_buffer_bytes)?;
+        let mut stream = socket
+            .connect(addr)
+            .await
+            .map_err(|e| TransferError::PeerGone(format!("cannot connect to {address}: {e}")))?;
+        stream.set_nodelay(true)?;
+        let incarnation = client_handshake(node, &mut stream, expected).await?;
+        Ok((stream, incarnation))
+    };
+    match tokio::time::timeout_at(limit, work).await {
+        Ok(r) => r,
+        Err(_) if limit < deadline => Err(TransferError::PeerGone(format!(
+            "handshake with {address} timed out"
+        ))),
+        Err(_) => Err(TransferError::Timeout),
+    }
+}
+
+/// The client half of the handshake (see [`wire`]).
+async fn client_handshake(
+    node: &Node,
+    stream: &mut TcpStream,
+    expected: Option<Incarnation>,
+) -> Result<Incarnation, TransferError> {
+    let own = node.config.incarnation;
+    let hello = ClientHello {
+        version: VERSION,
+        client_incarnation: own,
+        expected_server: expected,
+        nonce: nonce(),
+    };
+    stream.write_all(&hello.encode()).await?;
+    let mut buf = [0u8; ServerHello::LEN];
+    stream.read_exact(&mut buf).await?;
+    let reply = ServerHello::decode(&buf)?;
+    let server = reply.server_incarnation;
+    match reply.status {
+        HELLO_OK => {}
+        HELLO_BAD_VERSION => {
+            return Err(TransferError::PeerGone(format!(
+                "peer speaks protocol version {}, not {VERSION}",
+                reply.version
+            )))
+        }
+        HELLO_WRONG_INCARNATION => {
+            return Err(TransferError::IncarnationMismatch {
+                expected: expected.unwrap_or(server),
+                found: server,
+            })
+        }
+        s => return Err(TransferError::protocol(format!("server hello status {s}"))),
+    }
+    let transcript = Transcript {
+        client_nonce: hello.nonce,
+        server_nonce: reply.nonce,
+        client_incarnation: own,
+        server_incarnation: server,
+    };
+    let give_up = ClientProof {
+        status: 1,
+        proof: [0; PROOF_LEN],
+    };
+    if let Some(e) = expected.filter(|&e| e != server) {
+        let _ = stream.write_all(&give_up.encode()).await;
+        return Err(TransferError::IncarnationMismatch {
+            expected: e,
+            found: server,
+        });
+    }
+    if !transcript.verify(&node.config.secret, Side::Server, &reply.proof) {
+        let _ = stream.write_all(&give_up.encode()).await;
+        return Err(TransferError::Auth(
+            "the peer could not prove the shared secret".into(),
+        ));
+    }
+    let proof = ClientProof {
+        status: 0,
+        proof: transcript.prove(&node.config.secret, Side::Client),
+    };
+    stream.write_all(&proof.encode()).await?;
+    let mut buf = [0u8; Verdict::LEN];
+    stream.read_exact(&mut buf).await?;
+    if Verdict::decode(&buf)?.0 != 0 {
+        return Err(TransferError::Auth("the peer refused our proof".into()));
+    }
+    Ok(server)
+}
+
+/// Whether a pooled connection is still usable: an idle connection has nothing to read, so
+/// readable data or an end of stream means the peer closed it (it restarted, say) or broke the
+/// protocol. Checked before each use, so a retry does not burn its attempts on dead connections.
+fn is_idle_and_open(stream: &TcpStream) -> bool {
+    let mut probe = [0u8; 1];
+    matches!(stream.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+}
+
+/// Writes `head` then `body` with as few syscalls as the socket allows (one `writev` usually).
+async fn write_two(stream: &mut TcpStream, head: &[u8], body: &[u8]) -> std::io::Result<()> {
+    let (mut head, mut body) = (head, body);
+    while !head.is_empty() {
+        let n = stream
+            .write_vectored(&[IoSlice::new(head), IoSlice::new(body)])
+            .await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        if n < head.len() {
+            head = &head[n..];
+        } else {
+            body = &body[n - head.len()..];
+            head = &[];
+        }
+    }
+    stream.write_all(body).await
+}
+
+async fn read_ack(stream: &mut TcpStream) -> Result<Ack, TransferError> {
+    let mut buf = [0u8; Ack::LEN];
+    stream.read_exact(&mut buf).await?;
+    let (mut ack, message_len) = Ack::decode(&buf)?;
+    if message_len > 0 {
+        let mut msg = vec![0u8; message_len];
+        stream.read_exact(&mut msg).await?;
+        ack.message = String::from_utf8_lossy(&msg).into_owned();
+    }
+    Ok(ack)
+}

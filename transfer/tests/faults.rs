@@ -1,0 +1,315 @@
+//! Fault injection: corrupted bytes, stalled and vanished peers, dropped connections. Nothing
+//! may hang past its deadline; only I/O failures are retried.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+use tessera_transfer::{
+    Instant, LocalTransport, RegionHandle, TcpTransport, TransferError, TransferId, Transport,
+};
+
+/// How late past its deadline a call may return on a loaded two-core machine.
+const SLACK: Duration = Duration::from_millis(400);
+
+fn assert_on_time(started: Instant, budget_ms: u64) {
+    let took = started.elapsed();
+    assert!(
+        took <= Duration::from_millis(budget_ms) + SLACK,
+        "took {took:?} for a {budget_ms} ms deadline"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_corrupted_extent_is_caught_and_never_completes() {
+    let cb = config();
+    let faults = cb.faults.clone();
+    let (a, b, peer) = tcp_pair(config(), cb).await;
+    let len = 64 << 10;
+    let src = random_region(8 * len, 11);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(8 * len);
+    let desc = b.register(&dst).unwrap();
+    faults.corrupt_extents.store(1, Ordering::Relaxed);
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 8, len as u64),
+            in_ms(5_000),
+        )
+        .await;
+    assert!(
+        matches!(r, Err(TransferError::ChecksumMismatch { .. })),
+        "{r:?}"
+    );
+    // Not retried: a checksum failure is not an I/O error.
+    let w = b.wait_incoming(TransferId(1), in_ms(300)).await;
+    assert!(
+        matches!(w, Err(TransferError::ChecksumMismatch { .. })),
+        "{w:?}"
+    );
+    // The failed transfer's extents are free again, and a fresh transfer goes through.
+    assert!(dst.try_write(0..dst.len()).is_ok());
+    a.write(
+        peer,
+        contiguous_batch(2, &src, &desc, 8, len as u64),
+        in_ms(5_000),
+    )
+    .await
+    .unwrap();
+    b.wait_incoming(TransferId(2), in_ms(1_000)).await.unwrap();
+    assert!(read_all(&dst) == read_all(&src));
+}
+
+#[tokio::test]
+async fn local_corrupted_extent_is_caught() {
+    let cb = config();
+    let faults = cb.faults.clone();
+    let a = LocalTransport::new(config());
+    let b = LocalTransport::new(cb);
+    let peer = a.connect(&b.endpoint(), in_ms(1_000)).await.unwrap();
+    let src = random_region(4096 * 4, 12);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(4096 * 4);
+    let desc = b.register(&dst).unwrap();
+    faults.corrupt_extents.store(1, Ordering::Relaxed);
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 4, 4096),
+            in_ms(1_000),
+        )
+        .await;
+    assert!(
+        matches!(r, Err(TransferError::ChecksumMismatch { extent: 0 })),
+        "{r:?}"
+    );
+    assert!(b.wait_incoming(TransferId(1), in_ms(100)).await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_to_a_listener_that_never_answers_times_out() {
+    // Accepts, never reads or writes.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let (s, _) = listener.accept().await.unwrap();
+            held.push(s);
+        }
+    });
+    let a = TcpTransport::bind(config()).await.unwrap();
+    let started = Instant::now();
+    let r = a.connect(&format!("tcp://{addr}"), in_ms(300)).await;
+    assert!(matches!(r, Err(TransferError::Timeout)), "{r:?}");
+    assert_on_time(started, 300);
+    hold.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_to_a_stalled_peer_times_out() {
+    let cb = config();
+    let faults = cb.faults.clone();
+    let (a, b, peer) = tcp_pair(config(), cb).await;
+    // Far more than the socket buffers of four connections can absorb.
+    let len = 8 << 20;
+    let src = random_region(16 * len, 13);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(16 * len);
+    let desc = b.register(&dst).unwrap();
+    faults.stall_receive.store(true, Ordering::Relaxed);
+    let started = Instant::now();
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 16, len as u64),
+            in_ms(500),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::Timeout)), "{r:?}");
+    assert_on_time(started, 500);
+    // The destination's wait ends at its deadline too.
+    let started = Instant::now();
+    let w = b.wait_incoming(TransferId(1), in_ms(200)).await;
+    assert!(matches!(w, Err(TransferError::Timeout)), "{w:?}");
+    assert_on_time(started, 200);
+    // The source's extents are released once the write returned.
+    assert!(src.try_write(0..src.len()).is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_connection_errors_then_a_retry_succeeds() {
+    let cb = config();
+    let faults = cb.faults.clone();
+    let mut ca = config();
+    ca.max_retries = 0;
+    let (a, b, peer) = tcp_pair(ca, cb).await;
+    let len = 1_769_472;
+    let src = random_region(16 * len, 14);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(16 * len);
+    let desc = b.register(&dst).unwrap();
+
+    faults.drop_after_bytes.store(3_000_000, Ordering::Relaxed);
+    let started = Instant::now();
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 16, len as u64),
+            in_ms(5_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::Io(_))), "{r:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "an error, not a hang"
+    );
+
+    // The caller retries the same transfer: the broken connection is dialled again.
+    let receipt = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 16, len as u64),
+            in_ms(5_000),
+        )
+        .await
+        .unwrap();
+    assert_eq!(receipt.attempts, 1);
+    b.wait_incoming(TransferId(1), in_ms(1_000)).await.unwrap();
+    assert!(read_all(&dst) == read_all(&src));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_connection_is_retried_transparently() {
+    let cb = config();
+    let faults = cb.faults.clone();
+    let (a, b, peer) = tcp_pair(config(), cb).await; // default: 2 retries
+    let len = 1_769_472;
+    let src = random_region(16 * len, 15);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(16 * len);
+    let desc = b.register(&dst).unwrap();
+    faults.drop_after_bytes.store(5_000_000, Ordering::Relaxed);
+    let receipt = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 16, len as u64),
+            in_ms(5_000),
+        )
+        .await
+        .unwrap();
+    assert_eq!(receipt.attempts, 2);
+    let done = b.wait_incoming(TransferId(1), in_ms(1_000)).await.unwrap();
+    assert_eq!(done.bytes, 16 * len as u64);
+    assert!(read_all(&dst) == read_all(&src));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vanished_peer_is_reported_not_waited_for() {
+    let (a, b, peer) = tcp_pair(config(), config()).await;
+    let src = random_region(4 << 20, 16);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(4 << 20);
+    let desc = b.register(&dst).unwrap();
+    drop(b);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let started = Instant::now();
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 4, 1 << 20),
+            in_ms(3_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::PeerGone(_))), "{r:?}");
+    assert!(started.elapsed() < Duration::from_secs(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_peer_never_receives_writes_meant_for_its_previous_life() {
+    let (a, b, peer) = tcp_pair(config(), config()).await;
+    let old_endpoint = b.endpoint();
+    let addr = b.local_addr();
+    let src = random_region(1 << 20, 17);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(1 << 20);
+    let old_desc = b.register(&dst).unwrap();
+    drop(b);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    // The same address, a new life, the same region registered again.
+    let mut cb = config();
+    cb.bind = addr;
+    let b2 = TcpTransport::bind(cb).await.unwrap();
+    let new_desc = b2.register(&dst).unwrap();
+    assert_ne!(old_desc.incarnation, new_desc.incarnation);
+
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &old_desc, 1, 4096),
+            in_ms(3_000),
+        )
+        .await;
+    assert!(
+        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+        "{r:?}"
+    );
+    let r = a.connect(&old_endpoint, in_ms(3_000)).await;
+    assert!(
+        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+        "{r:?}"
+    );
+
+    // A descriptor of the new life over a connection to the old one is refused too.
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(2, &src, &new_desc, 1, 4096),
+            in_ms(3_000),
+        )
+        .await;
+    assert!(
+        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+        "{r:?}"
+    );
+
+    // Reconnecting through the new endpoint works.
+    let peer2 = a.connect(&b2.endpoint(), in_ms(3_000)).await.unwrap();
+    a.write(
+        peer2,
+        contiguous_batch(3, &src, &new_desc, 1, 4096),
+        in_ms(3_000),
+    )
+    .await
+    .unwrap();
+    b2.wait_incoming(TransferId(3), in_ms(1_000)).await.unwrap();
+}
+
+#[tokio::test]
+async fn local_deadline_and_abandon() {
+    let a = LocalTransport::new(config());
+    let b = LocalTransport::new(config());
+    let peer = a.connect(&b.endpoint(), in_ms(1_000)).await.unwrap();
+    let src = random_region(4096, 18);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(4096);
+    let desc = b.register(&dst).unwrap();
+    let started = Instant::now();
+    let w = b.wait_incoming(TransferId(5), in_ms(100)).await;
+    assert!(matches!(w, Err(TransferError::Timeout)));
+    assert_on_time(started, 100);
+    // Abandoned by the wait: the late write is refused.
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(5, &src, &desc, 1, 4096),
+            in_ms(1_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::Timeout)), "{r:?}");
+    assert!(read_all(&dst).iter().all(|&x| x == 0));
+}

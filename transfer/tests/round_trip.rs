@@ -1,0 +1,236 @@
+//! Bytes land exactly where the batch says, on every backend, and nowhere else.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use common::*;
+use tessera_transfer::{
+    LocalTransport, PeerId, RegionHandle, TransferError, TransferId, Transport,
+};
+
+/// Several random batches from `src_t` into `dst_t`; checks the whole destination each time.
+async fn random_round_trips(src_t: &dyn Transport, dst_t: &dyn Transport, peer: PeerId) {
+    let src = random_region(8 << 20, 1);
+    let src_bytes = read_all(&src);
+    src_t.register(&src).unwrap();
+    let dst = random_region(12 << 20, 2);
+    let desc = dst_t.register(&dst).unwrap();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for round in 0..6u64 {
+        let before = read_all(&dst);
+        let count = [1, 3, 16, 40, 7, 64][round as usize];
+        let (batch, expected) = random_batch(
+            &mut rng,
+            100 + round,
+            &src,
+            &src_bytes,
+            &desc,
+            &before,
+            count,
+        );
+        let total: u64 = batch.extents.iter().map(|e| e.len).sum();
+        let n = batch.extents.len() as u32;
+        let receipt = src_t.write(peer, batch, in_ms(10_000)).await.unwrap();
+        assert_eq!(receipt.bytes, total);
+        assert_eq!(receipt.attempts, 1);
+        let done = dst_t
+            .wait_incoming(TransferId(100 + round), in_ms(1_000))
+            .await
+            .unwrap();
+        assert_eq!(done.bytes, total);
+        assert_eq!(done.extents, n);
+        assert_eq!(done.from, src_t.incarnation());
+        let after = read_all(&dst);
+        assert!(after == expected, "round {round}: destination bytes differ");
+    }
+
+    // write_bytes (embeddings) through the same path.
+    let emb: Vec<u8> = (0..100_003u32).map(|i| (i * 7) as u8).collect();
+    src_t
+        .write_bytes(peer, TransferId(7), &desc, 12345, &emb, in_ms(5_000))
+        .await
+        .unwrap();
+    let done = dst_t
+        .wait_incoming(TransferId(7), in_ms(1_000))
+        .await
+        .unwrap();
+    assert_eq!(done.bytes, emb.len() as u64);
+    assert_eq!(&*dst.try_read(12345..12345 + emb.len()).unwrap(), &emb[..]);
+
+    // An empty batch still completes once.
+    let empty = tessera_transfer::WriteBatch {
+        transfer_id: TransferId(8),
+        dst_region: desc.clone(),
+        extents: vec![],
+    };
+    src_t.write(peer, empty, in_ms(5_000)).await.unwrap();
+    assert_eq!(
+        dst_t
+            .wait_incoming(TransferId(8), in_ms(1_000))
+            .await
+            .unwrap()
+            .bytes,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_random_extents_land_exactly() {
+    let (a, b, peer) = tcp_pair(config(), config()).await;
+    random_round_trips(&a, &b, peer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_with_one_connection_and_no_checksums() {
+    let mut ca = config();
+    ca.connections_per_peer = 1;
+    ca.checksums = false;
+    ca.socket_buffer_bytes = Some(1 << 20);
+    let (a, b, peer) = tcp_pair(ca, config()).await;
+    random_round_trips(&a, &b, peer).await;
+}
+
+#[tokio::test]
+async fn local_random_extents_land_exactly() {
+    let a = LocalTransport::new(config());
+    let b = LocalTransport::new(config());
+    let peer = a.connect(&b.endpoint(), in_ms(1_000)).await.unwrap();
+    random_round_trips(&a, &b, peer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_concurrent_batches_to_one_peer() {
+    let (a, b, peer) = tcp_pair(config(), config()).await;
+    let (a, b) = (Arc::new(a), Arc::new(b));
+    let len = 256 << 10;
+    let src = random_region(16 * len as usize, 3);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(16 * len as usize);
+    let desc = b.register(&dst).unwrap();
+    let mut tasks = Vec::new();
+    for t in 0..8u64 {
+        let (a, src, desc) = (a.clone(), src.clone(), desc.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut batch = contiguous_batch(1000 + t, &src, &desc, 2, len);
+            for e in &mut batch.extents {
+                e.src_offset += 2 * t * len;
+                e.dst_offset += 2 * t * len;
+            }
+            a.write(peer, batch, in_ms(10_000)).await
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    for t in 0..8u64 {
+        b.wait_incoming(TransferId(1000 + t), in_ms(1_000))
+            .await
+            .unwrap();
+    }
+    assert!(read_all(&dst) == read_all(&src));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_regions_are_refused_before_any_byte_moves() {
+    let (a, b, peer) = tcp_pair(config(), config()).await;
+    let src = random_region(1 << 20, 4);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(1 << 20);
+    let desc = b.register(&dst).unwrap();
+
+    // Past the end of the destination.
+    let mut batch = contiguous_batch(1, &src, &desc, 1, 4096);
+    batch.extents[0].dst_offset = (1 << 20) - 100;
+    assert!(matches!(
+        a.write(peer, batch, in_ms(2_000)).await,
+        Err(TransferError::BadRegion(_))
+    ));
+
+    // Overlapping destinations.
+    let mut batch = contiguous_batch(2, &src, &desc, 2, 4096);
+    batch.extents[1].dst_offset = 100;
+    assert!(matches!(
+        a.write(peer, batch, in_ms(2_000)).await,
+        Err(TransferError::BadRegion(_))
+    ));
+
+    // A source that is not registered.
+    let stray = random_region(4096, 5);
+    let batch = contiguous_batch(3, &stray, &desc, 1, 4096);
+    assert!(matches!(
+        a.write(peer, batch, in_ms(2_000)).await,
+        Err(TransferError::BadRegion(_))
+    ));
+
+    // A destination the peer deregistered: refused by the receiver, the connection stays usable.
+    assert!(b.deregister(desc.region_id));
+    let batch = contiguous_batch(4, &src, &desc, 4, 4096);
+    assert!(matches!(
+        a.write(peer, batch, in_ms(2_000)).await,
+        Err(TransferError::BadRegion(_))
+    ));
+    let desc = b.register(&dst).unwrap();
+    a.write(
+        peer,
+        contiguous_batch(5, &src, &desc, 4, 4096),
+        in_ms(2_000),
+    )
+    .await
+    .unwrap();
+
+    // The owner holds the destination extent: the receiver cannot lease it.
+    let held = dst.try_read(0..10).unwrap();
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(6, &src, &desc, 1, 4096),
+            in_ms(2_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::BadRegion(_))), "{r:?}");
+    drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn destination_extents_stay_leased_until_completion() {
+    // Two parts of 2 MB; the receiver drops the connection of whichever passes 1.5 MB first.
+    let cb = config();
+    cb.faults
+        .drop_after_bytes
+        .store(1_500_000, Ordering::Relaxed);
+    let mut ca = config();
+    ca.max_retries = 0;
+    ca.connections_per_peer = 2;
+    let (a, b, peer) = tcp_pair(ca, cb).await;
+    let len = 1 << 20;
+    let src = random_region(4 * len, 6);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(4 * len);
+    let desc = b.register(&dst).unwrap();
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(9, &src, &desc, 4, len as u64),
+            in_ms(5_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::Io(_))), "{r:?}");
+    // The part that landed stays leased: the owner cannot see it before completion.
+    let busy = (0..4)
+        .filter(|i| dst.try_read(i * len..(i + 1) * len).is_err())
+        .count();
+    assert_eq!(busy, 2);
+    // The destination gives up: the leases go, and late bytes are refused.
+    b.abandon_incoming(TransferId(9));
+    assert!(dst.try_write(0..dst.len()).is_ok());
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(9, &src, &desc, 4, len as u64),
+            in_ms(5_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::Timeout)), "{r:?}");
+}
