@@ -6,6 +6,8 @@ mod init_model;
 mod logits;
 mod model_arg;
 mod serve;
+mod up;
+mod workers;
 
 use clap::{Parser, Subcommand};
 
@@ -37,6 +39,13 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Serve the OpenAI-compatible HTTP API from one process (engine, page pool, prefix cache).
     Serve(serve::ServeArgs),
+    /// Start a local cluster: router, prefill and decode workers as separate processes on
+    /// loopback (embedded tiny model unless --model is given). Ctrl-C stops everything.
+    Up(up::UpArgs),
+    /// Run a prefill worker daemon (what `tessera up` starts; also the `tessera-prefill` binary).
+    PrefillWorker(workers::WorkerCmd),
+    /// Run a decode worker daemon (what `tessera up` starts; also the `tessera-decode` binary).
+    DecodeWorker(workers::WorkerCmd),
     /// Write a random-weight Kimi Linear model in the Hugging Face layout (output is meaningless).
     InitModel(init_model::InitModelArgs),
 }
@@ -47,6 +56,9 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
         Command::Generate(a) => generate::run(a),
         Command::InitModel(a) => init_model::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Up(a) => up::run(a),
+        Command::PrefillWorker(a) => workers::run_prefill(a),
+        Command::DecodeWorker(a) => workers::run_decode(a),
     }
 }
 

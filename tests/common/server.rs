@@ -30,31 +30,45 @@ fn with_tokenizer(model: &Path) -> tempfile::TempDir {
 }
 
 impl Server {
+    /// `tessera serve` on a free port.
     pub fn start(model: &Path, extra: &[&str]) -> Server {
+        let mut args = vec!["serve", "--port", "0"];
+        args.extend_from_slice(extra);
+        Self::launch(model, &args)
+    }
+
+    /// `tessera <args> --model <copy of model>`; returns once it prints its `http://` address.
+    pub fn launch(model: &Path, args: &[&str]) -> Server {
         let copy = with_tokenizer(model);
-        let model = copy.path();
         let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(["serve", "--port", "0", "--model"])
-            .arg(model)
-            .args(extra)
+            .args(args)
+            .arg("--model")
+            .arg(copy.path())
             .env("TESSERA_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("tessera serve starts");
+            .expect("tessera starts");
         let stdout = child.stdout.take().unwrap();
         let mut lines = BufReader::new(stdout).lines();
         let addr = loop {
-            let line = lines.next().expect("serve printed its address").unwrap();
+            let line = lines.next().expect("tessera printed its address").unwrap();
             if let Some(rest) = line.split("http://").nth(1) {
-                break rest.trim_end_matches("/v1").to_string();
+                let url = rest.split_whitespace().next().unwrap();
+                break url.trim_end_matches("/v1").to_string();
             }
         };
-        Server {
-            child,
-            addr,
-            _model_copy: copy,
-        }
+        // Keep draining stdout so the child never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Server { child, addr, _model_copy: copy }
+    }
+
+    /// Sends SIGTERM and waits; returns how long the process took to exit.
+    pub fn terminate(mut self) -> Duration {
+        let start = std::time::Instant::now();
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let _ = self.child.wait();
+        start.elapsed()
     }
 
     /// Sends one request; returns (status, body).
