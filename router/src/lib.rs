@@ -1,12 +1,14 @@
 //! The front door (`tessera-router`).
 //!
-//! Today: the OpenAI-compatible HTTP front ([`HttpFront`]) over a [`GenerationBackend`], used by
-//! the single-process `tessera serve` (an in-process engine behind the trait) and, later, by the
-//! router daemon (gRPC clients of the worker pools behind it). It will also own the public gRPC
-//! `Generate` service, discovery (static and etcd), routing policies and E→P→D orchestration. It
-//! never links the engine.
+//! The OpenAI-compatible HTTP front ([`HttpFront`]) over a [`GenerationBackend`], used by the
+//! single-process `tessera serve` (an in-process engine behind the trait) and by the router
+//! daemon ([`daemon`], binary `tessera-router`) with [`ClusterBackend`]: gRPC clients of the
+//! prefill and decode pools, static discovery, routing policies and P→D orchestration. Still to
+//! come: the public gRPC `Generate` service, etcd discovery, encoders. It never links the engine.
 
 pub mod backend;
+pub mod cluster;
+pub mod daemon;
 pub mod fake;
 pub mod http;
 pub mod metrics;
@@ -15,5 +17,7 @@ pub mod text;
 pub use backend::{
     BackendError, FinishReason, GenerationBackend, GenerationRequest, Sampling, TokenEvent, Usage,
 };
+pub use cluster::{ClusterBackend, ClusterConfig, PoolOptions, WorkerPool};
+pub use daemon::RouterArgs;
 pub use http::{ApiError, FrontOptions, HttpFront};
 pub use metrics::Metrics;

@@ -46,6 +46,9 @@ pub enum Command {
     PrefillWorker(workers::WorkerCmd),
     /// Run a decode worker daemon (what `tessera up` starts; also the `tessera-decode` binary).
     DecodeWorker(workers::WorkerCmd),
+    /// Run the router daemon: OpenAI HTTP API in front of prefill and decode worker pools (what
+    /// `tessera up` starts; also the `tessera-router` binary).
+    Router(workers::RouterCmd),
     /// Write a random-weight Kimi Linear model in the Hugging Face layout (output is meaningless).
     InitModel(init_model::InitModelArgs),
 }
@@ -59,6 +62,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
         Command::Up(a) => up::run(a),
         Command::PrefillWorker(a) => workers::run_prefill(a),
         Command::DecodeWorker(a) => workers::run_decode(a),
+        Command::Router(a) => workers::run_router(a),
     }
 }
 

@@ -54,11 +54,20 @@ struct Proc {
 
 /// Starts `tessera <args>`, forwards its output prefixed with `role`, and returns once it prints
 /// its ready line (the line's `key=value` fields).
-fn spawn_ready(exe: &Path, role: &str, args: &[String], secret: &str, timeout: Duration) -> anyhow::Result<(Proc, Vec<(String, String)>)> {
+fn spawn_ready(
+    exe: &Path,
+    role: &str,
+    args: &[String],
+    secret: &str,
+    timeout: Duration,
+) -> anyhow::Result<(Proc, Vec<(String, String)>)> {
     let mut child = Command::new(exe)
         .args(args)
         .env("TESSERA_AUTH_SECRET", secret)
-        .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -82,7 +91,10 @@ fn spawn_ready(exe: &Path, role: &str, args: &[String], secret: &str, timeout: D
             eprintln!("[{tag}] {line}");
         }
     });
-    let mut proc = Proc { role: role.to_string(), child };
+    let mut proc = Proc {
+        role: role.to_string(),
+        child,
+    };
     let deadline = Instant::now() + timeout;
     loop {
         match rx.recv_timeout(Duration::from_millis(200)) {
@@ -90,7 +102,10 @@ fn spawn_ready(exe: &Path, role: &str, args: &[String], secret: &str, timeout: D
                 let fields = line
                     .split_whitespace()
                     .skip(1)
-                    .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+                    .filter_map(|kv| {
+                        kv.split_once('=')
+                            .map(|(k, v)| (k.to_string(), v.to_string()))
+                    })
                     .collect();
                 return Ok((proc, fields));
             }
@@ -100,7 +115,10 @@ fn spawn_ready(exe: &Path, role: &str, args: &[String], secret: &str, timeout: D
                 }
                 if Instant::now() > deadline {
                     stop_all(std::slice::from_mut(&mut proc));
-                    bail!("the {role} did not report ready within {}s", timeout.as_secs());
+                    bail!(
+                        "the {role} did not report ready within {}s",
+                        timeout.as_secs()
+                    );
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
@@ -133,7 +151,10 @@ fn stop_all(procs: &mut [Proc]) {
             match p.child.try_wait() {
                 Ok(Some(_)) | Err(_) => break,
                 Ok(None) if Instant::now() >= deadline => {
-                    eprintln!("tessera up: the {} did not stop in time; killing it", p.role);
+                    eprintln!(
+                        "tessera up: the {} did not stop in time; killing it",
+                        p.role
+                    );
                     let _ = p.child.kill();
                     let _ = p.child.wait();
                     break;
@@ -147,7 +168,11 @@ fn stop_all(procs: &mut [Proc]) {
 fn random_secret() -> String {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
     h.write_u32(std::process::id());
     let a = h.finish();
     h.write_u64(a);
@@ -155,7 +180,10 @@ fn random_secret() -> String {
 }
 
 pub fn run(a: UpArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(a.prefill >= 1 && a.decode >= 1, "a cluster needs at least one prefill and one decode worker");
+    anyhow::ensure!(
+        a.prefill >= 1 && a.decode >= 1,
+        "a cluster needs at least one prefill and one decode worker"
+    );
     let model: PathBuf = a.model.dir()?;
     let exe = std::env::current_exe().context("locating the tessera binary")?;
     let secret = std::env::var("TESSERA_AUTH_SECRET").unwrap_or_else(|_| random_secret());
@@ -179,13 +207,25 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
     let result = (|| -> anyhow::Result<String> {
         let mut decode_addrs = Vec::new();
         for i in 0..a.decode {
-            let (p, f) = spawn_ready(&exe, &format!("decode-{i}"), &worker_args("decode-worker", i), &secret, timeout)?;
+            let (p, f) = spawn_ready(
+                &exe,
+                &format!("decode-{i}"),
+                &worker_args("decode-worker", i),
+                &secret,
+                timeout,
+            )?;
             decode_addrs.push(field(&f, "grpc")?.to_string());
             procs.push(p);
         }
         let mut prefill_addrs = Vec::new();
         for i in 0..a.prefill {
-            let (p, f) = spawn_ready(&exe, &format!("prefill-{i}"), &worker_args("prefill-worker", i), &secret, timeout)?;
+            let (p, f) = spawn_ready(
+                &exe,
+                &format!("prefill-{i}"),
+                &worker_args("prefill-worker", i),
+                &secret,
+                timeout,
+            )?;
             prefill_addrs.push(field(&f, "grpc")?.to_string());
             procs.push(p);
         }
@@ -228,7 +268,9 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
     std::io::stdout().flush().ok();
 
     // Wait for a signal or for a child to die.
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let died = rt.block_on(async {
         let signal = tessera_prefill::runtime::shutdown_signal();
         tokio::pin!(signal);

@@ -12,7 +12,10 @@ pub struct WorkerCmd {
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
 }
 
 pub fn run_prefill(a: WorkerCmd) -> anyhow::Result<()> {
@@ -29,4 +32,17 @@ pub fn run_decode(a: WorkerCmd) -> anyhow::Result<()> {
         running.server.await??;
         anyhow::Ok(())
     })
+}
+
+#[derive(Args, Debug)]
+pub struct RouterCmd {
+    #[command(flatten)]
+    pub router: tessera_router::daemon::RouterArgs,
+}
+
+pub fn run_router(a: RouterCmd) -> anyhow::Result<()> {
+    runtime()?.block_on(tessera_router::daemon::run(
+        a.router,
+        tessera_router::daemon::shutdown_signal(),
+    ))
 }

@@ -60,13 +60,19 @@ impl Server {
         };
         // Keep draining stdout so the child never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        Server { child, addr, _model_copy: copy }
+        Server {
+            child,
+            addr,
+            _model_copy: copy,
+        }
     }
 
     /// Sends SIGTERM and waits; returns how long the process took to exit.
     pub fn terminate(mut self) -> Duration {
         let start = std::time::Instant::now();
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
         let _ = self.child.wait();
         start.elapsed()
     }

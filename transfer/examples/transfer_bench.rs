@@ -4,7 +4,7 @@
 //!
 //!     cargo run --release -p tessera-transfer --example transfer_bench -- \
 //!         [--seconds 3] [--batch 16] [--extent 1769472] [--conns 4] [--inflight 1] \
-//!         [--threads 2] [--socket-buffer BYTES] [--only tcp|tcp-nocrc|local]
+//!         [--threads 2] [--socket-buffer BYTES|auto] [--only tcp|tcp-nocrc|local]
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,7 +34,7 @@ fn parse_args() -> Args {
         conns: 4,
         inflight: 1,
         threads: 2,
-        socket_buffer: None,
+        socket_buffer: TransportConfig::new(Secret::new("")).socket_buffer_bytes,
         only: None,
     };
     let mut it = std::env::args().skip(1);
@@ -47,7 +47,12 @@ fn parse_args() -> Args {
             "--conns" => a.conns = value().parse().expect("conns"),
             "--inflight" => a.inflight = value().parse().expect("inflight"),
             "--threads" => a.threads = value().parse().expect("threads"),
-            "--socket-buffer" => a.socket_buffer = Some(value().parse().expect("bytes")),
+            "--socket-buffer" => {
+                a.socket_buffer = match value().as_str() {
+                    "auto" => None,
+                    v => Some(v.parse().expect("bytes or auto")),
+                }
+            }
             "--only" => a.only = Some(value()),
             other => panic!("unknown flag {other}"),
         }

@@ -115,7 +115,9 @@ pub struct TransportConfig {
     pub checksums: bool,
     /// TCP: connections opened to each peer; a batch is spread over them.
     pub connections_per_peer: usize,
-    /// TCP: `SO_SNDBUF`/`SO_RCVBUF` in bytes; `None` keeps the kernel's autotuning.
+    /// TCP: `SO_SNDBUF`/`SO_RCVBUF` in bytes; `None` (the default) keeps the kernel's
+    /// autotuning, which suits any bandwidth-delay product. 1 MiB measured ~10% faster on
+    /// bare-metal loopback, slower in a small VM (more flow-control wake-ups).
     pub socket_buffer_bytes: Option<u32>,
     /// TCP: where the listener binds.
     pub bind: SocketAddr,

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use async_trait::async_trait;
 use tokio::time::Instant;
 
-use crate::checksum::extent_checksum;
+use crate::checksum::{self, STREAM_CHUNK};
 use crate::endpoint::Endpoint;
 use crate::incoming::{IncomingTable, PartStart};
 use crate::plan::{self, Source};
@@ -110,12 +110,32 @@ impl LocalTransport {
                 return Err(TransferError::Timeout);
             }
             let at = s.dst_offset as usize;
-            let mut lease = region.try_write(at..at + s.bytes.len())?;
-            lease.copy_from_slice(s.bytes);
-            if !lease.is_empty() && target.config.faults.take_corruption() {
-                lease[0] ^= 0x5a;
+            let mut lease = match region.try_write(at..at + s.bytes.len()) {
+                Ok(lease) => lease,
+                Err(e) => {
+                    let e = TransferError::from(e);
+                    target.incoming.fail(transfer_id, attempt, e.clone());
+                    return Err(e);
+                }
+            };
+            let corrupt = !lease.is_empty() && target.config.faults.take_corruption();
+            let (mut sent, mut landed) = (0, 0);
+            // Chunk by chunk, so both checksums read cached bytes.
+            let chunks = s
+                .bytes
+                .chunks(STREAM_CHUNK)
+                .zip(lease.chunks_mut(STREAM_CHUNK));
+            for (k, (from, to)) in chunks.enumerate() {
+                to.copy_from_slice(from);
+                if corrupt && k == 0 {
+                    to[0] ^= 0x5a;
+                }
+                if self.shared.config.checksums {
+                    sent = checksum::extend(sent, from);
+                    landed = checksum::extend(landed, to);
+                }
             }
-            if self.shared.config.checksums && extent_checksum(s.bytes) != extent_checksum(&lease) {
+            if sent != landed {
                 let err = TransferError::ChecksumMismatch { extent: s.index };
                 target.incoming.fail(transfer_id, attempt, err.clone());
                 return Err(err);

@@ -190,6 +190,11 @@ async fn bad_regions_are_refused_before_any_byte_moves() {
         )
         .await;
     assert!(matches!(r, Err(TransferError::BadRegion(_))), "{r:?}");
+    // The destination's waiter learns it at once rather than at its deadline.
+    let started = tessera_transfer::Instant::now();
+    let w = b.wait_incoming(TransferId(6), in_ms(5_000)).await;
+    assert!(matches!(w, Err(TransferError::BadRegion(_))), "{w:?}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(1));
     drop(held);
 }
 

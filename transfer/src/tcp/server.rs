@@ -215,6 +215,10 @@ async fn receive_part(
             (Some(region), true) => match lease_extent(node, region, part, &ext) {
                 Ok(l) => Some(l),
                 Err(e) => {
+                    if let TransferError::BadRegion(_) = e {
+                        // Final for this attempt: tell the destination's waiter now.
+                        node.incoming.fail(id, part.attempt, e.clone());
+                    }
                     failure = Some(e);
                     None
                 }

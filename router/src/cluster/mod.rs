@@ -1,0 +1,125 @@
+//! The cluster backend: a [`GenerationBackend`] over gRPC clients of the prefill and decode
+//! pools (DESIGN §4, §6 static discovery).
+//!
+//! - [`pool`]: static membership, lazily connected channels, `grpc.health.v1` probes, in-flight
+//!   accounting and the router's per-worker metrics;
+//! - [`policy`]: placement (decode least loaded, prefill prefix affinity then load);
+//! - `flow`: one request's stages (select → reserve → prefill → respond → decode), retries
+//!   and cancellation;
+//! - [`error`]: worker statuses → [`BackendError`].
+
+pub mod error;
+mod flow;
+pub mod policy;
+pub mod pool;
+
+use std::sync::Arc;
+
+use tessera_proto::v1;
+use tokio::sync::mpsc;
+
+pub use pool::{PoolOptions, Role, Worker, WorkerPool};
+
+use crate::backend::{BackendError, GenerationBackend, GenerationRequest, TokenEvent};
+use flow::Flow;
+
+/// Everything [`ClusterBackend::new`] needs.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// The model's identifier (default served model name).
+    pub model_id: String,
+    /// Prompt + completion tokens per request at most.
+    pub max_model_len: usize,
+    /// gRPC addresses (`host:port` or `http://host:port`) of the prefill workers.
+    pub prefill: Vec<String>,
+    /// gRPC addresses of the decode workers.
+    pub decode: Vec<String>,
+    pub pool: PoolOptions,
+    /// How long decode holds a reservation waiting for `StartDecode`; 0 = the worker's default.
+    pub reserve_ttl_ms: u32,
+}
+
+/// [`GenerationBackend`] that routes each request to a decode and a prefill worker.
+pub struct ClusterBackend {
+    pool: Arc<WorkerPool>,
+    model_id: String,
+    max_model_len: usize,
+    reserve_ttl_ms: u32,
+}
+
+impl ClusterBackend {
+    /// Builds the pools and starts health probing; call inside a tokio runtime. Workers need
+    /// not be up yet (channels connect lazily; unhealthy ones are skipped).
+    pub fn new(cfg: ClusterConfig) -> anyhow::Result<Self> {
+        let pool = WorkerPool::start(&cfg.prefill, &cfg.decode, cfg.pool)?;
+        Ok(ClusterBackend {
+            pool,
+            model_id: cfg.model_id,
+            max_model_len: cfg.max_model_len,
+            reserve_ttl_ms: cfg.reserve_ttl_ms,
+        })
+    }
+
+    pub fn pool(&self) -> &Arc<WorkerPool> {
+        &self.pool
+    }
+
+    fn wire_sampling(req: &GenerationRequest) -> v1::SamplingParams {
+        let s = &req.sampling;
+        v1::SamplingParams {
+            temperature: s.temperature,
+            top_p: Some(s.top_p),
+            top_k: s.top_k,
+            // Fixed here so prefill (first token) and decode (the rest) share one stream.
+            seed: Some(s.seed.unwrap_or_else(policy::random_seed)),
+        }
+    }
+}
+
+impl GenerationBackend for ClusterBackend {
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    fn submit(&self, req: GenerationRequest) -> Result<mpsc::Receiver<TokenEvent>, BackendError> {
+        if req.prompt_ids.is_empty() {
+            return Err(BackendError::InvalidRequest("the prompt is empty".into()));
+        }
+        if req.max_tokens == 0 {
+            return Err(BackendError::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
+        }
+        self.health()?;
+        let (tx, rx) = mpsc::channel(64);
+        let flow = Flow {
+            pool: self.pool.clone(),
+            sampling: Self::wire_sampling(&req),
+            req,
+            tx,
+            reserve_ttl_ms: self.reserve_ttl_ms,
+        };
+        tokio::spawn(flow.run());
+        Ok(rx)
+    }
+
+    fn health(&self) -> Result<(), BackendError> {
+        for role in [Role::Prefill, Role::Decode] {
+            if !self.pool.any_healthy(role) {
+                return Err(BackendError::Unavailable(format!(
+                    "no healthy {} worker",
+                    role.name()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn metrics_text(&self) -> String {
+        self.pool.metrics_text()
+    }
+}

@@ -1,0 +1,372 @@
+//! Static worker membership: one [`Worker`] per configured gRPC address, with a lazily connected
+//! tonic channel, a health flag kept fresh by a `grpc.health.v1` probe (and the worker's `Stats`
+//! for its load), and the router's own counters.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use tessera_proto::health::pb::health_check_response::ServingStatus;
+use tessera_proto::health::pb::health_client::HealthClient;
+use tessera_proto::health::pb::HealthCheckRequest;
+use tessera_proto::tonic::metadata::MetadataValue;
+use tessera_proto::tonic::transport::{Channel, Endpoint};
+use tessera_proto::tonic::{self, Request};
+use tessera_proto::v1;
+use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
+use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
+
+use super::policy::{self, Candidate};
+
+/// Which pool a worker belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// One worker as the router sees it.
+pub struct Worker {
+    /// `host:port` as configured (also what prefill uses to reach a decode worker).
+    pub addr: String,
+    pub role: Role,
+    channel: Channel,
+    auth: Option<MetadataValue<tonic::metadata::Ascii>>,
+    healthy: AtomicBool,
+    inflight: AtomicUsize,
+    remote_load: AtomicUsize,
+    routed: AtomicU64,
+    failures: AtomicU64,
+}
+
+impl Worker {
+    fn new(addr: &str, role: Role, auth: Option<&str>, timeout: Duration) -> anyhow::Result<Self> {
+        let addr = addr.trim();
+        let (uri, plain) = match addr.split_once("://") {
+            Some((_, rest)) => (addr.to_string(), rest.trim_end_matches('/').to_string()),
+            None => (format!("http://{addr}"), addr.to_string()),
+        };
+        let channel = Endpoint::from_shared(uri)
+            .map_err(|e| anyhow::anyhow!("bad {} worker address {addr:?}: {e}", role.name()))?
+            .connect_timeout(timeout)
+            .tcp_nodelay(true)
+            .connect_lazy();
+        let auth = auth
+            .map(|s| format!("Bearer {s}").parse())
+            .transpose()
+            .map_err(|_| anyhow::anyhow!("the auth secret is not valid in a gRPC header"))?;
+        Ok(Worker {
+            addr: plain,
+            role,
+            channel,
+            auth,
+            healthy: AtomicBool::new(true),
+            inflight: AtomicUsize::new(0),
+            remote_load: AtomicUsize::new(0),
+            routed: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+        })
+    }
+
+    /// A request carrying the cluster's `authorization` metadata.
+    pub fn request<T>(&self, msg: T) -> Request<T> {
+        let mut r = Request::new(msg);
+        if let Some(a) = &self.auth {
+            r.metadata_mut().insert("authorization", a.clone());
+        }
+        r
+    }
+
+    pub fn decode_client(&self) -> DecodeWorkerClient<Channel> {
+        DecodeWorkerClient::new(self.channel.clone())
+    }
+
+    pub fn prefill_client(&self) -> PrefillWorkerClient<Channel> {
+        PrefillWorkerClient::new(self.channel.clone())
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Acquire)
+    }
+
+    /// Takes the worker out of routing until the next successful health probe.
+    pub fn mark_unhealthy(&self) {
+        if self.healthy.swap(false, Ordering::AcqRel) {
+            tracing::warn!(role = self.role.name(), addr = %self.addr, "worker marked unhealthy");
+        }
+    }
+
+    pub fn inflight(&self) -> usize {
+        self.inflight.load(Ordering::Acquire)
+    }
+
+    pub fn record_failure(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One probe: health, then (for load) `Stats`. Sets the health flag.
+    async fn probe(&self, timeout: Duration) {
+        let mut health = HealthClient::new(self.channel.clone());
+        let check = health.check(self.request(HealthCheckRequest {
+            service: String::new(),
+        }));
+        let ok = matches!(
+            tokio::time::timeout(timeout, check).await,
+            Ok(Ok(r)) if r.get_ref().status == ServingStatus::Serving as i32
+        );
+        let was = self.healthy.swap(ok, Ordering::AcqRel);
+        if was != ok {
+            tracing::info!(role = self.role.name(), addr = %self.addr, healthy = ok, "worker health changed");
+        }
+        if !ok {
+            return;
+        }
+        let stats = match self.role {
+            Role::Decode => {
+                let mut c = self.decode_client();
+                tokio::time::timeout(timeout, c.stats(self.request(v1::StatsRequest {}))).await
+            }
+            Role::Prefill => {
+                let mut c = self.prefill_client();
+                tokio::time::timeout(timeout, c.stats(self.request(v1::StatsRequest {}))).await
+            }
+        };
+        if let Ok(Ok(s)) = stats {
+            if let Some(l) = s.into_inner().load {
+                self.remote_load
+                    .store((l.running + l.waiting) as usize, Ordering::Release);
+            }
+        }
+    }
+}
+
+/// Holds one in-flight slot on a worker; dropping it releases the slot.
+pub struct Lease(pub Arc<Worker>);
+
+impl Lease {
+    fn new(w: Arc<Worker>) -> Self {
+        w.inflight.fetch_add(1, Ordering::AcqRel);
+        w.routed.fetch_add(1, Ordering::Relaxed);
+        Lease(w)
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl std::ops::Deref for Lease {
+    type Target = Worker;
+    fn deref(&self) -> &Worker {
+        &self.0
+    }
+}
+
+/// Settings of a [`WorkerPool`].
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    /// Cluster secret sent as `authorization: Bearer …` metadata; none sends nothing.
+    pub auth_secret: Option<String>,
+    /// Between two health probes of every worker.
+    pub health_interval: Duration,
+    /// Connect and probe timeout.
+    pub probe_timeout: Duration,
+    /// Tokens per KV page (the prefix-affinity grain).
+    pub page_tokens: usize,
+    /// A prefill worker keeps its affinity until it has this many more requests in flight than
+    /// the least loaded one.
+    pub affinity_slack: usize,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            auth_secret: None,
+            health_interval: Duration::from_secs(2),
+            probe_timeout: Duration::from_secs(2),
+            page_tokens: 16,
+            affinity_slack: 4,
+        }
+    }
+}
+
+/// A per-worker metric: name, Prometheus type, value.
+type Series = (&'static str, &'static str, fn(&Worker) -> u64);
+
+/// Static membership of both pools, with selection per DESIGN §4.
+pub struct WorkerPool {
+    prefill: Vec<Arc<Worker>>,
+    decode: Vec<Arc<Worker>>,
+    opts: PoolOptions,
+    rr: AtomicUsize,
+    retries_reserve: AtomicU64,
+    retries_prefill: AtomicU64,
+}
+
+impl WorkerPool {
+    /// Builds the pool (channels connect lazily) and starts its health loop on the current tokio
+    /// runtime; the loop ends when the pool is dropped.
+    pub fn start(
+        prefill: &[String],
+        decode: &[String],
+        opts: PoolOptions,
+    ) -> anyhow::Result<Arc<Self>> {
+        anyhow::ensure!(
+            !prefill.is_empty(),
+            "no prefill worker given (--prefill ADDR)"
+        );
+        anyhow::ensure!(!decode.is_empty(), "no decode worker given (--decode ADDR)");
+        let mk = |addrs: &[String], role| -> anyhow::Result<Vec<Arc<Worker>>> {
+            addrs
+                .iter()
+                .map(|a| {
+                    Worker::new(a, role, opts.auth_secret.as_deref(), opts.probe_timeout)
+                        .map(Arc::new)
+                })
+                .collect()
+        };
+        let pool = Arc::new(WorkerPool {
+            prefill: mk(prefill, Role::Prefill)?,
+            decode: mk(decode, Role::Decode)?,
+            opts,
+            rr: AtomicUsize::new(0),
+            retries_reserve: AtomicU64::new(0),
+            retries_prefill: AtomicU64::new(0),
+        });
+        tokio::spawn(health_loop(Arc::downgrade(&pool)));
+        Ok(pool)
+    }
+
+    pub fn workers(&self, role: Role) -> &[Arc<Worker>] {
+        match role {
+            Role::Prefill => &self.prefill,
+            Role::Decode => &self.decode,
+        }
+    }
+
+    pub fn options(&self) -> &PoolOptions {
+        &self.opts
+    }
+
+    /// Whether `role` has at least one healthy worker.
+    pub fn any_healthy(&self, role: Role) -> bool {
+        self.workers(role).iter().any(|w| w.is_healthy())
+    }
+
+    /// Probes every worker now (tests, start-up).
+    pub async fn probe_all(&self) {
+        let t = self.opts.probe_timeout;
+        let all: Vec<_> = self.prefill.iter().chain(&self.decode).cloned().collect();
+        futures_util::future::join_all(all.iter().map(|w| w.probe(t))).await;
+    }
+
+    /// Picks a healthy decode worker not in `exclude` (least loaded, round robin among equals).
+    pub fn pick_decode(&self, exclude: &[String]) -> Option<Lease> {
+        self.pick(Role::Decode, exclude, policy::least_loaded)
+    }
+
+    /// Picks a healthy prefill worker not in `exclude` (prefix affinity, then load).
+    pub fn pick_prefill(&self, prompt: &[u32], exclude: &[String]) -> Option<Lease> {
+        let key = policy::prefix_key(prompt, self.opts.page_tokens);
+        let slack = self.opts.affinity_slack;
+        self.pick(Role::Prefill, exclude, |c, rr| {
+            policy::prefill_choice(c, key, slack, rr)
+        })
+    }
+
+    fn pick(
+        &self,
+        role: Role,
+        exclude: &[String],
+        choose: impl Fn(&[Candidate<'_>], usize) -> Option<usize>,
+    ) -> Option<Lease> {
+        let ws: Vec<&Arc<Worker>> = self
+            .workers(role)
+            .iter()
+            .filter(|w| w.is_healthy() && !exclude.contains(&w.addr))
+            .collect();
+        let cands: Vec<Candidate<'_>> = ws
+            .iter()
+            .map(|w| Candidate {
+                addr: &w.addr,
+                inflight: w.inflight(),
+                remote_load: w.remote_load.load(Ordering::Acquire),
+            })
+            .collect();
+        let rr = self.rr.fetch_add(1, Ordering::Relaxed);
+        choose(&cands, rr).map(|i| Lease::new(ws[i].clone()))
+    }
+
+    pub fn count_retry(&self, role: Role) {
+        match role {
+            Role::Decode => &self.retries_reserve,
+            Role::Prefill => &self.retries_prefill,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Prometheus exposition of the router's view of its workers.
+    pub fn metrics_text(&self) -> String {
+        let mut s = String::new();
+        let series: [Series; 4] = [
+            ("tessera_router_worker_healthy", "gauge", |w| {
+                w.is_healthy() as u64
+            }),
+            ("tessera_router_worker_inflight", "gauge", |w| {
+                w.inflight() as u64
+            }),
+            ("tessera_router_worker_requests_total", "counter", |w| {
+                w.routed.load(Ordering::Relaxed)
+            }),
+            ("tessera_router_worker_failures_total", "counter", |w| {
+                w.failures.load(Ordering::Relaxed)
+            }),
+        ];
+        for (name, kind, get) in series {
+            let _ = writeln!(s, "# TYPE {name} {kind}");
+            for w in self.prefill.iter().chain(&self.decode) {
+                let _ = writeln!(
+                    s,
+                    "{name}{{role=\"{}\",worker=\"{}\"}} {}",
+                    w.role.name(),
+                    w.addr,
+                    get(w)
+                );
+            }
+        }
+        let _ = writeln!(s, "# TYPE tessera_router_retries_total counter");
+        let _ = writeln!(
+            s,
+            "tessera_router_retries_total{{stage=\"reserve\"}} {}",
+            self.retries_reserve.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            s,
+            "tessera_router_retries_total{{stage=\"prefill\"}} {}",
+            self.retries_prefill.load(Ordering::Relaxed)
+        );
+        s
+    }
+}
+
+async fn health_loop(pool: Weak<WorkerPool>) {
+    loop {
+        let Some(p) = pool.upgrade() else { return };
+        let interval = p.opts.health_interval;
+        p.probe_all().await;
+        drop(p);
+        tokio::time::sleep(interval).await;
+    }
+}

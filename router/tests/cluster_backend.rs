@@ -1,0 +1,491 @@
+//! The router's cluster backend against real workers: in-process `tessera-prefill` and
+//! `tessera-decode` daemons (their own engines, gRPC servers and TCP page transport) on
+//! loopback. Greedy tokens must equal the `transformers` fixture; pages must return to baseline
+//! on both sides after cancellations; a dead prefill worker must not fail requests.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use serde_json::Value;
+use tessera_prefill::runtime::WorkerArgs;
+use tessera_proto::v1;
+use tessera_router::cluster::Role;
+use tessera_router::{
+    BackendError, ClusterBackend, ClusterConfig, FinishReason, GenerationBackend,
+    GenerationRequest, PoolOptions, Sampling, TokenEvent, Usage,
+};
+use tokio::sync::{mpsc, oneshot};
+
+const SECRET: &str = "router-cluster-test";
+
+fn fixture() -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/kl_mixed"
+    ))
+}
+
+/// (prompt ids, greedy ids) of the fixture's reference.
+fn reference() -> Vec<(Vec<u32>, Vec<u32>)> {
+    let text = std::fs::read_to_string(fixture().join("reference.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let ids = |x: &Value| -> Vec<u32> {
+        x.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    v["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (ids(&p["prompt_ids"]), ids(&p["greedy_ids"])))
+        .collect()
+}
+
+#[derive(Parser)]
+struct A {
+    #[command(flatten)]
+    w: WorkerArgs,
+}
+
+fn worker_args(kv: &str) -> WorkerArgs {
+    A::parse_from([
+        "t",
+        "--model",
+        fixture().to_str().unwrap(),
+        "--kv-memory",
+        kv,
+        "--auth-secret",
+        SECRET,
+    ])
+    .w
+}
+
+/// A worker started in-process, with a handle to stop it.
+struct Worker {
+    grpc: String,
+    stop: Option<oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Worker {
+    async fn shut_down(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        let _ = tokio::time::timeout(Duration::from_secs(20), self.server).await;
+    }
+}
+
+fn stopper() -> (
+    oneshot::Sender<()>,
+    impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let (tx, rx) = oneshot::channel::<()>();
+    (tx, async move {
+        let _ = rx.await;
+    })
+}
+
+async fn start_decode() -> Worker {
+    let (tx, stop) = stopper();
+    let d = tessera_decode::start(worker_args("24M"), stop)
+        .await
+        .unwrap();
+    Worker {
+        grpc: d.grpc.to_string(),
+        stop: Some(tx),
+        server: d.server,
+    }
+}
+
+async fn start_prefill() -> Worker {
+    let (tx, stop) = stopper();
+    let p = tessera_prefill::start(worker_args("8M"), stop)
+        .await
+        .unwrap();
+    Worker {
+        grpc: p.grpc.to_string(),
+        stop: Some(tx),
+        server: p.server,
+    }
+}
+
+async fn backend(prefill: &[&Worker], decode: &[&Worker]) -> Arc<ClusterBackend> {
+    let b = ClusterBackend::new(ClusterConfig {
+        model_id: "kl_mixed".into(),
+        max_model_len: 4096,
+        prefill: prefill.iter().map(|w| w.grpc.clone()).collect(),
+        decode: decode.iter().map(|w| w.grpc.clone()).collect(),
+        pool: PoolOptions {
+            auth_secret: Some(SECRET.into()),
+            health_interval: Duration::from_millis(300),
+            ..PoolOptions::default()
+        },
+        reserve_ttl_ms: 0,
+    })
+    .unwrap();
+    b.pool().probe_all().await;
+    b.health().unwrap();
+    Arc::new(b)
+}
+
+fn greedy(id: &str, prompt: &[u32], max_tokens: usize) -> GenerationRequest {
+    GenerationRequest {
+        request_id: id.into(),
+        prompt_ids: prompt.to_vec(),
+        max_tokens,
+        sampling: Sampling {
+            temperature: 0.0,
+            ..Sampling::default()
+        },
+        stop_token_ids: vec![],
+        ignore_eos: true,
+    }
+}
+
+struct Outcome {
+    tokens: Vec<u32>,
+    finish: Option<(FinishReason, Usage)>,
+    error: Option<BackendError>,
+    prefilled: bool,
+}
+
+async fn collect(mut rx: mpsc::Receiver<TokenEvent>) -> Outcome {
+    let mut o = Outcome {
+        tokens: vec![],
+        finish: None,
+        error: None,
+        prefilled: false,
+    };
+    while let Some(e) = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+        .await
+        .expect("an event within 60 s")
+    {
+        match e {
+            TokenEvent::Prefilled { .. } => o.prefilled = true,
+            TokenEvent::Token(t) => o.tokens.push(t),
+            TokenEvent::Finished { reason, usage } => o.finish = Some((reason, usage)),
+            TokenEvent::Failed(e) => o.error = Some(e),
+        }
+    }
+    o
+}
+
+async fn generate(b: &ClusterBackend, req: GenerationRequest) -> Outcome {
+    collect(b.submit(req).unwrap()).await
+}
+
+fn assert_reference(o: &Outcome, prompt: &[u32], want: &[u32], what: &str) {
+    assert!(o.error.is_none(), "{what}: {:?}", o.error);
+    assert!(o.prefilled, "{what}: Prefilled sent");
+    assert_eq!(o.tokens, want, "{what}: greedy tokens equal the fixture");
+    let (reason, usage) = o.finish.expect("finished");
+    assert_eq!(reason, FinishReason::Length, "{what}");
+    assert_eq!(usage.prompt_tokens, prompt.len(), "{what}");
+    assert_eq!(usage.completion_tokens, want.len(), "{what}");
+}
+
+/// Pages held by requests and reservations (not the prefix cache) on a worker, from `Stats`.
+async fn live_pages(addr: &str, role: Role) -> u64 {
+    let uri = format!("http://{addr}");
+    let stats = match role {
+        Role::Decode => v1::decode_worker_client::DecodeWorkerClient::connect(uri)
+            .await
+            .unwrap()
+            .stats(v1::StatsRequest {})
+            .await
+            .unwrap()
+            .into_inner(),
+        Role::Prefill => v1::prefill_worker_client::PrefillWorkerClient::connect(uri)
+            .await
+            .unwrap()
+            .stats(v1::StatsRequest {})
+            .await
+            .unwrap()
+            .into_inner(),
+    };
+    let p = stats.pool.unwrap();
+    p.groups.iter().map(|g| g.live_pages).sum::<u64>() - p.cached_pages + p.reserved_pages
+}
+
+async fn wait_baseline(workers: &[(&Worker, Role)], b: &ClusterBackend, what: &str) {
+    let t = Instant::now();
+    loop {
+        let mut live = vec![];
+        for (w, role) in workers {
+            live.push(live_pages(&w.grpc, *role).await);
+        }
+        let inflight: usize = [Role::Prefill, Role::Decode]
+            .iter()
+            .flat_map(|&r| b.pool().workers(r).iter().map(|w| w.inflight()))
+            .sum();
+        if live.iter().all(|&n| n == 0) && inflight == 0 {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{what}: pages leaked {live:?}, router in-flight {inflight}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Model dir for the HTTP front: the fixture plus a tiny tokenizer of its vocabulary size.
+fn model_dir_with_tokenizer() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "generation_config.json"] {
+        std::fs::copy(fixture().join(f), dir.path().join(f)).unwrap();
+    }
+    tessera_tokenizer::write_tiny_tokenizer(dir.path(), 384).unwrap();
+    dir
+}
+
+/// One HTTP/1.0 POST (close-delimited body, so SSE needs no chunked decoding); returns the body.
+fn http_post(addr: std::net::SocketAddr, path: &str, body: &Value) -> (u16, String) {
+    let body = body.to_string();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, body.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_prefill_one_decode_matches_the_fixture_over_the_backend_and_http() {
+    let decode = start_decode().await;
+    let prefill = start_prefill().await;
+    let b = backend(&[&prefill], &[&decode]).await;
+    let workers = [(&prefill, Role::Prefill), (&decode, Role::Decode)];
+
+    for (i, (prompt, want)) in reference().iter().enumerate() {
+        let o = generate(&b, greedy(&format!("ref{i}"), prompt, want.len())).await;
+        assert_reference(&o, prompt, want, &format!("prompt {i}"));
+    }
+    wait_baseline(&workers, &b, "after completions").await;
+
+    // max_tokens 1: the first token finishes it; decode never starts and frees its reservation.
+    let (prompt, want) = &reference()[1];
+    let o = generate(&b, greedy("one", prompt, 1)).await;
+    assert_reference(&o, prompt, &want[..1], "max_tokens 1");
+    // A stop token equal to the first token: Stop.
+    let mut r = greedy("stop", prompt, 8);
+    r.stop_token_ids = vec![want[0]];
+    let o = generate(&b, r).await;
+    assert_eq!(o.tokens, &want[..1]);
+    assert_eq!(o.finish.unwrap().0, FinishReason::Stop);
+    wait_baseline(&workers, &b, "after first-token finishes").await;
+
+    // Cancel mid-decode: drop the receiver after a few tokens.
+    let (long_prompt, _) = &reference()[2];
+    let mut rx = b.submit(greedy("cancel", long_prompt, 3000)).unwrap();
+    let mut seen = 0;
+    while let Some(e) = rx.recv().await {
+        if matches!(e, TokenEvent::Token(_)) {
+            seen += 1;
+            if seen == 4 {
+                break;
+            }
+        }
+    }
+    assert_eq!(seen, 4);
+    drop(rx);
+    wait_baseline(&workers, &b, "after a cancelled decode").await;
+
+    // Cancel right after submit (during reserve/prefill).
+    for i in 0..3 {
+        let rx = b
+            .submit(greedy(&format!("early{i}"), long_prompt, 50))
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(5 * i)).await;
+        drop(rx);
+    }
+    wait_baseline(&workers, &b, "after early cancellations").await;
+    let metrics = b.metrics_text();
+    assert!(metrics.contains("tessera_router_worker_requests_total{role=\"decode\""));
+    assert!(metrics.contains(&format!(
+        "tessera_router_worker_inflight{{role=\"decode\",worker=\"{}\"}} 0",
+        decode.grpc
+    )));
+
+    // Through the daemon's HTTP front, plain and streamed.
+    let dir = model_dir_with_tokenizer();
+    #[derive(Parser)]
+    struct R {
+        #[command(flatten)]
+        r: tessera_router::RouterArgs,
+    }
+    let args = R::parse_from([
+        "tessera-router",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--port",
+        "0",
+        "--prefill",
+        &prefill.grpc,
+        "--decode",
+        &decode.grpc,
+        "--auth-secret",
+        SECRET,
+    ])
+    .r;
+    let (stop_router, stop) = stopper();
+    let router = tessera_router::daemon::start(args, stop).await.unwrap();
+    router.backend.pool().probe_all().await;
+    let addr = router.addr;
+    let (prompt, want) = reference()[1].clone();
+    let model_name = dir
+        .path()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let body = |stream: bool| {
+        serde_json::json!({
+            "model": model_name,
+            "prompt": prompt,
+            "max_tokens": want.len(),
+            "temperature": 0,
+            "ignore_eos": true,
+            "return_token_ids": true,
+            "stream": stream,
+        })
+    };
+    let (plain_body, stream_body) = (body(false), body(true));
+    let (plain, streamed) = tokio::task::spawn_blocking(move || {
+        (
+            http_post(addr, "/v1/completions", &plain_body),
+            http_post(addr, "/v1/completions", &stream_body),
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(plain.0, 200, "{}", plain.1);
+    let v: Value = serde_json::from_str(&plain.1).unwrap();
+    let got: Vec<u32> = serde_json::from_value(v["choices"][0]["token_ids"].clone()).unwrap();
+    assert_eq!(got, want, "plain HTTP");
+    assert_eq!(v["usage"]["completion_tokens"], want.len());
+    assert_eq!(streamed.0, 200, "{}", streamed.1);
+    let mut got = vec![];
+    for line in streamed.1.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).unwrap();
+        if let Some(ids) = v["choices"][0]["token_ids"].as_array() {
+            got.extend(ids.iter().map(|t| t.as_u64().unwrap() as u32));
+        }
+    }
+    assert_eq!(got, want, "streamed HTTP");
+    let _ = stop_router.send(());
+    router.server.await.unwrap().unwrap();
+
+    wait_baseline(&workers, &b, "after HTTP").await;
+    prefill.shut_down().await;
+    decode.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_by_two_spreads_load_and_survives_a_dead_prefill_worker() {
+    let (d0, d1) = (start_decode().await, start_decode().await);
+    let (p0, p1) = (start_prefill().await, start_prefill().await);
+    let b = backend(&[&p0, &p1], &[&d0, &d1]).await;
+    let workers = [
+        (&p0, Role::Prefill),
+        (&p1, Role::Prefill),
+        (&d0, Role::Decode),
+        (&d1, Role::Decode),
+    ];
+    let refs = reference();
+
+    // 8 concurrent requests: all exact, spread over both decode workers.
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let b = b.clone();
+            let (prompt, want) = refs[i % refs.len()].clone();
+            tokio::spawn(async move {
+                let o = generate(&b, greedy(&format!("c{i}"), &prompt, want.len())).await;
+                assert_reference(&o, &prompt, &want, &format!("concurrent {i}"));
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let metrics = b.metrics_text();
+    for d in [&d0, &d1] {
+        let line = format!(
+            "tessera_router_worker_requests_total{{role=\"decode\",worker=\"{}\"}} ",
+            d.grpc
+        );
+        let n: u64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            n >= 2,
+            "decode {} got {n} of 8 requests:\n{metrics}",
+            d.grpc
+        );
+    }
+    wait_baseline(&workers, &b, "after concurrent requests").await;
+
+    // Kill one prefill worker: every request still succeeds, via the other.
+    let p1_addr = p1.grpc.clone();
+    p1.shut_down().await;
+    for i in 0..6 {
+        let (prompt, want) = &refs[i % refs.len()];
+        let o = generate(&b, greedy(&format!("dead{i}"), prompt, want.len())).await;
+        assert_reference(&o, prompt, want, &format!("after the prefill died, {i}"));
+    }
+    let dead = b
+        .pool()
+        .workers(Role::Prefill)
+        .iter()
+        .find(|w| w.addr == p1_addr)
+        .unwrap();
+    assert!(
+        !dead.is_healthy(),
+        "the dead prefill worker is out of routing"
+    );
+    let workers = [
+        (&p0, Role::Prefill),
+        (&d0, Role::Decode),
+        (&d1, Role::Decode),
+    ];
+    wait_baseline(&workers, &b, "after the prefill failover").await;
+
+    // No decode worker alive at all: Unavailable, not a hang.
+    d0.shut_down().await;
+    d1.shut_down().await;
+    b.pool().probe_all().await;
+    match b.submit(greedy("none", &refs[1].0, 4)) {
+        Err(BackendError::Unavailable(_)) => {}
+        Err(e) => panic!("expected Unavailable, got {e:?}"),
+        Ok(rx) => {
+            let o = collect(rx).await;
+            assert!(
+                matches!(o.error, Some(BackendError::Unavailable(_))),
+                "{:?}",
+                o.error
+            );
+        }
+    }
+    p0.shut_down().await;
+}
