@@ -13,6 +13,8 @@ const FILES: &[&str] = &[
     "tessera/v1/prefill.proto",
     "tessera/v1/encoder.proto",
     "tessera/v1/generate.proto",
+    // The subset of etcd's v3 API that discovery uses (DESIGN §6), client side only.
+    "etcd/etcdserverpb.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -13,6 +13,7 @@ say() { printf '\n== %s\n' "$*"; }
 # Each entry: a command or file that proves the package is there, then the package.
 DEB_NEEDS=(
   "python3:python3"
+  "etcd:etcd-server"
 )
 missing=()
 for entry in "${DEB_NEEDS[@]}"; do

@@ -115,6 +115,11 @@ impl DecodeService {
         })
     }
 
+    /// The drain state (and etcd registration) of this worker.
+    pub fn drain(&self) -> &Arc<Drain> {
+        &self.drain
+    }
+
     pub fn info(&self) -> &v1::WorkerInfo {
         &self.info
     }
@@ -586,7 +591,7 @@ pub async fn start(
         router.serve_with_incoming_shutdown(incoming, stop).await?;
         Ok(())
     });
-    runtime::announce_ready("decode", &worker_id, grpc, &transport.endpoint(), metrics);
+    runtime::ready(&args, service.info(), metrics, &service.drain).await?;
     Ok(RunningDecode {
         grpc,
         transfer_endpoint: transport.endpoint(),

@@ -15,6 +15,7 @@
 //! on the engine thread (`EngineHandle::with_pool`). TODO: register the arena itself (RMA put
 //! straight into pages, no staging copy) once the pool's arena can be a transfer region.
 
+pub mod discovery;
 pub mod runtime;
 
 use std::collections::HashMap;
@@ -63,9 +64,39 @@ pub struct PrefillService {
     transfers: AtomicU64,
 }
 
+/// A handoff whose pages the engine holds for this worker. Dropping it without `done()` — the
+/// gRPC call was cancelled, or the value never reached the handler — releases the pages from a
+/// helper thread (never the engine thread, which may be the one dropping it).
+struct HeldHandoff {
+    handoff: tessera_engine::serving::Handoff,
+    engine: std::sync::Weak<EngineHandle>,
+    released: bool,
+}
+
+impl HeldHandoff {
+    fn done(mut self) {
+        self.released = true;
+    }
+}
+
+impl Drop for HeldHandoff {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        let (engine, id) = (self.engine.clone(), self.handoff.id);
+        std::thread::spawn(move || {
+            if let Some(engine) = engine.upgrade() {
+                let _ = engine.release_handoff(id);
+            }
+        });
+    }
+}
+
 /// Delivers the handoff (or the failure) of one prefill-only request.
 struct HandoffSink {
-    tx: Option<tokio::sync::oneshot::Sender<Result<tessera_engine::serving::Handoff, String>>>,
+    tx: Option<tokio::sync::oneshot::Sender<Result<HeldHandoff, String>>>,
+    engine: std::sync::Weak<EngineHandle>,
     cancelled: Arc<AtomicBool>,
 }
 
@@ -74,7 +105,22 @@ impl EventSink for HandoffSink {
         match e {
             EngineEvent::Handoff(h) => {
                 if let Some(tx) = self.tx.take() {
-                    return tx.send(Ok(h)).is_ok();
+                    let held = HeldHandoff {
+                        handoff: h,
+                        engine: self.engine.clone(),
+                        released: false,
+                    };
+                    // On failure the scheduler releases the pages itself; the returned guard is
+                    // marked done so they are not released twice.
+                    return match tx.send(Ok(held)) {
+                        Ok(()) => true,
+                        Err(back) => {
+                            if let Ok(held) = back {
+                                held.done();
+                            }
+                            false
+                        }
+                    };
                 }
                 true
             }
@@ -130,6 +176,11 @@ impl PrefillService {
             bytes_sent: AtomicU64::new(0),
             transfers: AtomicU64::new(0),
         })
+    }
+
+    /// The drain state (and etcd registration) of this worker.
+    pub fn drain(&self) -> &Arc<Drain> {
+        &self.drain
     }
 
     pub fn info(&self) -> &v1::WorkerInfo {
@@ -387,17 +438,19 @@ impl PrefillWorker for PrefillGrpc {
         };
         let sink = HandoffSink {
             tx: Some(tx),
+            engine: Arc::downgrade(&self.engine),
             cancelled: cancelled.clone(),
         };
         let result = async {
             self.engine
                 .submit(ereq, Box::new(sink))
                 .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?;
-            let h = match rx.await {
-                Ok(Ok(h)) => h,
+            let held = match rx.await {
+                Ok(Ok(held)) => held,
                 Ok(Err(m)) => return Err(err(v1::ErrorCode::Internal, m)),
                 Err(_) => return Err(err(v1::ErrorCode::Cancelled, "prefill cancelled")),
             };
+            let h = held.handoff.clone();
             let compute_us = started.elapsed().as_micros() as u64;
             let resv = Reservation {
                 id: reservation_id,
@@ -424,6 +477,7 @@ impl PrefillWorker for PrefillGrpc {
             let engine = self.engine.clone();
             let id = h.id;
             let _ = tokio::task::spawn_blocking(move || engine.release_handoff(id)).await;
+            held.done();
             let transfer = sent?;
             Ok(v1::PrefillReply {
                 first_token: h.first_token,
@@ -532,7 +586,7 @@ pub async fn start(
         router.serve_with_incoming_shutdown(incoming, stop).await?;
         Ok(())
     });
-    runtime::announce_ready("prefill", &worker_id, grpc, &transport.endpoint(), metrics);
+    runtime::ready(&args, service.info(), metrics, &service.drain).await?;
     Ok(RunningPrefill {
         grpc,
         transfer_endpoint: transport.endpoint(),

@@ -7,8 +7,9 @@
 //! runtime must not pull tonic into the engine or engine into the router; `tessera-decode` (and
 //! later `tessera-encoder`) depend on `tessera-prefill` for this module only.
 //!
-//! Registration is static for now: the ready line (and a `tracing` event) carries what a
-//! discovery record would (role, id, gRPC address, transfer endpoint). etcd registration is TODO.
+//! Registration: the ready line (and a `tracing` event) always carries the worker's record (role,
+//! id, gRPC address, transfer endpoint); with `--etcd`, [`ready`] also writes it to etcd under a
+//! kept-alive lease (DESIGN §6, see [`crate::discovery`]), and the drain revokes that lease first.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -75,6 +76,16 @@ pub struct WorkerArgs {
     /// Longest a graceful drain waits for in-flight requests after SIGTERM, in seconds.
     #[arg(long, env = "TESSERA_DRAIN_TIMEOUT", default_value_t = 30)]
     pub drain_timeout: u64,
+    /// etcd endpoints (comma-separated `host:port`); when set, the worker registers itself under
+    /// `/tessera/<cluster>/workers/<role>/<id>` once ready (DESIGN §6).
+    #[arg(long, env = "TESSERA_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Cluster name: the etcd key prefix is `/tessera/<cluster>/`.
+    #[arg(long, env = "TESSERA_CLUSTER", default_value = "default")]
+    pub cluster: String,
+    /// TTL of the etcd registration lease, in seconds (a dead worker leaves routing within it).
+    #[arg(long, env = "TESSERA_ETCD_TTL", default_value_t = 5)]
+    pub etcd_ttl: u64,
 }
 
 fn parse_bytes(s: &str) -> Result<usize, String> {
@@ -334,6 +345,8 @@ pub struct Drain {
     draining: AtomicBool,
     inflight: AtomicUsize,
     idle: Notify,
+    /// The etcd registration, revoked when the drain starts.
+    registration: std::sync::Mutex<Option<crate::discovery::Registration>>,
 }
 
 /// Held by one in-flight request; dropping it lets a drain finish.
@@ -372,9 +385,34 @@ impl Drain {
         Ok(InflightGuard(self.clone()))
     }
 
-    /// Marks the worker draining and waits until nothing is in flight or `timeout` passed.
+    /// Keeps `r` until the drain starts, which deregisters it.
+    pub fn set_registration(&self, r: crate::discovery::Registration) {
+        *self.registration.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+    }
+
+    /// Drops the etcd registration without revoking its lease, as a crash would (tests): the
+    /// record disappears when the lease expires.
+    pub fn abandon_registration(&self) {
+        drop(
+            self.registration
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
+    }
+
+    /// Marks the worker draining, deregisters it from etcd (so routers stop sending new work),
+    /// and waits until nothing is in flight or `timeout` passed.
     pub async fn drain(&self, timeout: Duration) {
         self.draining.store(true, Ordering::Release);
+        let reg = self
+            .registration
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(r) = reg {
+            r.deregister().await;
+        }
         let wait = async {
             loop {
                 let n = self.idle.notified();
@@ -463,6 +501,41 @@ pub async fn serve_metrics(
         }
     });
     Ok(bound)
+}
+
+/// The one "worker is ready" step of every daemon: with `--etcd`, registers `info` (under a
+/// lease kept alive until the drain revokes it), then prints the ready line.
+pub async fn ready(
+    args: &WorkerArgs,
+    info: &v1::WorkerInfo,
+    metrics: Option<SocketAddr>,
+    drain: &Drain,
+) -> anyhow::Result<()> {
+    let role = v1::Role::try_from(info.role)
+        .unwrap_or_default()
+        .name()
+        .to_string();
+    if !args.etcd.is_empty() {
+        let reg = crate::discovery::Registration::register(args, &role, info).await?;
+        if drain.is_draining() {
+            // The shutdown signal came while registering.
+            reg.deregister().await;
+        } else {
+            drain.set_registration(reg);
+        }
+    }
+    let grpc: SocketAddr = info
+        .grpc_address
+        .parse()
+        .context("the worker's gRPC address")?;
+    announce_ready(
+        &role,
+        &info.worker_id,
+        grpc,
+        &info.transfer_endpoint,
+        metrics,
+    );
+    Ok(())
 }
 
 /// Prints the line supervisors (`tessera up`, tests) wait for, and logs the registration record.

@@ -19,10 +19,14 @@
 //! [`v1::FinishReason`] names, [`v1::ErrorDetail`] in and out of a [`tonic::Status`], the
 //! incarnation check, and the page-layout comparison peers run before a transfer.
 //!
+//! [`etcd`] is a small etcd v3 client (KV, Watch, Lease) over a vendored subset of etcd's
+//! `rpc.proto`, for DESIGN §6 discovery.
+//!
 //! To add a message or field: edit the `.proto` (new field numbers only, never reuse one),
 //! rebuild; the Rust types appear under [`v1`].
 
 mod error;
+pub mod etcd;
 mod layout;
 mod names;
 

@@ -32,12 +32,17 @@ pub struct RouterArgs {
     /// HTTP listen port (0 picks a free one; the ready line prints it).
     #[arg(long, env = "TESSERA_PORT", default_value_t = 8000)]
     pub port: u16,
+    /// gRPC port of the public `tessera.v1.Generate` service and `grpc.health.v1`, on the HTTP
+    /// host (0 picks a free one; the ready line prints it). Default: 8001, or 0 when `--port`
+    /// is 0 (so ephemeral routers never collide on a fixed gRPC port).
+    #[arg(long, env = "TESSERA_GRPC_PORT")]
+    pub grpc_port: Option<u16>,
     /// gRPC address of a prefill worker (repeatable, or comma-separated).
     #[arg(
         long = "prefill",
         env = "TESSERA_PREFILL",
         value_delimiter = ',',
-        required = true
+        required_unless_present = "etcd"
     )]
     pub prefill: Vec<String>,
     /// gRPC address of a decode worker (repeatable, or comma-separated).
@@ -45,7 +50,7 @@ pub struct RouterArgs {
         long = "decode",
         env = "TESSERA_DECODE",
         value_delimiter = ',',
-        required = true
+        required_unless_present = "etcd"
     )]
     pub decode: Vec<String>,
     /// Cluster secret, sent to workers as `authorization: Bearer` metadata.
@@ -65,10 +70,29 @@ pub struct RouterArgs {
     /// Tokens per KV page on the workers (the prefix-affinity grain).
     #[arg(long, env = "TESSERA_PAGE_TOKENS", default_value_t = 16)]
     pub page_tokens: usize,
+    /// etcd endpoints (comma-separated `host:port`): also route to the workers registered under
+    /// `/tessera/<cluster>/workers/`, added and drained live (DESIGN §6). With it, `--prefill`
+    /// and `--decode` are optional; both kinds of membership may be combined.
+    #[arg(long, env = "TESSERA_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Cluster name: the etcd prefix is `/tessera/<cluster>/`.
+    #[arg(long, env = "TESSERA_CLUSTER", default_value = "default")]
+    pub cluster: String,
     /// Seconds between two health probes of each worker.
     #[arg(long, env = "TESSERA_HEALTH_INTERVAL", default_value_t = 2)]
     pub health_interval: u64,
 }
+
+impl RouterArgs {
+    /// The gRPC port to bind: `--grpc-port`, else 8001, else 0 when `--port` is 0.
+    pub fn grpc_port(&self) -> u16 {
+        self.grpc_port
+            .unwrap_or(if self.port == 0 { 0 } else { DEFAULT_GRPC_PORT })
+    }
+}
+
+/// The public gRPC service's port when `--grpc-port` is not given.
+pub const DEFAULT_GRPC_PORT: u16 = 8001;
 
 /// What the front needs from the model directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,12 +144,14 @@ pub fn read_model_info(dir: &Path) -> anyhow::Result<ModelInfo> {
 pub struct RunningRouter {
     /// Where the HTTP front listens.
     pub addr: SocketAddr,
+    /// Where the gRPC `Generate` service listens.
+    pub grpc_addr: SocketAddr,
     pub backend: Arc<ClusterBackend>,
-    /// Ends after `shutdown` resolved and in-flight HTTP requests finished.
+    /// Ends after `shutdown` resolved and in-flight HTTP and gRPC requests finished.
     pub server: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
-/// Runs the router until `shutdown` resolves (then finishes in-flight HTTP requests).
+/// Runs the router until `shutdown` resolves (then finishes in-flight HTTP and gRPC requests).
 pub async fn run(
     args: RouterArgs,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -133,8 +159,8 @@ pub async fn run(
     start(args, shutdown).await?.server.await?
 }
 
-/// Loads the model's tokenizer and config, builds the cluster backend, binds the HTTP listener,
-/// prints the ready lines and serves in a task until `shutdown` resolves.
+/// Loads the model's tokenizer and config, builds the cluster backend, binds the HTTP and gRPC
+/// listeners, prints the ready lines and serves in a task until `shutdown` resolves.
 pub async fn start(
     args: RouterArgs,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -153,7 +179,7 @@ pub async fn start(
     if args.auth_secret == DEV_SECRET {
         tracing::warn!("TESSERA_AUTH_SECRET is not set: using the insecure development secret");
     }
-    let backend = ClusterBackend::new(ClusterConfig {
+    let cluster = ClusterConfig {
         model_id: model_id.clone(),
         max_model_len: args.max_model_len,
         prefill: args.prefill.clone(),
@@ -165,7 +191,8 @@ pub async fn start(
             ..PoolOptions::default()
         },
         reserve_ttl_ms: 0,
-    })?;
+    };
+    let backend = crate::discovery::build_backend(&args.etcd, &args.cluster, cluster)?;
     let backend = Arc::new(backend);
     let front = HttpFront::new(
         backend.clone(),
@@ -183,19 +210,44 @@ pub async fn start(
         .await
         .with_context(|| format!("binding {}:{}", args.host, args.port))?;
     let addr: SocketAddr = listener.local_addr()?;
-    tracing::info!(%addr, prefill = ?args.prefill, decode = ?args.decode, "router listening");
+    let grpc_port = args.grpc_port();
+    let grpc_listener = tokio::net::TcpListener::bind((args.host.as_str(), grpc_port))
+        .await
+        .with_context(|| format!("binding {}:{grpc_port} (gRPC)", args.host))?;
+    let grpc_addr: SocketAddr = grpc_listener.local_addr()?;
+    let grpc = front.grpc();
+    tracing::info!(%addr, %grpc_addr, prefill = ?args.prefill, decode = ?args.decode, "router listening");
     println!("tessera router: model `{model_id}` at http://{addr}/v1");
-    println!("TESSERA_READY role=router http={addr}");
+    println!("tessera router: gRPC Generate at {grpc_addr}");
+    println!("TESSERA_READY role=router http={addr} grpc={grpc_addr}");
     use std::io::Write;
     let _ = std::io::stdout().flush();
+    // One shutdown signal for both servers.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|&s| s).await;
+        }
+    };
+    let (http_stop, grpc_stop) = (stopped(), stopped());
     let server = tokio::spawn(async move {
-        front
-            .serve(listener, shutdown)
-            .await
-            .context("serving HTTP")
+        let signal = tokio::spawn(async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        });
+        let (http, grpc) = tokio::join!(
+            front.serve(listener, http_stop),
+            grpc.serve(grpc_listener, grpc_stop)
+        );
+        signal.abort();
+        http.context("serving HTTP")?;
+        grpc.context("serving gRPC")?;
+        Ok(())
     });
     Ok(RunningRouter {
         addr,
+        grpc_addr,
         backend,
         server,
     })
@@ -231,6 +283,26 @@ pub fn init_tracing() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_port_defaults_to_8001_or_free_with_an_ephemeral_http_port() {
+        #[derive(clap::Parser)]
+        struct A {
+            #[command(flatten)]
+            r: RouterArgs,
+        }
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["r", "--model", "m", "--prefill", "p:1", "--decode", "d:1"];
+            argv.extend_from_slice(extra);
+            <A as clap::Parser>::parse_from(argv).r.grpc_port()
+        };
+        if std::env::var_os("TESSERA_GRPC_PORT").is_none() {
+            assert_eq!(parse(&[]), 8001);
+            assert_eq!(parse(&["--port", "0"]), 0);
+        }
+        assert_eq!(parse(&["--port", "0", "--grpc-port", "9001"]), 9001);
+        assert_eq!(parse(&["--grpc-port", "0"]), 0);
+    }
 
     #[test]
     fn eos_ids_are_the_union_of_both_configs() {

@@ -3,13 +3,16 @@
 //! The OpenAI-compatible HTTP front ([`HttpFront`]) over a [`GenerationBackend`], used by the
 //! single-process `tessera serve` (an in-process engine behind the trait) and by the router
 //! daemon ([`daemon`], binary `tessera-router`) with [`ClusterBackend`]: gRPC clients of the
-//! prefill and decode pools, static discovery, routing policies and P→D orchestration. Still to
-//! come: the public gRPC `Generate` service, etcd discovery, encoders. It never links the engine.
+//! prefill and decode pools, static and etcd discovery ([`discovery`]), routing policies and P→D orchestration. The public
+//! gRPC `tessera.v1.Generate` service ([`GrpcFront`]) shares the HTTP front's request path. Still
+//! to come: encoders. It never links the engine.
 
 pub mod backend;
 pub mod cluster;
 pub mod daemon;
+pub mod discovery;
 pub mod fake;
+pub mod grpc_front;
 pub mod http;
 pub mod metrics;
 pub mod text;
@@ -19,5 +22,6 @@ pub use backend::{
 };
 pub use cluster::{ClusterBackend, ClusterConfig, PoolOptions, WorkerPool};
 pub use daemon::RouterArgs;
+pub use grpc_front::GrpcFront;
 pub use http::{ApiError, FrontOptions, HttpFront};
 pub use metrics::Metrics;

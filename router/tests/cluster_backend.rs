@@ -221,7 +221,7 @@ async fn wait_baseline(workers: &[(&Worker, Role)], b: &ClusterBackend, what: &s
         }
         let inflight: usize = [Role::Prefill, Role::Decode]
             .iter()
-            .flat_map(|&r| b.pool().workers(r).iter().map(|w| w.inflight()))
+            .flat_map(|&r| b.pool().workers(r).into_iter().map(|w| w.inflight()))
             .sum();
         if live.iter().all(|&n| n == 0) && inflight == 0 {
             return;
@@ -331,6 +331,8 @@ async fn one_prefill_one_decode_matches_the_fixture_over_the_backend_and_http() 
         dir.path().to_str().unwrap(),
         "--port",
         "0",
+        "--grpc-port",
+        "0",
         "--prefill",
         &prefill.grpc,
         "--decode",
@@ -391,6 +393,39 @@ async fn one_prefill_one_decode_matches_the_fixture_over_the_backend_and_http() 
         }
     }
     assert_eq!(got, want, "streamed HTTP");
+
+    // Through the daemon's gRPC `Generate` service (token-ID prompt, streamed and not).
+    use tessera_proto::v1::generate_client::GenerateClient;
+    use tessera_proto::v1::generate_request::Prompt;
+    let mut client = GenerateClient::connect(format!("http://{}", router.grpc_addr))
+        .await
+        .unwrap();
+    for stream in [true, false] {
+        let req = v1::GenerateRequest {
+            model: model_name.clone(),
+            prompt: Some(Prompt::TokenIds(v1::TokenIds {
+                ids: prompt.clone(),
+            })),
+            sampling: Some(v1::SamplingParams::default()),
+            max_tokens: want.len() as u32,
+            ignore_eos: true,
+            stream,
+            ..Default::default()
+        };
+        let mut responses = client.generate(req).await.unwrap().into_inner();
+        let (mut got, mut last) = (vec![], None);
+        while let Some(r) = responses.message().await.unwrap() {
+            got.extend(r.token_ids.iter().copied());
+            last = Some(r);
+        }
+        assert_eq!(got, want, "gRPC, stream {stream}");
+        let last = last.unwrap();
+        assert_eq!(last.finish_reason(), v1::FinishReason::Length);
+        let usage = last.usage.unwrap();
+        assert_eq!(usage.prompt_tokens as usize, prompt.len());
+        assert_eq!(usage.completion_tokens as usize, want.len());
+    }
+    drop(client);
     let _ = stop_router.send(());
     router.server.await.unwrap().unwrap();
 
@@ -454,12 +489,8 @@ async fn two_by_two_spreads_load_and_survives_a_dead_prefill_worker() {
         let o = generate(&b, greedy(&format!("dead{i}"), prompt, want.len())).await;
         assert_reference(&o, prompt, want, &format!("after the prefill died, {i}"));
     }
-    let dead = b
-        .pool()
-        .workers(Role::Prefill)
-        .iter()
-        .find(|w| w.addr == p1_addr)
-        .unwrap();
+    let prefill_workers = b.pool().workers(Role::Prefill);
+    let dead = prefill_workers.iter().find(|w| w.addr == p1_addr).unwrap();
     assert!(
         !dead.is_healthy(),
         "the dead prefill worker is out of routing"

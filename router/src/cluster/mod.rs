@@ -1,7 +1,7 @@
 //! The cluster backend: a [`GenerationBackend`] over gRPC clients of the prefill and decode
 //! pools (DESIGN §4, §6 static discovery).
 //!
-//! - [`pool`]: static membership, lazily connected channels, `grpc.health.v1` probes, in-flight
+//! - [`pool`]: membership (static, plus what [`crate::discovery`] adds), lazily connected channels, `grpc.health.v1` probes, in-flight
 //!   accounting and the router's per-worker metrics;
 //! - [`policy`]: placement (decode least loaded, prefill prefix affinity then load);
 //! - `flow`: one request's stages (select → reserve → prefill → respond → decode), retries
@@ -52,6 +52,18 @@ impl ClusterBackend {
     /// not be up yet (channels connect lazily; unhealthy ones are skipped).
     pub fn new(cfg: ClusterConfig) -> anyhow::Result<Self> {
         let pool = WorkerPool::start(&cfg.prefill, &cfg.decode, cfg.pool)?;
+        Ok(ClusterBackend {
+            pool,
+            model_id: cfg.model_id,
+            max_model_len: cfg.max_model_len,
+            reserve_ttl_ms: cfg.reserve_ttl_ms,
+        })
+    }
+
+    /// Like [`ClusterBackend::new`], but either pool may start empty: discovery
+    /// ([`crate::discovery`]) adds workers at run time.
+    pub fn new_dynamic(cfg: ClusterConfig) -> anyhow::Result<Self> {
+        let pool = WorkerPool::start_dynamic(&cfg.prefill, &cfg.decode, cfg.pool)?;
         Ok(ClusterBackend {
             pool,
             model_id: cfg.model_id,

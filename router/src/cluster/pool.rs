@@ -1,10 +1,10 @@
-//! Static worker membership: one [`Worker`] per configured gRPC address, with a lazily connected
-//! tonic channel, a health flag kept fresh by a `grpc.health.v1` probe (and the worker's `Stats`
-//! for its load), and the router's own counters.
+//! Worker membership: one [`Worker`] per gRPC address (static flags, plus any that discovery adds
+//! or removes at run time), with a lazily connected tonic channel, a health flag kept fresh by a
+//! `grpc.health.v1` probe (and the worker's `Stats` for its load), and the router's own counters.
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
 use tessera_proto::health::pb::health_check_response::ServingStatus;
@@ -205,12 +205,14 @@ impl Default for PoolOptions {
 /// A per-worker metric: name, Prometheus type, value.
 type Series = (&'static str, &'static str, fn(&Worker) -> u64);
 
-/// Static membership of both pools, with selection per DESIGN §4.
+/// Membership of both pools, with selection per DESIGN §4.
 pub struct WorkerPool {
-    prefill: Vec<Arc<Worker>>,
-    decode: Vec<Arc<Worker>>,
+    prefill: RwLock<Vec<Arc<Worker>>>,
+    decode: RwLock<Vec<Arc<Worker>>>,
     opts: PoolOptions,
-    rr: AtomicUsize,
+    /// Round-robin counters, one per role: a shared one advances by 2 per request (a decode
+    /// and a prefill pick), so with 2 equally loaded workers every pick got the same one.
+    rr: [AtomicUsize; 2],
     retries_reserve: AtomicU64,
     retries_prefill: AtomicU64,
 }
@@ -228,6 +230,16 @@ impl WorkerPool {
             "no prefill worker given (--prefill ADDR)"
         );
         anyhow::ensure!(!decode.is_empty(), "no decode worker given (--decode ADDR)");
+        Self::start_dynamic(prefill, decode, opts)
+    }
+
+    /// Like [`WorkerPool::start`], but either pool may start empty: discovery fills it with
+    /// [`WorkerPool::add_worker`].
+    pub fn start_dynamic(
+        prefill: &[String],
+        decode: &[String],
+        opts: PoolOptions,
+    ) -> anyhow::Result<Arc<Self>> {
         let mk = |addrs: &[String], role| -> anyhow::Result<Vec<Arc<Worker>>> {
             addrs
                 .iter()
@@ -238,10 +250,10 @@ impl WorkerPool {
                 .collect()
         };
         let pool = Arc::new(WorkerPool {
-            prefill: mk(prefill, Role::Prefill)?,
-            decode: mk(decode, Role::Decode)?,
+            prefill: RwLock::new(mk(prefill, Role::Prefill)?),
+            decode: RwLock::new(mk(decode, Role::Decode)?),
             opts,
-            rr: AtomicUsize::new(0),
+            rr: [AtomicUsize::new(0), AtomicUsize::new(0)],
             retries_reserve: AtomicU64::new(0),
             retries_prefill: AtomicU64::new(0),
         });
@@ -249,11 +261,67 @@ impl WorkerPool {
         Ok(pool)
     }
 
-    pub fn workers(&self, role: Role) -> &[Arc<Worker>] {
+    fn members(&self, role: Role) -> &RwLock<Vec<Arc<Worker>>> {
         match role {
             Role::Prefill => &self.prefill,
             Role::Decode => &self.decode,
         }
+    }
+
+    /// The workers of `role` now (a snapshot: membership may change at run time).
+    pub fn workers(&self, role: Role) -> Vec<Arc<Worker>> {
+        self.members(role)
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn all_workers(&self) -> Vec<Arc<Worker>> {
+        let mut all = self.workers(Role::Prefill);
+        all.extend(self.workers(Role::Decode));
+        all
+    }
+
+    /// Adds a worker at `addr` (discovery), probed at once; `None` when one with that address
+    /// is already a member.
+    pub fn add_worker(&self, role: Role, addr: &str) -> anyhow::Result<Option<Arc<Worker>>> {
+        let w = Arc::new(Worker::new(
+            addr,
+            role,
+            self.opts.auth_secret.as_deref(),
+            self.opts.probe_timeout,
+        )?);
+        {
+            let mut m = self
+                .members(role)
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            if m.iter().any(|x| x.addr == w.addr) {
+                return Ok(None);
+            }
+            m.push(w.clone());
+        }
+        tracing::info!(role = role.name(), addr = %w.addr, "worker added");
+        let probe = w.clone();
+        let t = self.opts.probe_timeout;
+        tokio::spawn(async move { probe.probe(t).await });
+        Ok(Some(w))
+    }
+
+    /// Removes the worker at `addr` from routing (discovery): no new request goes to it; those
+    /// in flight hold their [`Lease`] and finish. Whether it was a member.
+    pub fn remove_worker(&self, role: Role, addr: &str) -> bool {
+        let mut m = self
+            .members(role)
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        let before = m.len();
+        m.retain(|w| w.addr != addr);
+        let removed = m.len() != before;
+        if removed {
+            tracing::info!(role = role.name(), addr, "worker removed (draining)");
+        }
+        removed
     }
 
     pub fn options(&self) -> &PoolOptions {
@@ -268,7 +336,7 @@ impl WorkerPool {
     /// Probes every worker now (tests, start-up).
     pub async fn probe_all(&self) {
         let t = self.opts.probe_timeout;
-        let all: Vec<_> = self.prefill.iter().chain(&self.decode).cloned().collect();
+        let all = self.all_workers();
         futures_util::future::join_all(all.iter().map(|w| w.probe(t))).await;
     }
 
@@ -292,8 +360,8 @@ impl WorkerPool {
         exclude: &[String],
         choose: impl Fn(&[Candidate<'_>], usize) -> Option<usize>,
     ) -> Option<Lease> {
-        let ws: Vec<&Arc<Worker>> = self
-            .workers(role)
+        let members = self.workers(role);
+        let ws: Vec<&Arc<Worker>> = members
             .iter()
             .filter(|w| w.is_healthy() && !exclude.contains(&w.addr))
             .collect();
@@ -305,7 +373,7 @@ impl WorkerPool {
                 remote_load: w.remote_load.load(Ordering::Acquire),
             })
             .collect();
-        let rr = self.rr.fetch_add(1, Ordering::Relaxed);
+        let rr = self.rr[role as usize].fetch_add(1, Ordering::Relaxed);
         choose(&cands, rr).map(|i| Lease::new(ws[i].clone()))
     }
 
@@ -334,9 +402,10 @@ impl WorkerPool {
                 w.failures.load(Ordering::Relaxed)
             }),
         ];
+        let all = self.all_workers();
         for (name, kind, get) in series {
             let _ = writeln!(s, "# TYPE {name} {kind}");
-            for w in self.prefill.iter().chain(&self.decode) {
+            for w in &all {
                 let _ = writeln!(
                     s,
                     "{name}{{role=\"{}\",worker=\"{}\"}} {}",

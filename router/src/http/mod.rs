@@ -5,7 +5,7 @@
 mod chat;
 mod completions;
 pub mod error;
-mod generate;
+pub(crate) mod generate;
 mod stream;
 pub mod types;
 
@@ -55,20 +55,20 @@ impl Default for FrontOptions {
 
 /// Shared by every handler.
 pub(crate) struct AppState {
-    backend: Arc<dyn GenerationBackend>,
-    tokenizer: Tokenizer,
-    chat_template: Option<Arc<ChatTemplate>>,
-    eos_ids: Vec<u32>,
-    served_model: String,
-    vocab_size: usize,
-    default_completion_max_tokens: usize,
-    created: u64,
-    metrics: Arc<Metrics>,
+    pub(crate) backend: Arc<dyn GenerationBackend>,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) chat_template: Option<Arc<ChatTemplate>>,
+    pub(crate) eos_ids: Vec<u32>,
+    pub(crate) served_model: String,
+    pub(crate) vocab_size: usize,
+    pub(crate) default_completion_max_tokens: usize,
+    pub(crate) created: u64,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
 impl AppState {
     /// 404 unless `model` is absent or the served model.
-    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    pub(crate) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
             Some(m) if m != self.served_model => Err(ApiError::model_not_found(m)),
             _ => Ok(()),
@@ -76,7 +76,11 @@ impl AppState {
     }
 
     /// Tokenize off the async threads: prompts can be megabytes.
-    async fn encode(&self, text: String, allow_special: bool) -> Result<Vec<u32>, ApiError> {
+    pub(crate) async fn encode(
+        &self,
+        text: String,
+        allow_special: bool,
+    ) -> Result<Vec<u32>, ApiError> {
         let tok = self.tokenizer.clone();
         tokio::task::spawn_blocking(move || tok.encode(&text, allow_special))
             .await
@@ -125,6 +129,12 @@ impl HttpFront {
     /// The front's metrics (also served on `/metrics`).
     pub fn metrics(&self) -> Arc<Metrics> {
         self.state.metrics.clone()
+    }
+
+    /// The public gRPC `tessera.v1.Generate` service over the same backend, tokenizer,
+    /// validation and metrics as this front.
+    pub fn grpc(&self) -> crate::grpc_front::GrpcFront {
+        crate::grpc_front::GrpcFront::new(self.state.clone())
     }
 
     /// The axum router, for tests or for nesting into a larger server.
