@@ -543,13 +543,14 @@ pub async fn start(
     args: WorkerArgs,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<RunningPrefill> {
-    let a = args.clone();
-    let engine = tokio::task::spawn_blocking(move || runtime::start_engine(&a)).await??;
-    let transport = runtime::start_transport(&args).await?;
-    let drain = Drain::new();
-    let worker_id = args.worker_id("prefill");
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
-    let grpc = listener.local_addr()?;
+    let runtime::Foundation {
+        engine,
+        transport,
+        drain,
+        worker_id,
+        listener,
+        grpc,
+    } = runtime::foundation(&args, "prefill").await?;
     let mut svc = PrefillService::new(
         engine,
         transport.clone(),
@@ -561,13 +562,8 @@ pub async fn start(
     .await?;
     svc.info.grpc_address = grpc.to_string();
     let service = Arc::new(svc);
-    let metrics = match args.metrics_listen {
-        Some(addr) => {
-            let s = service.clone();
-            Some(runtime::serve_metrics(addr, Arc::new(move || s.metrics_text())).await?)
-        }
-        None => None,
-    };
+    let s = service.clone();
+    let metrics = runtime::metrics_if_asked(&args, Arc::new(move || s.metrics_text())).await?;
     let (health, health_svc) = tessera_proto::health::server::health_reporter();
     health
         .set_serving::<PrefillWorkerServer<PrefillGrpc>>()

@@ -538,6 +538,45 @@ pub async fn ready(
     Ok(())
 }
 
+/// What every worker daemon starts from before its own service exists: the engine, the page
+/// transport, the drain state and the bound gRPC listener.
+pub struct Foundation {
+    pub engine: Arc<EngineHandle>,
+    pub transport: Arc<TcpTransport>,
+    pub drain: Arc<Drain>,
+    pub worker_id: String,
+    pub listener: tokio::net::TcpListener,
+    pub grpc: SocketAddr,
+}
+
+/// Starts the parts of a worker that do not depend on its role.
+pub async fn foundation(args: &WorkerArgs, role: &str) -> anyhow::Result<Foundation> {
+    let a = args.clone();
+    let engine = tokio::task::spawn_blocking(move || start_engine(&a)).await??;
+    let transport = start_transport(args).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let grpc = listener.local_addr()?;
+    Ok(Foundation {
+        engine,
+        transport,
+        drain: Drain::new(),
+        worker_id: args.worker_id(role),
+        listener,
+        grpc,
+    })
+}
+
+/// Serves `/metrics` when `--metrics-listen` is set; returns the bound address.
+pub async fn metrics_if_asked(
+    args: &WorkerArgs,
+    render: Arc<dyn Fn() -> String + Send + Sync>,
+) -> anyhow::Result<Option<SocketAddr>> {
+    match args.metrics_listen {
+        Some(addr) => Ok(Some(serve_metrics(addr, render).await?)),
+        None => Ok(None),
+    }
+}
+
 /// Prints the line supervisors (`tessera up`, tests) wait for, and logs the registration record.
 pub fn announce_ready(
     role: &str,
