@@ -182,13 +182,10 @@ impl Transport for LocalTransport {
 
     fn register(&self, region: &RegionHandle) -> Result<RegionDescriptor, TransferError> {
         debug_assert_eq!(region.as_ptr() as usize % REGION_ALIGN, 0);
-        self.shared.regions.insert(region);
-        Ok(RegionDescriptor {
-            region_id: region.id(),
-            len: region.len() as u64,
-            incarnation: self.shared.config.incarnation,
-            remote_key: Vec::new(),
-        })
+        Ok(self
+            .shared
+            .regions
+            .register(region, self.shared.config.incarnation))
     }
 
     fn deregister(&self, region: RegionId) -> bool {

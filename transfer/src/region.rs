@@ -356,8 +356,20 @@ pub(crate) struct RegionTable {
 }
 
 impl RegionTable {
-    pub(crate) fn insert(&self, region: &RegionHandle) {
+    /// Registers `region` and returns the descriptor peers use to address it (no remote key:
+    /// the transports that use this table address regions by id).
+    pub(crate) fn register(
+        &self,
+        region: &RegionHandle,
+        incarnation: Incarnation,
+    ) -> RegionDescriptor {
         self.lock().insert(region.id(), region.clone());
+        RegionDescriptor {
+            region_id: region.id(),
+            len: region.len() as u64,
+            incarnation,
+            remote_key: Vec::new(),
+        }
     }
 
     pub(crate) fn remove(&self, id: RegionId) -> bool {

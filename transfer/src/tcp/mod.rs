@@ -295,13 +295,10 @@ impl Transport for TcpTransport {
     }
 
     fn register(&self, region: &RegionHandle) -> Result<RegionDescriptor, TransferError> {
-        self.node.regions.insert(region);
-        Ok(RegionDescriptor {
-            region_id: region.id(),
-            len: region.len() as u64,
-            incarnation: self.node.config.incarnation,
-            remote_key: Vec::new(),
-        })
+        Ok(self
+            .node
+            .regions
+            .register(region, self.node.config.incarnation))
     }
 
     fn deregister(&self, region: RegionId) -> bool {
