@@ -1,0 +1,508 @@
+//! Checks every CUDA kernel against the CPU backend on fresh random inputs, then times them.
+//!
+//!   cargo build --release -p tessera-kernels --features cuda --example cuda_check_bench
+//!   target/release/examples/cuda_check_bench [--quick] [--prefill-only]
+//!
+//! Output: `check <name> rel_err=<e> <ok|FAIL>` lines, then `time <name> <shape> us=<median>
+//! floor_us=<bytes / 4.8 TB/s> gbps=<achieved>` lines. Exits non-zero when a check fails.
+
+use std::time::Instant;
+
+use tessera_kernels::cpu;
+use tessera_kernels::cuda::{
+    bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, CudaSlice, KdaInputs,
+    KdaKernels, KdaPrefillWorkspace, KdaShape,
+};
+
+const HBM_BYTES_PER_S: f64 = 4.8e12;
+
+/// Deterministic generator (splitmix64) with normal and uniform draws.
+struct Rng(u64);
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn normal(&mut self) -> f32 {
+        let u1 = self.uniform().max(1e-7);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+    }
+}
+
+/// Host copies of one random KDA problem: bf16 bits and their exact f32 values.
+struct Problem {
+    shape: KdaShape,
+    q: Vec<u16>,
+    k: Vec<u16>,
+    v: Vec<u16>,
+    g: Vec<f32>,
+    beta: Vec<u16>,
+    state0: Option<Vec<f32>>,
+}
+
+impl Problem {
+    fn random(shape: KdaShape, rng: &mut Rng, decay_max: f32, with_state: bool) -> Self {
+        let n_qk = shape.batch * shape.seq_len * shape.heads * shape.dk;
+        let n_v = shape.batch * shape.seq_len * shape.heads * shape.dv;
+        let n_bth = shape.batch * shape.seq_len * shape.heads;
+        let q = fill(n_qk, rng.next_u64(), |r| bf16_bits(r.normal()));
+        let k = fill(n_qk, rng.next_u64(), |r| bf16_bits(r.normal()));
+        let v = fill(n_v, rng.next_u64(), |r| bf16_bits(r.normal()));
+        let g = fill(n_qk, rng.next_u64(), |r| -r.uniform() * decay_max);
+        let beta = fill(n_bth, rng.next_u64(), |r| {
+            bf16_bits(1.0 / (1.0 + (-r.normal()).exp()))
+        });
+        let state0 = with_state.then(|| {
+            fill(
+                shape.batch * shape.heads * shape.dk * shape.dv,
+                rng.next_u64(),
+                |r| r.normal() * 0.5,
+            )
+        });
+        Problem {
+            shape,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state0,
+        }
+    }
+
+    fn upload(&self, dev: &CudaDevice) -> Result<DeviceProblem, CudaError> {
+        Ok(DeviceProblem {
+            q: dev.upload(&self.q)?,
+            k: dev.upload(&self.k)?,
+            v: dev.upload(&self.v)?,
+            g: dev.upload(&self.g)?,
+            beta: dev.upload(&self.beta)?,
+        })
+    }
+
+    /// CPU reference: per sequence, normalise q and k, run the recurrent form.
+    fn reference(&self, scale: f32) -> (Vec<f32>, Vec<f32>) {
+        let s = self.shape;
+        let per_qk = s.seq_len * s.heads * s.dk;
+        let per_v = s.seq_len * s.heads * s.dv;
+        let per_s = s.heads * s.dk * s.dv;
+        let mut out = vec![0.0f32; s.batch * per_v];
+        let mut state = self
+            .state0
+            .clone()
+            .unwrap_or_else(|| vec![0.0; s.batch * per_s]);
+        for b in 0..s.batch {
+            let f = |x: &[u16]| x.iter().map(|&u| bf16_value(u)).collect::<Vec<f32>>();
+            let mut q = f(&self.q[b * per_qk..(b + 1) * per_qk]);
+            let mut k = f(&self.k[b * per_qk..(b + 1) * per_qk]);
+            cpu::l2_normalize(&mut q, s.dk, 1e-6);
+            cpu::l2_normalize(&mut k, s.dk, 1e-6);
+            let v = f(&self.v[b * per_v..(b + 1) * per_v]);
+            let beta = f(&self.beta[b * s.seq_len * s.heads..(b + 1) * s.seq_len * s.heads]);
+            cpu::kda_recurrent(
+                &q,
+                &k,
+                &v,
+                &self.g[b * per_qk..(b + 1) * per_qk],
+                &beta,
+                s.heads,
+                s.dk,
+                s.dv,
+                scale,
+                &mut state[b * per_s..(b + 1) * per_s],
+                &mut out[b * per_v..(b + 1) * per_v],
+            );
+        }
+        (out, state)
+    }
+}
+
+/// A problem's inputs on the device.
+struct DeviceProblem {
+    q: CudaSlice<u16>,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    g: CudaSlice<f32>,
+    beta: CudaSlice<u16>,
+}
+
+impl DeviceProblem {
+    fn inputs(&self) -> KdaInputs<'_> {
+        KdaInputs {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            g: &self.g,
+            beta: &self.beta,
+        }
+    }
+}
+
+/// `n` draws of `f`, generated in parallel blocks with seeds derived from `seed`.
+fn fill<T: Send + Default + Clone>(
+    n: usize,
+    seed: u64,
+    f: impl Fn(&mut Rng) -> T + Sync,
+) -> Vec<T> {
+    use rayon::prelude::*;
+    let mut out = vec![T::default(); n];
+    out.par_chunks_mut(1 << 16)
+        .enumerate()
+        .for_each(|(i, block)| {
+            let mut r = Rng(seed ^ (i as u64).wrapping_mul(0xa076_1d64_78bd_642f));
+            for x in block {
+                *x = f(&mut r);
+            }
+        });
+    out
+}
+
+struct Device<'a> {
+    dev: &'a CudaDevice,
+}
+
+impl Device<'_> {
+    fn poisoned_u16(&self, n: usize) -> Result<CudaSlice<u16>, CudaError> {
+        self.dev.upload(&vec![0x7fc0u16; n]) // bf16 NaN
+    }
+    fn poisoned_f32(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        self.dev.upload(&vec![f32::NAN; n])
+    }
+}
+
+/// ‖a − b‖ / ‖b‖, infinite when anything is NaN.
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        if !x.is_finite() {
+            return f64::INFINITY;
+        }
+        num += ((x - y) as f64).powi(2);
+        den += (y as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+struct Checks {
+    failed: usize,
+}
+
+impl Checks {
+    fn report(&mut self, name: &str, err: f64, tol: f64) {
+        let ok = err <= tol;
+        if !ok {
+            self.failed += 1;
+        }
+        println!(
+            "check {name} rel_err={err:.3e} tol={tol:.0e} {}",
+            if ok { "ok" } else { "FAIL" }
+        );
+    }
+}
+
+fn check_prefill(
+    dev: &CudaDevice,
+    kernels: &KdaKernels,
+    checks: &mut Checks,
+    name: &str,
+    p: &Problem,
+) -> Result<(), CudaError> {
+    let s = p.shape;
+    let scale = 1.0 / (s.dk as f32).sqrt();
+    let pz = Device { dev };
+    let d = p.upload(dev)?;
+    let init = p.state0.as_ref().map(|s0| dev.upload(s0)).transpose()?;
+    let mut state = pz.poisoned_f32(s.batch * s.heads * s.dk * s.dv)?;
+    let mut out = pz.poisoned_u16(s.batch * s.seq_len * s.heads * s.dv)?;
+    let mut ws = KdaPrefillWorkspace::new(dev, s)?;
+    let x = d.inputs();
+    kernels.prefill(
+        dev,
+        s,
+        &x,
+        scale,
+        true,
+        init.as_ref(),
+        &mut state,
+        &mut out,
+        &mut ws,
+    )?;
+    let got_o: Vec<f32> = dev.download(&out)?.into_iter().map(bf16_value).collect();
+    let got_s = dev.download(&state)?;
+    let (want_o, want_s) = p.reference(scale);
+    checks.report(&format!("{name}.o"), rel_err(&got_o, &want_o), 2e-2);
+    checks.report(&format!("{name}.state"), rel_err(&got_s, &want_s), 2e-2);
+    Ok(())
+}
+
+fn check_decode(
+    dev: &CudaDevice,
+    kernels: &KdaKernels,
+    checks: &mut Checks,
+    p: &Problem,
+) -> Result<(), CudaError> {
+    let s = p.shape;
+    let scale = 1.0 / (s.dk as f32).sqrt();
+    let d = p.upload(dev)?;
+    let mut state = dev.upload(p.state0.as_ref().expect("decode starts from a state"))?;
+    let mut out = Device { dev }.poisoned_u16(s.batch * s.heads * s.dv)?;
+    let x = d.inputs();
+    kernels.decode(dev, s, &x, scale, true, &mut state, &mut out)?;
+    let got_o: Vec<f32> = dev.download(&out)?.into_iter().map(bf16_value).collect();
+    let got_s = dev.download(&state)?;
+    let (want_o, want_s) = p.reference(scale);
+    checks.report(
+        &format!("kda_decode.B{}.o", s.batch),
+        rel_err(&got_o, &want_o),
+        1e-2,
+    );
+    checks.report(
+        &format!("kda_decode.B{}.state", s.batch),
+        rel_err(&got_s, &want_s),
+        1e-5,
+    );
+    Ok(())
+}
+
+/// Median of `iters` timed runs (device events around each) after `warmup` runs, in µs.
+fn time_us(
+    dev: &CudaDevice,
+    warmup: usize,
+    iters: usize,
+    mut f: impl FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    dev.synchronize()?;
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut samples = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let a = dev.context().new_event(flags)?;
+        let b = dev.context().new_event(flags)?;
+        a.record(dev.stream())?;
+        f()?;
+        b.record(dev.stream())?;
+        b.synchronize()?;
+        samples.push(a.elapsed_ms(&b)? as f64 * 1e3);
+    }
+    samples.sort_by(|x, y| x.partial_cmp(y).unwrap());
+    Ok(samples[samples.len() / 2])
+}
+
+fn bench_prefill(
+    dev: &CudaDevice,
+    variants: &[(String, KdaKernels)],
+    s: KdaShape,
+) -> Result<(), CudaError> {
+    let mut rng = Rng(0x5eed ^ s.seq_len as u64);
+    let t0 = Instant::now();
+    let p = Problem::random(s, &mut rng, 0.5, false);
+    let d = p.upload(dev)?;
+    drop(p);
+    let setup = t0.elapsed().as_secs_f64();
+    let mut state = dev
+        .stream()
+        .alloc_zeros::<f32>(s.batch * s.heads * s.dk * s.dv)?;
+    let mut out = dev
+        .stream()
+        .alloc_zeros::<u16>(s.batch * s.seq_len * s.heads * s.dv)?;
+    let mut ws = KdaPrefillWorkspace::new(dev, s)?;
+    let x = d.inputs();
+    let scale = 1.0 / (s.dk as f32).sqrt();
+    let n = (s.batch * s.seq_len * s.heads) as f64;
+    // q, k, v, o bf16 + g f32 + beta bf16 + final state f32: the floor FLA's harness uses.
+    let bytes = n * (s.dk as f64 * 2.0 * 2.0 + s.dv as f64 * 2.0 * 2.0 + s.dk as f64 * 4.0 + 2.0)
+        + (s.batch * s.heads * s.dk * s.dv) as f64 * 4.0;
+    for (label, kernels) in variants {
+        let us = time_us(dev, 3, 20, || {
+            kernels.prefill(dev, s, &x, scale, true, None, &mut state, &mut out, &mut ws)
+        })?;
+        let prep_us = time_us(dev, 2, 10, || {
+            kernels.prep(dev, s, &x, scale, true, &mut ws)
+        })?;
+        let scan_us = time_us(dev, 2, 10, || {
+            kernels.scan(dev, s, None, &mut state, &mut out, &ws)
+        })?;
+        println!(
+            "time kda_prefill.{label} B={} T={} H={} K={} us={us:.1} floor_us={:.1} gbps={:.0} tok_per_s={:.3e} prep_us={prep_us:.1} scan_us={scan_us:.1} (setup {setup:.1}s, workspace {} MB)",
+            s.batch,
+            s.seq_len,
+            s.heads,
+            s.dk,
+            bytes / HBM_BYTES_PER_S * 1e6,
+            bytes / us / 1e3,
+            n / s.heads as f64 / us * 1e6,
+            ws.bytes() >> 20
+        );
+    }
+    Ok(())
+}
+
+fn bench_decode(dev: &CudaDevice, kernels: &mut KdaKernels, batch: usize) -> Result<(), CudaError> {
+    let s = KdaShape {
+        batch,
+        seq_len: 1,
+        heads: 32,
+        dk: 128,
+        dv: 128,
+    };
+    let mut rng = Rng(0xdec0de ^ batch as u64);
+    let p = Problem::random(s, &mut rng, 0.5, true);
+    let d = p.upload(dev)?;
+    let mut state = dev.upload(p.state0.as_ref().unwrap())?;
+    let mut out = dev.stream().alloc_zeros::<u16>(batch * s.heads * s.dv)?;
+    let x = d.inputs();
+    let scale = 1.0 / (s.dk as f32).sqrt();
+    let bytes = (batch * s.heads * s.dk * s.dv) as f64 * 4.0 * 2.0;
+    for (label, occ3) in [("", false), (".occ3", true)] {
+        kernels.set_decode_three_blocks_per_sm(occ3);
+        let us = time_us(dev, 20, 200, || {
+            kernels.decode(dev, s, &x, scale, true, &mut state, &mut out)
+        })?;
+        println!(
+            "time kda_decode{label} B={batch} H=32 K=128 us={us:.1} floor_us={:.1} gbps={:.0}",
+            bytes / HBM_BYTES_PER_S * 1e6,
+            bytes / us / 1e3
+        );
+    }
+    kernels.set_decode_three_blocks_per_sm(false);
+    Ok(())
+}
+
+/// Time of the prep kernel with each stage left out in turn (the differences are the stages'
+/// costs; outputs are wrong in these variants, so nothing is checked).
+fn stage_costs(dev: &CudaDevice, s: KdaShape) -> Result<(), CudaError> {
+    let mut rng = Rng(7);
+    let p = Problem::random(s, &mut rng, 0.5, false);
+    let d = p.upload(dev)?;
+    let x = d.inputs();
+    let mut ws = KdaPrefillWorkspace::new(dev, s)?;
+    for (skip, what) in [
+        (0, "all"),
+        (1, "-products"),
+        (2, "-inverse"),
+        (4, "-qk_out"),
+        (8, "-wu"),
+        (15, "load+norm only"),
+    ] {
+        let kv = KdaKernels::load_with(dev, 128, 128, 32, &[("PREP_SKIP", skip.to_string())])?;
+        let us = time_us(dev, 2, 10, || kv.prep(dev, s, &x, 0.088, true, &mut ws))?;
+        println!("stage prep T={} skip={skip} ({what}) us={us:.1}", s.seq_len);
+    }
+    Ok(())
+}
+
+fn run() -> Result<usize, CudaError> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let prefill_only = std::env::args().any(|a| a == "--prefill-only");
+    let dev = CudaDevice::open(0, default_cache_dir())?;
+    println!("device {} ({})", dev.name(), dev.arch());
+    let t = Instant::now();
+    let kernels = KdaKernels::load(&dev, 128, 128, 32)?;
+    println!("compiled kda kernels in {:.2}s", t.elapsed().as_secs_f64());
+    let mut checks = Checks { failed: 0 };
+    let mut rng = Rng(42);
+    let shape = |batch, seq_len, heads| KdaShape {
+        batch,
+        seq_len,
+        heads,
+        dk: 128,
+        dv: 128,
+    };
+    for (name, s, decay, st) in [
+        ("kda_prefill.B2.T300.H4", shape(2, 300, 4), 0.5, false),
+        ("kda_prefill.B1.T64.H2.state", shape(1, 64, 2), 0.5, true),
+        ("kda_prefill.B1.T1.H2.state", shape(1, 1, 2), 0.5, true),
+        ("kda_prefill.B1.T777.H3.state", shape(1, 777, 3), 1.0, true),
+        (
+            "kda_prefill.B1.T200.H2.strong_decay",
+            shape(1, 200, 2),
+            10.0,
+            true,
+        ),
+    ] {
+        let p = Problem::random(s, &mut rng, decay, st);
+        check_prefill(&dev, &kernels, &mut checks, name, &p)?;
+    }
+    for batch in [1, 5, 64] {
+        let p = Problem::random(shape(batch, 1, 4), &mut rng, 0.5, true);
+        check_decode(&dev, &kernels, &mut checks, &p)?;
+    }
+    if checks.failed > 0 {
+        return Ok(checks.failed);
+    }
+    let mut variants = Vec::new();
+    for (vt, stages) in [(32usize, 2usize), (64, 2)] {
+        let label = format!("vt{vt}.s{stages}");
+        match KdaKernels::load_with(&dev, 128, 128, vt, &[("SCAN_STAGES", stages.to_string())]) {
+            Ok(k) => variants.push((label, k)),
+            Err(e) => println!("variant {label} unavailable: {e}"),
+        }
+    }
+    // A variant that fails its checks is reported and left out of the timings.
+    let mut variant_failures = 0;
+    let mut checked = Vec::new();
+    for (label, kv) in variants {
+        let before = checks.failed;
+        for (name, s, decay, st) in [
+            ("B2.T300.H4", shape(2, 300, 4), 0.5, true),
+            ("B1.T777.H3", shape(1, 777, 3), 1.0, true),
+            ("B1.T200.H2.strong_decay", shape(1, 200, 2), 10.0, true),
+        ] {
+            let p = Problem::random(s, &mut rng, decay, st);
+            check_prefill(
+                &dev,
+                &kv,
+                &mut checks,
+                &format!("kda_prefill.{label}.{name}"),
+                &p,
+            )?;
+        }
+        if checks.failed == before {
+            checked.push((label, kv));
+        } else {
+            variant_failures += checks.failed - before;
+            checks.failed = before;
+        }
+    }
+    let variants = checked;
+    if !prefill_only {
+        stage_costs(&dev, shape(1, if quick { 8192 } else { 32768 }, 32))?;
+    }
+    let shapes: &[(usize, usize)] = if quick {
+        &[(1, 8192)]
+    } else {
+        &[(1, 32768), (8, 4096), (1, 8192)]
+    };
+    for &(b, t) in shapes {
+        bench_prefill(&dev, &variants, shape(b, t, 32))?;
+    }
+    let mut kernels = kernels;
+    for batch in [1, 64, 256].into_iter().filter(|_| !prefill_only) {
+        bench_decode(&dev, &mut kernels, batch)?;
+    }
+    Ok(variant_failures)
+}
+
+fn main() {
+    match run() {
+        Ok(0) => println!("all checks passed"),
+        Ok(n) => {
+            println!("{n} check(s) failed");
+            std::process::exit(1);
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    }
+}

@@ -1,0 +1,76 @@
+// Shared device helpers for every Tessera CUDA kernel. Header-free: NVRTC compiles this with
+// no CUDA include directory, so bf16 is handled as raw 16-bit words and tensor-core and
+// async-copy instructions are written as inline PTX.
+
+typedef unsigned short bf16_t;
+
+__device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((unsigned)x) << 16); }
+
+// Round-to-nearest-even f32 -> bf16 for two values packed into one 32-bit word (lo first).
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ bf16_t f2bf(float x) { return (bf16_t)(pack_bf16x2(x, 0.0f) & 0xffffu); }
+
+__device__ __forceinline__ float lo_bf(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi_bf(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+// D += A·B on the tensor cores: m16n8k16, bf16 operands, f32 accumulators.
+// Fragment layout (g = lane/4, t = lane%4):
+//   a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]
+//   b[0] = B[2t..2t+1][g], b[1] = B[2t+8..2t+9][g]
+//   c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..2t+1]
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// A fragment of the 16x16 tile at (row0, k0) of a row-major bf16 matrix with leading dimension ld.
+__device__ __forceinline__ void load_a_frag(unsigned a[4], const bf16_t* m, int ld, int row0, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bf16_t* p = m + (row0 + g) * ld + k0 + 2 * t;
+    a[0] = *(const unsigned*)(p);
+    a[1] = *(const unsigned*)(p + 8 * ld);
+    a[2] = *(const unsigned*)(p + 8);
+    a[3] = *(const unsigned*)(p + 8 * ld + 8);
+}
+
+// B fragment of the 16x8 tile at (k0, n0) of B, where B is stored transposed: bt[n][k], leading
+// dimension ld (so the k pairs a thread needs are adjacent).
+__device__ __forceinline__ void load_b_frag(unsigned b[2], const bf16_t* bt, int ld, int n0, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bf16_t* p = bt + (n0 + g) * ld + k0 + 2 * t;
+    b[0] = *(const unsigned*)(p);
+    b[1] = *(const unsigned*)(p + 8);
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16-byte global -> shared copy that bypasses registers (and L1).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
+}
+// The same, writing zeros instead when `valid` is false (nothing is read then).
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}

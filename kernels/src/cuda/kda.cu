@@ -1,0 +1,665 @@
+// KDA (Kimi Delta Attention) on CUDA: chunked prefill in two launches and a one-token decode step.
+//
+// Per head, with state S [DK, DV] (f32) and per-channel log decay g (<= 0):
+//   S <- diag(exp(g_t)) S;  delta = beta_t (v_t - S^T k_t);  S <- S + k_t delta^T;  o_t = S^T q_t
+// with q, k L2-normalised (optional) and q scaled. Layouts: q, k, g [B, T, H, DK]; v, o [B, T, H, DV];
+// beta [B, T, H]; state [B, H, DK, DV]. q, k, v, beta, o are bf16; g and the state are f32.
+//
+// Prefill (chunks of CH = 64 tokens, WY form):
+//   kda_chunk_prep  — one block per (chunk, head, batch), fully parallel. Everything that does not
+//                     depend on the incoming state: the 64x64 decayed products, the inverse
+//                     T = (I + A)^-1, u = T (beta v), w = T (beta k exp(gc)), q exp(gc), and
+//                     (k exp(gc_last - gc))^T.
+//   kda_chunk_scan  — one block per (V tile, head, batch), walking the chunks in order with its
+//                     slice of the state resident in registers; all products on the tensor cores.
+// Decay products exp(gc_i - gc_j) are factored per 16-token sub-chunk into two factors that are
+// each <= 1 (or bounded by the sub-chunk's own decay span); chunks whose span is too large for
+// that take an exact per-pair path for the diagonal blocks, so no input overflows.
+
+#ifndef DK
+#define DK 128
+#endif
+#ifndef DV
+#define DV 128
+#endif
+#ifndef VT
+#define VT 32
+#endif
+#define CH 64
+#define SUB 16
+#define NSUB (CH / SUB)
+#define GLD (DK + 4)
+#define OLD (DK + 8)
+#define TLD (CH + 8)
+#define ALD (CH + 1)
+#define ULD (VT + 8)
+#define SPAN_LIMIT 60.0f
+// Timing aid: a bit mask of kda_chunk_prep stages to leave out (1: block products, 2: inverse,
+// 4: q/k outputs, 8: w/u). Results are wrong unless 0.
+#ifndef PREP_SKIP
+#define PREP_SKIP 0
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory layout of kda_chunk_prep (bytes). q/k rows are padded (OLD) so that walks down a
+// column are free of bank conflicts. Phase scratch X holds, in turn: the block-product operands
+// (lk, lq, rr); T in f32 with a per-warp 16x16 scratch; a transposed [DK][TLD] staging tile. Once
+// T is known, af's space holds T in bf16 (tb); once q/k are consumed, theirs holds (beta v)^T.
+#define P_GCS 0
+#define P_QS (P_GCS + CH * GLD * 4)
+#define P_KS (P_QS + CH * OLD * 2)
+#define P_RQ (P_KS + CH * OLD * 2)
+#define P_RK (P_RQ + CH * 4)
+#define P_BS (P_RK + CH * 4)
+#define P_FLAG (P_BS + CH * 4)
+#define P_AF (P_FLAG + 16)
+#define P_X (P_AF + CH * ALD * 4)
+#define X_LK 0
+#define X_LQ (X_LK + SUB * OLD * 2)
+#define X_RR (X_LQ + SUB * OLD * 2)
+#define X_TF 0
+#define X_XS (X_TF + CH * ALD * 4)
+#define X_KT 0
+
+// rows x cols (bf16, this block's T) times rhs^T, written row-major to dst [CH][ncol];
+// 8 warps = 4 row tiles x 2 column halves.
+__device__ __forceinline__ void t_times(const bf16_t* tb, const bf16_t* rhs_t, int ncol, bf16_t* dst) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+    const int mt = warp & 3, half = warp >> 2;
+    unsigned a[CH / 16][4];
+#pragma unroll
+    for (int ks_ = 0; ks_ < CH / 16; ++ks_) load_a_frag(a[ks_], tb, TLD, mt * 16, ks_ * 16);
+    for (int n0 = half * (ncol / 2); n0 < (half + 1) * (ncol / 2); n0 += 8) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int ks_ = 0; ks_ < CH / 16; ++ks_) {
+            unsigned bb[2];
+            load_b_frag(bb, rhs_t, TLD, n0, ks_ * 16);
+            mma_bf16_16816(acc, a[ks_], bb);
+        }
+        const int i = mt * 16 + g8, n = n0 + 2 * t4;
+        *(unsigned*)(dst + i * ncol + n) = pack_bf16x2(acc[0], acc[1]);
+        *(unsigned*)(dst + (i + 8) * ncol + n) = pack_bf16x2(acc[2], acc[3]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+    const float* __restrict__ g, const bf16_t* __restrict__ beta, int T, int H, float scale,
+    int l2norm, bf16_t* __restrict__ w_out, bf16_t* __restrict__ u_out,
+    bf16_t* __restrict__ qg_out, bf16_t* __restrict__ kgt_out, bf16_t* __restrict__ aqk_out,
+    float* __restrict__ egl_out) {
+    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, NC = gridDim.x;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+    const int t0 = c * CH, len = min(CH, T - t0);
+    const size_t chunk = ((size_t)b * H + h) * NC + c;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* gcs = (float*)(smem + P_GCS);
+    bf16_t* qs = (bf16_t*)(smem + P_QS);
+    bf16_t* ks = (bf16_t*)(smem + P_KS);
+    float* rq = (float*)(smem + P_RQ);
+    float* rk = (float*)(smem + P_RK);
+    float* bs = (float*)(smem + P_BS);
+    int* unsafe_span = (int*)(smem + P_FLAG);
+    float* af = (float*)(smem + P_AF);
+    unsigned char* x = smem + P_X;
+
+    // 1. The chunk, copied asynchronously (all loads in flight at once); rows past the end of the
+    //    sequence are zero, so they contribute nothing.
+    for (int e = tid; e < CH * DK / 8; e += 256) {
+        const int i = e / (DK / 8), d = (e % (DK / 8)) * 8;
+        const bool ok = i < len;
+        const size_t off = ok ? (((size_t)b * T + t0 + i) * H + h) * DK + d : 0;
+        cp_async16_zfill(qs + i * OLD + d, q + off, ok);
+        cp_async16_zfill(ks + i * OLD + d, k + off, ok);
+    }
+    for (int e = tid; e < CH * DK / 4; e += 256) {
+        const int i = e / (DK / 4), d = (e % (DK / 4)) * 4;
+        const bool ok = i < len;
+        cp_async16_zfill(gcs + i * GLD + d, g + (ok ? (((size_t)b * T + t0 + i) * H + h) * DK + d : 0), ok);
+    }
+    cp_async_commit();
+    if (tid < CH) bs[tid] = tid < len ? bf2f(beta[((size_t)b * T + t0 + tid) * H + h]) : 0.f;
+    if (tid == 0) unsafe_span[0] = 0;
+    for (int e = tid; e < CH * ALD; e += 256) af[e] = 0.f;
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // 2. Norms (a warp per token) and the within-chunk cumulative decay (threads per channel).
+    for (int i = warp; i < CH; i += 8) {
+        float sq = 0.f, sk = 0.f;
+        for (int d = lane; d < DK; d += 32) {
+            const float a = bf2f(qs[i * OLD + d]), bk = bf2f(ks[i * OLD + d]);
+            sq += a * a;
+            sk += bk * bk;
+        }
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        if (lane == 0) {
+            rq[i] = l2norm ? scale / sqrtf(sq + 1e-6f) : scale;
+            rk[i] = l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
+        }
+    }
+    {
+        const int segs = 256 / DK, seg_len = CH / segs, d = tid % DK, s = tid / DK;
+        float run = 0.f;
+        for (int i = s * seg_len; i < (s + 1) * seg_len; ++i) {
+            run += gcs[i * GLD + d];
+            gcs[i * GLD + d] = run;
+        }
+        __syncthreads();
+        float off = 0.f;
+        for (int s2 = 0; s2 < s; ++s2) off += gcs[((s2 + 1) * seg_len - 1) * GLD + d];
+        __syncthreads();
+        for (int i = s * seg_len; i < (s + 1) * seg_len; ++i) gcs[i * GLD + d] += off;
+        __syncthreads();
+        if (tid < DK) {
+            for (int sc = 0; sc < NSUB; ++sc) {
+                const float span = gcs[sc * SUB * GLD + tid] - gcs[(sc * SUB + SUB - 1) * GLD + tid];
+                if (span > SPAN_LIMIT) atomicOr(unsafe_span, 1);
+            }
+        }
+        __syncthreads();
+    }
+    const bool exact_diag = unsafe_span[0] != 0;
+
+    // 3. A (beta-scaled k.k, strictly lower) into shared f32 and Aqk (q.k, lower with the
+    //    diagonal) into global bf16, one 16-row block I at a time. Decays are referenced to the
+    //    first token f of block I: left factor exp(gc_i - gc_f) <= 1, right exp(gc_f - gc_j),
+    //    which is <= 1 for earlier blocks and at most exp(span) inside block I.
+    bf16_t* aqk = aqk_out + chunk * CH * CH;
+    if (!(PREP_SKIP & 1)) {
+        bf16_t* lk = (bf16_t*)(x + X_LK);
+        bf16_t* lq = (bf16_t*)(x + X_LQ);
+        bf16_t* rr = (bf16_t*)(x + X_RR);
+        for (int I = 0; I < NSUB; ++I) {
+            const int f = I * SUB, ncols = f + SUB, ntile = ncols / 8;
+            for (int e = tid; e < SUB * DK / 2; e += 256) {
+                const int r = e / (DK / 2), d = (e % (DK / 2)) * 2, i = f + r;
+                const float e0 = __expf(gcs[i * GLD + d] - gcs[f * GLD + d]);
+                const float e1 = __expf(gcs[i * GLD + d + 1] - gcs[f * GLD + d + 1]);
+                const unsigned kw = *(const unsigned*)(ks + i * OLD + d);
+                const unsigned qw = *(const unsigned*)(qs + i * OLD + d);
+                *(unsigned*)(lk + r * OLD + d) =
+                    pack_bf16x2(lo_bf(kw) * rk[i] * e0, hi_bf(kw) * rk[i] * e1);
+                *(unsigned*)(lq + r * OLD + d) =
+                    pack_bf16x2(lo_bf(qw) * rq[i] * e0, hi_bf(qw) * rq[i] * e1);
+            }
+#pragma unroll 4
+            for (int e = tid; e < ncols * DK / 2; e += 256) {
+                const int j = e / (DK / 2), d = (e % (DK / 2)) * 2;
+                const float e0 = __expf(gcs[f * GLD + d] - gcs[j * GLD + d]);
+                const float e1 = __expf(gcs[f * GLD + d + 1] - gcs[j * GLD + d + 1]);
+                const unsigned kw = *(const unsigned*)(ks + j * OLD + d);
+                *(unsigned*)(rr + j * OLD + d) =
+                    pack_bf16x2(lo_bf(kw) * rk[j] * e0, hi_bf(kw) * rk[j] * e1);
+            }
+            // Columns right of this block row's last tile are zero in Aqk.
+            for (int e = tid; e < SUB * (CH - ncols) / 2; e += 256) {
+                const int r = e / ((CH - ncols) / 2), j = ncols + (e % ((CH - ncols) / 2)) * 2;
+                *(unsigned*)(aqk + (f + r) * CH + j) = 0u;
+            }
+            __syncthreads();
+            for (int tile = warp; tile < 2 * ntile; tile += 8) {
+                const int mat = tile / ntile, n0 = (tile % ntile) * 8;
+                const bf16_t* left = mat ? lq : lk;
+                float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int k0 = 0; k0 < DK; k0 += 16) {
+                    unsigned a[4], bb[2];
+                    load_a_frag(a, left, OLD, 0, k0);
+                    load_b_frag(bb, rr, OLD, n0, k0);
+                    mma_bf16_16816(acc, a, bb);
+                }
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int i = f + g8 + 8 * hf, j = n0 + 2 * t4;
+                    const float v0 = acc[2 * hf], v1 = acc[2 * hf + 1];
+                    if (mat == 0) {
+                        af[i * ALD + j] = j < i ? v0 * bs[i] : 0.f;
+                        af[i * ALD + j + 1] = j + 1 < i ? v1 * bs[i] : 0.f;
+                    } else {
+                        *(unsigned*)(aqk + i * CH + j) =
+                            pack_bf16x2(j <= i ? v0 : 0.f, j + 1 <= i ? v1 : 0.f);
+                    }
+                }
+            }
+            __syncthreads();
+            if (exact_diag && tid < SUB * (SUB + 1) / 2) {
+                int ii = 0;
+                while ((ii + 1) * (ii + 2) / 2 <= tid) ++ii;
+                const int jj = tid - ii * (ii + 1) / 2, i = f + ii, j = f + jj;
+                float dk_ = 0.f, dq = 0.f;
+                for (int d = 0; d < DK; ++d) {
+                    const float e = __expf(gcs[i * GLD + d] - gcs[j * GLD + d]);
+                    const float kj = bf2f(ks[j * OLD + d]) * rk[j] * e;
+                    dk_ += bf2f(ks[i * OLD + d]) * rk[i] * kj;
+                    dq += bf2f(qs[i * OLD + d]) * rq[i] * kj;
+                }
+                af[i * ALD + j] = j < i ? dk_ * bs[i] : 0.f;
+                aqk[i * CH + j] = f2bf(dq);
+            }
+            __syncthreads();
+        }
+    }
+
+    // 4. T = (I + A)^-1 (unit lower triangular): 16x16 diagonal blocks by substitution (a lane per
+    //    column), then off-diagonal blocks by distance: T_IJ = -T_II sum_{K=J..I-1} A_IK T_KJ.
+    float* tf = (float*)(x + X_TF);
+    if (!(PREP_SKIP & 2)) {
+    for (int e = tid; e < CH * ALD; e += 256) tf[e] = 0.f;
+    __syncthreads();
+    if (tid < NSUB * SUB) {
+        // Diagonal block tid/16, column c = tid%16 held in registers. Entries above the diagonal
+        // come out zero by themselves: t[j] = 0 for j < c.
+        const int f = (tid / SUB) * SUB, c = tid % SUB;
+        float t[SUB];
+#pragma unroll
+        for (int i = 0; i < SUB; ++i) {
+            float s = i == c ? 1.f : 0.f;
+#pragma unroll
+            for (int j = 0; j < i; ++j) s -= af[(f + i) * ALD + f + j] * t[j];
+            t[i] = s;
+        }
+#pragma unroll
+        for (int i = 0; i < SUB; ++i) tf[(f + i) * ALD + f + c] = t[i];
+    }
+    __syncthreads();
+    {
+        // Off-diagonal blocks by distance, every thread on one (block, row, column) at a time.
+        float* xs = (float*)(x + X_XS);
+        for (int dist = 1; dist < NSUB; ++dist) {
+            const int nblk = NSUB - dist;
+            for (int o = tid; o < nblk * SUB * SUB; o += 256) {
+                const int J = o / (SUB * SUB), I = J + dist, r = (o / SUB) % SUB, cc = o % SUB;
+                float acc[4] = {0.f, 0.f, 0.f, 0.f};
+                for (int kb = J; kb < I; ++kb) {
+#pragma unroll
+                    for (int m = 0; m < SUB; ++m)
+                        acc[m & 3] += af[(I * SUB + r) * ALD + kb * SUB + m] * tf[(kb * SUB + m) * ALD + J * SUB + cc];
+                }
+                xs[o] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+            }
+            __syncthreads();
+            for (int o = tid; o < nblk * SUB * SUB; o += 256) {
+                const int J = o / (SUB * SUB), I = J + dist, r = (o / SUB) % SUB, cc = o % SUB;
+                const float* xb = xs + J * SUB * SUB;
+                float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int m = 0; m < SUB; ++m) acc[m & 3] += tf[(I * SUB + r) * ALD + I * SUB + m] * xb[m * SUB + cc];
+                tf[(I * SUB + r) * ALD + J * SUB + cc] = -((acc[0] + acc[1]) + (acc[2] + acc[3]));
+            }
+            __syncthreads();
+        }
+    }
+    }
+    bf16_t* tb = (bf16_t*)(smem + P_AF);  // af is dead now
+    for (int e = tid; e < CH * CH / 2; e += 256) {
+        const int i = e / (CH / 2), j = (e % (CH / 2)) * 2;
+        *(unsigned*)(tb + i * TLD + j) = pack_bf16x2(tf[i * ALD + j], tf[i * ALD + j + 1]);
+    }
+    __syncthreads();
+
+    // 5. Outputs that need no product: q exp(gc) (row-major), (k exp(gc_last - gc))^T (staged
+    //    transposed in shared memory, then copied out in 16-byte rows), exp(gc_last).
+    bf16_t* kt = (bf16_t*)(x + X_KT);
+    bf16_t* qg = qg_out + chunk * CH * DK;
+    for (int e = tid; !(PREP_SKIP & 4) && e < CH * DK / 8; e += 256) {
+        const int j = e / (DK / 8), n = (e % (DK / 8)) * 8;
+        const uint4 qw = *(const uint4*)(qs + j * OLD + n);
+        const float4 ga = *(const float4*)(gcs + j * GLD + n), gb = *(const float4*)(gcs + j * GLD + n + 4);
+        const float r = rq[j];
+        uint4 o4;
+        o4.x = pack_bf16x2(lo_bf(qw.x) * r * __expf(ga.x), hi_bf(qw.x) * r * __expf(ga.y));
+        o4.y = pack_bf16x2(lo_bf(qw.y) * r * __expf(ga.z), hi_bf(qw.y) * r * __expf(ga.w));
+        o4.z = pack_bf16x2(lo_bf(qw.z) * r * __expf(gb.x), hi_bf(qw.z) * r * __expf(gb.y));
+        o4.w = pack_bf16x2(lo_bf(qw.w) * r * __expf(gb.z), hi_bf(qw.w) * r * __expf(gb.w));
+        *(uint4*)(qg + j * DK + n) = o4;
+    }
+    // Staged transposes: a thread per (token j, 8 channels); lanes run along j, so the 16-bit
+    // writes down each column hit consecutive addresses.
+    auto stage_k_t = [&](bool to_beta) {
+#pragma unroll 2
+        for (int e = tid; e < CH * DK / 8; e += 256) {
+            const int j = e % CH, n = (e / CH) * 8;
+            const uint4 kw = *(const uint4*)(ks + j * OLD + n);
+            const unsigned kk[4] = {kw.x, kw.y, kw.z, kw.w};
+            const float r = rk[j] * (to_beta ? bs[j] : 1.f);
+            const float4 ga = *(const float4*)(gcs + j * GLD + n), gb = *(const float4*)(gcs + j * GLD + n + 4);
+            const float4 la = *(const float4*)(gcs + (CH - 1) * GLD + n);
+            const float4 lb = *(const float4*)(gcs + (CH - 1) * GLD + n + 4);
+            const float gj[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+            const float gl[8] = {la.x, la.y, la.z, la.w, lb.x, lb.y, lb.z, lb.w};
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const float kv = (m & 1) ? hi_bf(kk[m / 2]) : lo_bf(kk[m / 2]);
+                const float ex = to_beta ? __expf(gj[m]) : __expf(gl[m] - gj[m]);
+                kt[(n + m) * TLD + j] = f2bf(kv * r * ex);
+            }
+        }
+    };
+    if (!(PREP_SKIP & 4)) {
+    stage_k_t(false);
+    if (tid < DK) egl_out[chunk * DK + tid] = __expf(gcs[(CH - 1) * GLD + tid]);
+    __syncthreads();
+    bf16_t* kgt = kgt_out + chunk * DK * CH;
+    for (int e = tid; e < DK * CH / 8; e += 256) {
+        const int d = e / (CH / 8), j = (e % (CH / 8)) * 8;
+        *(uint4*)(kgt + d * CH + j) = *(const uint4*)(kt + d * TLD + j);
+    }
+    __syncthreads();
+    }
+    if (PREP_SKIP & 8) return;
+
+    // 6. w = T (beta k exp(gc)) and u = T (beta v) on the tensor cores. (beta v)^T goes where q/k
+    //    were (they are consumed once the beta k stage is built).
+    stage_k_t(true);
+    __syncthreads();
+    t_times(tb, kt, DK, w_out + chunk * CH * DK);
+    bf16_t* bvt = (bf16_t*)(smem + P_QS);
+#pragma unroll
+    for (int rep = 0; rep < CH * DV / 8 / 256; ++rep) {
+        const int e = tid + rep * 256, j = e % CH, n = (e / CH) * 8;
+        uint4 vw = make_uint4(0, 0, 0, 0);
+        if (j < len) vw = *(const uint4*)(v + (((size_t)b * T + t0 + j) * H + h) * DV + n);
+        const unsigned vv[4] = {vw.x, vw.y, vw.z, vw.w};
+#pragma unroll
+        for (int m = 0; m < 8; ++m)
+            bvt[(n + m) * TLD + j] = f2bf(((m & 1) ? hi_bf(vv[m / 2]) : lo_bf(vv[m / 2])) * bs[j]);
+    }
+    __syncthreads();
+    t_times(tb, bvt, DV, u_out + chunk * CH * DV);
+}
+
+// ---------------------------------------------------------------------------------------------
+// kda_chunk_scan: the sequential pass. Block = (V tile of VT columns, head, batch): one warp
+// group (4 warps) per 32 columns, so the chunk data each block stages feeds VT/32 groups. Warp
+// (group g, quarter w) owns state rows [w*DK/4, (w+1)*DK/4) and chunk rows [16w, 16w+16) of
+// columns [32g, 32g+32).
+#define MT (DK / 64)
+#define NT 4
+#define WG (VT / 32)
+#ifndef SCAN_STAGES
+#define SCAN_STAGES 2
+#endif
+#define SCAN_THREADS (128 * WG)
+#define S_WS 0
+#define S_QS (S_WS + CH * OLD * 2)
+#define S_KT (S_QS + CH * OLD * 2)
+#define S_AS (S_KT + DK * TLD * 2)
+#define S_US (S_AS + CH * TLD * 2)
+#define S_EG (S_US + CH * ULD * 2)
+#define STAGE_BYTES (S_EG + DK * 4)
+#define SLD (DK + 8)
+#define S_SB (SCAN_STAGES * STAGE_BYTES)
+#define S_VN (S_SB + VT * SLD * 2)
+#define SCAN_SMEM (S_VN + VT * TLD * 2)
+
+// Stages one chunk's products (w, q exp(gc), k^T, Aqk, this block's u columns, exp(gc_last))
+// into shared memory with asynchronous copies, as one commit group.
+__device__ __forceinline__ void scan_load_stage(unsigned char* base, size_t ch, int vt, int tid,
+                                                int nthreads, const bf16_t* w_in,
+                                                const bf16_t* u_in, const bf16_t* qg_in,
+                                                const bf16_t* kgt_in, const bf16_t* aqk_in,
+                                                const float* egl_in) {
+    bf16_t* ws = (bf16_t*)(base + S_WS);
+    bf16_t* qs = (bf16_t*)(base + S_QS);
+    bf16_t* kt = (bf16_t*)(base + S_KT);
+    bf16_t* as = (bf16_t*)(base + S_AS);
+    bf16_t* us = (bf16_t*)(base + S_US);
+    float* eg = (float*)(base + S_EG);
+    for (int e = tid; e < CH * DK / 8; e += nthreads) {
+        const int i = e / (DK / 8), d = (e % (DK / 8)) * 8;
+        cp_async16(ws + i * OLD + d, w_in + ch * CH * DK + i * DK + d);
+        cp_async16(qs + i * OLD + d, qg_in + ch * CH * DK + i * DK + d);
+    }
+    for (int e = tid; e < DK * CH / 8; e += nthreads) {
+        const int d = e / (CH / 8), j = (e % (CH / 8)) * 8;
+        cp_async16(kt + d * TLD + j, kgt_in + ch * DK * CH + d * CH + j);
+    }
+    for (int e = tid; e < CH * CH / 8; e += nthreads) {
+        const int i = e / (CH / 8), j = (e % (CH / 8)) * 8;
+        cp_async16(as + i * TLD + j, aqk_in + ch * CH * CH + i * CH + j);
+    }
+    for (int e = tid; e < CH * VT / 8; e += nthreads) {
+        const int i = e / (VT / 8), n = (e % (VT / 8)) * 8;
+        cp_async16(us + i * ULD + n, u_in + ch * CH * DV + i * DV + vt * VT + n);
+    }
+    for (int e = tid; e < DK / 4; e += nthreads) cp_async16(eg + 4 * e, egl_in + ch * DK + 4 * e);
+    cp_async_commit();
+}
+
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS) kda_chunk_scan(
+    const bf16_t* __restrict__ w_in, const bf16_t* __restrict__ u_in,
+    const bf16_t* __restrict__ qg_in, const bf16_t* __restrict__ kgt_in,
+    const bf16_t* __restrict__ aqk_in, const float* __restrict__ egl_in,
+    const float* __restrict__ s0, float* __restrict__ s_out, bf16_t* __restrict__ o, int T,
+    int H) {
+    const int vt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int NC = (T + CH - 1) / CH;
+    const int tid = threadIdx.x, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+    const int warp = (tid >> 5) & 3, cb = (tid >> 7) * 32;  // row quarter, column base
+    const size_t bh = (size_t)b * H + h;
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16_t* sb = (bf16_t*)(smem + S_SB);
+    bf16_t* vn = (bf16_t*)(smem + S_VN);
+
+    auto load_stage = [&](int cidx, int st) {
+        scan_load_stage(smem + st * STAGE_BYTES, bh * NC + cidx, vt, tid, SCAN_THREADS, w_in, u_in,
+                        qg_in, kgt_in, aqk_in, egl_in);
+    };
+
+    float S[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = warp * (DK / 4) + mt * 16 + g8 + (e >= 2 ? 8 : 0);
+                const int col = vt * VT + cb + nt * 8 + 2 * t4 + (e & 1);
+                S[mt][nt][e] = s0 ? s0[(bh * DK + row) * DV + col] : 0.f;
+            }
+
+    // SCAN_STAGES-deep pipeline: chunk c's copy group is group c (empty groups pad the tail).
+    for (int c = 0; c < SCAN_STAGES - 1; ++c) {
+        if (c < NC) load_stage(c, c);
+        else cp_async_commit();
+    }
+    for (int c = 0; c < NC; ++c) {
+        const int st = c % SCAN_STAGES, ahead = c + SCAN_STAGES - 1;
+        if (ahead < NC) load_stage(ahead, ahead % SCAN_STAGES);
+        else cp_async_commit();
+        cp_async_wait<SCAN_STAGES - 1>();
+        unsigned char* base = smem + st * STAGE_BYTES;
+        const bf16_t* ws = (const bf16_t*)(base + S_WS);
+        const bf16_t* qs = (const bf16_t*)(base + S_QS);
+        const bf16_t* kt = (const bf16_t*)(base + S_KT);
+        const bf16_t* as = (const bf16_t*)(base + S_AS);
+        const bf16_t* us = (const bf16_t*)(base + S_US);
+        const float* eg = (const float*)(base + S_EG);
+
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = warp * (DK / 4) + mt * 16 + g8 + (e >= 2 ? 8 : 0);
+                    const int col = cb + nt * 8 + 2 * t4 + (e & 1);
+                    sb[col * SLD + row] = f2bf(S[mt][nt][e]);
+                }
+        __syncthreads();
+
+        // v_new = u - w S and the inter-chunk part of o = (q exp(gc)) S.
+        float vacc[NT][4], oacc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) vacc[nt][e] = oacc[nt][e] = 0.f;
+#pragma unroll
+        for (int k0 = 0; k0 < DK; k0 += 16) {
+            unsigned aw[4], aq[4];
+            load_a_frag(aw, ws, OLD, warp * 16, k0);
+            load_a_frag(aq, qs, OLD, warp * 16, k0);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                unsigned bb[2];
+                load_b_frag(bb, sb, SLD, cb + nt * 8, k0);
+                mma_bf16_16816(vacc[nt], aw, bb);
+                mma_bf16_16816(oacc[nt], aq, bb);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = warp * 16 + g8 + (e >= 2 ? 8 : 0), n = cb + nt * 8 + 2 * t4 + (e & 1);
+                vn[n * TLD + i] = f2bf(bf2f(us[i * ULD + n]) - vacc[nt][e]);
+            }
+        __syncthreads();
+
+        // Intra-chunk part of o: Aqk v_new.
+#pragma unroll
+        for (int k0 = 0; k0 < CH; k0 += 16) {
+            unsigned a[4];
+            load_a_frag(a, as, TLD, warp * 16, k0);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                unsigned bb[2];
+                load_b_frag(bb, vn, TLD, cb + nt * 8, k0);
+                mma_bf16_16816(oacc[nt], a, bb);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int i = warp * 16 + g8 + 8 * half, t = c * CH + i;
+                if (t < T) {
+                    bf16_t* dst = o + (((size_t)b * T + t) * H + h) * DV + vt * VT + cb + nt * 8 + 2 * t4;
+                    *(unsigned*)dst = pack_bf16x2(oacc[nt][2 * half], oacc[nt][2 * half + 1]);
+                }
+            }
+
+        // S <- diag(exp(gc_last)) S + (k exp(gc_last - gc))^T v_new.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    S[mt][nt][e] *= eg[warp * (DK / 4) + mt * 16 + g8 + (e >= 2 ? 8 : 0)];
+#pragma unroll
+        for (int k0 = 0; k0 < CH; k0 += 16) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                unsigned a[4];
+                load_a_frag(a, kt, TLD, warp * (DK / 4) + mt * 16, k0);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    unsigned bb[2];
+                    load_b_frag(bb, vn, TLD, cb + nt * 8, k0);
+                    mma_bf16_16816(S[mt][nt], a, bb);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = warp * (DK / 4) + mt * 16 + g8 + (e >= 2 ? 8 : 0);
+                const int col = vt * VT + cb + nt * 8 + 2 * t4 + (e & 1);
+                s_out[(bh * DK + row) * DV + col] = S[mt][nt][e];
+            }
+}
+
+// ---------------------------------------------------------------------------------------------
+// kda_decode: one token per sequence. Block = (batch x head), 256 threads; lane l owns columns
+// [4l, 4l+4) (DV = 128) and warp w owns DK/8 state rows, so the state is read and written once.
+#define RPW (DK / 8)
+
+__device__ __forceinline__ void kda_decode_body(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+    const float* __restrict__ g, const bf16_t* __restrict__ beta, float* __restrict__ state,
+    bf16_t* __restrict__ o, float scale, int l2norm) {
+    const size_t bh = blockIdx.x;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    float* st = state + bh * DK * DV;
+    float4 s[RPW];
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) s[i] = *(const float4*)(st + (size_t)(warp * RPW + i) * DV + 4 * lane);
+
+    __shared__ float qs[DK], ks[DK], es[DK], dl[DV], nrm[2];
+    __shared__ __align__(16) float red[8][DV];
+    if (tid < DK) {
+        qs[tid] = bf2f(q[bh * DK + tid]);
+        ks[tid] = bf2f(k[bh * DK + tid]);
+        es[tid] = __expf(g[bh * DK + tid]);
+    }
+    __syncthreads();
+    if (warp < 2) {
+        const float* xv = warp ? ks : qs;
+        float ss = 0.f;
+        for (int d = lane; d < DK; d += 32) ss += xv[d] * xv[d];
+        ss = warp_sum(ss);
+        if (lane == 0) nrm[warp] = l2norm ? 1.f / sqrtf(ss + 1e-6f) : 1.f;
+    }
+    __syncthreads();
+    const float rq = nrm[0] * scale, rk = nrm[1];
+    float4 kv = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+        const int r = warp * RPW + i;
+        const float e = es[r], kr = ks[r] * rk;
+        s[i].x *= e; s[i].y *= e; s[i].z *= e; s[i].w *= e;
+        kv.x += s[i].x * kr; kv.y += s[i].y * kr; kv.z += s[i].z * kr; kv.w += s[i].w * kr;
+    }
+    *(float4*)&red[warp][4 * lane] = kv;
+    __syncthreads();
+    if (tid < DV) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) t += red[w][tid];
+        dl[tid] = bf2f(beta[bh]) * (bf2f(v[bh * DV + tid]) - t);
+    }
+    __syncthreads();
+    const float4 d4 = *(const float4*)&dl[4 * lane];
+    float4 op = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+        const int r = warp * RPW + i;
+        const float kr = ks[r] * rk, qr = qs[r] * rq;
+        s[i].x += kr * d4.x; s[i].y += kr * d4.y; s[i].z += kr * d4.z; s[i].w += kr * d4.w;
+        op.x += qr * s[i].x; op.y += qr * s[i].y; op.z += qr * s[i].z; op.w += qr * s[i].w;
+        *(float4*)(st + (size_t)r * DV + 4 * lane) = s[i];
+    }
+    *(float4*)&red[warp][4 * lane] = op;
+    __syncthreads();
+    if (tid < DV) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) t += red[w][tid];
+        o[bh * DV + tid] = f2bf(t);
+    }
+}
+
+// Two occupancy targets of the same step; the host picks one (see KdaKernels::decode).
+extern "C" __global__ void __launch_bounds__(256, 2) kda_decode(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+    const float* __restrict__ g, const bf16_t* __restrict__ beta, float* __restrict__ state,
+    bf16_t* __restrict__ o, float scale, int l2norm) {
+    kda_decode_body(q, k, v, g, beta, state, o, scale, l2norm);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) kda_decode_occ3(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+    const float* __restrict__ g, const bf16_t* __restrict__ beta, float* __restrict__ state,
+    bf16_t* __restrict__ o, float scale, int l2norm) {
+    kda_decode_body(q, k, v, g, beta, state, o, scale, l2norm);
+}

@@ -1,0 +1,392 @@
+//! KDA on CUDA: chunked prefill (`kda_chunk_prep` + `kda_chunk_scan`) and the decode step.
+//! Semantics are those of [`crate::cpu::kda_recurrent`], with the L2 normalisation of q and k
+//! done in the kernel (`l2norm`), bf16 q/k/v/β/o, f32 g and f32 state; see `kda.cu`.
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{CudaDevice, CudaError};
+
+/// The CUDA source of the KDA kernels (`-D DK/DV/VT` select the configuration).
+pub const KDA_SOURCE: &str = include_str!("kda.cu");
+/// Tokens per chunk of the prefill kernels.
+pub const CHUNK: usize = 64;
+
+/// Shapes of one KDA call: `batch` sequences of `seq_len` tokens, `heads` heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KdaShape {
+    pub batch: usize,
+    pub seq_len: usize,
+    pub heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+impl KdaShape {
+    fn chunks(&self) -> usize {
+        self.seq_len.div_ceil(CHUNK)
+    }
+    fn qk_len(&self) -> usize {
+        self.batch * self.seq_len * self.heads * self.dk
+    }
+    fn v_len(&self) -> usize {
+        self.batch * self.seq_len * self.heads * self.dv
+    }
+    fn state_len(&self) -> usize {
+        self.batch * self.heads * self.dk * self.dv
+    }
+}
+
+/// The compiled KDA kernels for one (dk, dv, V-tile) configuration.
+pub struct KdaKernels {
+    prep: CudaFunction,
+    scan: CudaFunction,
+    decode: CudaFunction,
+    decode_occ3: CudaFunction,
+    use_occ3: bool,
+    dk: usize,
+    dv: usize,
+    v_tile: usize,
+    prep_smem: u32,
+    scan_smem: u32,
+}
+
+/// Scratch of the chunked prefill, sized for one shape (reuse it across calls of that shape).
+pub struct KdaPrefillWorkspace {
+    shape: KdaShape,
+    w: CudaSlice<u16>,
+    u: CudaSlice<u16>,
+    qg: CudaSlice<u16>,
+    kgt: CudaSlice<u16>,
+    aqk: CudaSlice<u16>,
+    egl: CudaSlice<f32>,
+}
+
+impl KdaPrefillWorkspace {
+    pub fn new(dev: &CudaDevice, shape: KdaShape) -> Result<Self, CudaError> {
+        let n = shape.batch * shape.heads * shape.chunks();
+        let s = dev.stream();
+        Ok(KdaPrefillWorkspace {
+            shape,
+            w: s.alloc_zeros(n * CHUNK * shape.dk)?,
+            u: s.alloc_zeros(n * CHUNK * shape.dv)?,
+            qg: s.alloc_zeros(n * CHUNK * shape.dk)?,
+            kgt: s.alloc_zeros(n * CHUNK * shape.dk)?,
+            aqk: s.alloc_zeros(n * CHUNK * CHUNK)?,
+            egl: s.alloc_zeros(n * shape.dk)?,
+        })
+    }
+
+    /// Device bytes this workspace holds.
+    pub fn bytes(&self) -> usize {
+        2 * (self.w.len() + self.u.len() + self.qg.len() + self.kgt.len() + self.aqk.len())
+            + 4 * self.egl.len()
+    }
+}
+
+/// Inputs of one KDA call (device slices in the layouts of `kda.cu`).
+pub struct KdaInputs<'a> {
+    pub q: &'a CudaSlice<u16>,
+    pub k: &'a CudaSlice<u16>,
+    pub v: &'a CudaSlice<u16>,
+    pub g: &'a CudaSlice<f32>,
+    pub beta: &'a CudaSlice<u16>,
+}
+
+fn shape_err(msg: String) -> CudaError {
+    CudaError::Shape(format!("kda: {msg}"))
+}
+
+impl KdaKernels {
+    /// Compiles the kernels for head dims `dk`, `dv` and a V tile of `v_tile` columns (32 or 64)
+    /// per scan block: one warp group per 32 columns, so 64 halves the chunk data each group
+    /// stages, at half the blocks in flight.
+    pub fn load(dev: &CudaDevice, dk: usize, dv: usize, v_tile: usize) -> Result<Self, CudaError> {
+        Self::load_with(dev, dk, dv, v_tile, &[])
+    }
+
+    /// [`Self::load`] with extra `-D` macros (benchmarks use the timing aids of `kda.cu`).
+    pub fn load_with(
+        dev: &CudaDevice,
+        dk: usize,
+        dv: usize,
+        v_tile: usize,
+        extra: &[(&str, String)],
+    ) -> Result<Self, CudaError> {
+        if !matches!(dk, 64 | 128) || dv != 128 {
+            return Err(shape_err(format!(
+                "head dims dk={dk}, dv={dv} are not supported (dk 64 or 128, dv 128)"
+            )));
+        }
+        if !matches!(v_tile, 32 | 64) || !dv.is_multiple_of(v_tile) {
+            return Err(shape_err(format!("V tile {v_tile} must be 32 or 64")));
+        }
+        let mut defines = kda_defines(dk, dv, v_tile).to_vec();
+        defines.extend(extra.iter().cloned());
+        let module = dev.module("kda", KDA_SOURCE, &defines)?;
+        let prep = module.load_function("kda_chunk_prep")?;
+        let scan = module.load_function("kda_chunk_scan")?;
+        let decode = module.load_function("kda_decode")?;
+        let decode_occ3 = module.load_function("kda_decode_occ3")?;
+        let stages = extra
+            .iter()
+            .find(|(k, _)| *k == "SCAN_STAGES")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(2);
+        let (prep_smem, scan_smem) = smem_bytes(dk, dv, v_tile, stages);
+        let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        prep.set_attribute(attr, prep_smem as i32)?;
+        scan.set_attribute(attr, scan_smem as i32)?;
+        Ok(KdaKernels {
+            prep,
+            scan,
+            decode,
+            decode_occ3,
+            use_occ3: false,
+            dk,
+            dv,
+            v_tile,
+            prep_smem,
+            scan_smem,
+        })
+    }
+
+    fn check(&self, shape: &KdaShape, x: &KdaInputs) -> Result<(), CudaError> {
+        if shape.dk != self.dk || shape.dv != self.dv {
+            return Err(shape_err(format!(
+                "kernels built for dk={}, dv={} called with {shape:?}",
+                self.dk, self.dv
+            )));
+        }
+        let bth = shape.batch * shape.seq_len * shape.heads;
+        for (name, len, want) in [
+            ("q", x.q.len(), shape.qk_len()),
+            ("k", x.k.len(), shape.qk_len()),
+            ("g", x.g.len(), shape.qk_len()),
+            ("v", x.v.len(), shape.v_len()),
+            ("beta", x.beta.len(), bth),
+        ] {
+            if len != want {
+                return Err(shape_err(format!(
+                    "{name} has {len} elements, {shape:?} needs {want}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Chunked prefill over `batch` sequences of `seq_len` tokens. `initial` (or zeros) is the
+    /// state before the first token; `final_state` receives the state after the last; `out`
+    /// receives o [B, T, H, DV].
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill(
+        &self,
+        dev: &CudaDevice,
+        shape: KdaShape,
+        x: &KdaInputs,
+        scale: f32,
+        l2norm: bool,
+        initial: Option<&CudaSlice<f32>>,
+        final_state: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<u16>,
+        ws: &mut KdaPrefillWorkspace,
+    ) -> Result<(), CudaError> {
+        self.check(&shape, x)?;
+        if ws.shape != shape {
+            return Err(shape_err(format!(
+                "workspace is for {:?}, call is {shape:?}",
+                ws.shape
+            )));
+        }
+        if final_state.len() != shape.state_len() || out.len() != shape.v_len() {
+            return Err(shape_err("output sizes do not match the shape".into()));
+        }
+        if let Some(s) = initial {
+            if s.len() != shape.state_len() {
+                return Err(shape_err(
+                    "initial state size does not match the shape".into(),
+                ));
+            }
+        }
+        if shape.seq_len == 0 {
+            return Ok(());
+        }
+        self.prep(dev, shape, x, scale, l2norm, ws)?;
+        self.scan(dev, shape, initial, final_state, out, ws)
+    }
+
+    /// The parallel half of [`Self::prefill`]: per-chunk products into `ws` (arguments unchecked;
+    /// public for timing the stages separately).
+    pub fn prep(
+        &self,
+        dev: &CudaDevice,
+        shape: KdaShape,
+        x: &KdaInputs,
+        scale: f32,
+        l2norm: bool,
+        ws: &mut KdaPrefillWorkspace,
+    ) -> Result<(), CudaError> {
+        let (t, h) = (shape.seq_len as i32, shape.heads as i32);
+        let prep_cfg = LaunchConfig {
+            grid_dim: (
+                shape.chunks() as u32,
+                shape.heads as u32,
+                shape.batch as u32,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: self.prep_smem,
+        };
+        let l2 = l2norm as i32;
+        // SAFETY: argument types and order match kda_chunk_prep; `prefill` checks the sizes.
+        unsafe {
+            dev.stream()
+                .launch_builder(&self.prep)
+                .arg(x.q)
+                .arg(x.k)
+                .arg(x.v)
+                .arg(x.g)
+                .arg(x.beta)
+                .arg(&t)
+                .arg(&h)
+                .arg(&scale)
+                .arg(&l2)
+                .arg(&mut ws.w)
+                .arg(&mut ws.u)
+                .arg(&mut ws.qg)
+                .arg(&mut ws.kgt)
+                .arg(&mut ws.aqk)
+                .arg(&mut ws.egl)
+                .launch(prep_cfg)?;
+        }
+        Ok(())
+    }
+
+    /// The sequential half of [`Self::prefill`]: the state walks the chunks prepared in `ws`.
+    pub fn scan(
+        &self,
+        dev: &CudaDevice,
+        shape: KdaShape,
+        initial: Option<&CudaSlice<f32>>,
+        final_state: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<u16>,
+        ws: &KdaPrefillWorkspace,
+    ) -> Result<(), CudaError> {
+        let (t, h) = (shape.seq_len as i32, shape.heads as i32);
+        let scan_cfg = LaunchConfig {
+            grid_dim: (
+                (shape.dv / self.v_tile) as u32,
+                shape.heads as u32,
+                shape.batch as u32,
+            ),
+            block_dim: (128 * (self.v_tile / 32) as u32, 1, 1),
+            shared_mem_bytes: self.scan_smem,
+        };
+        let null: u64 = 0;
+        // SAFETY: argument types and order match kda_chunk_scan; `prefill` checks the sizes.
+        unsafe {
+            let mut launch = dev.stream().launch_builder(&self.scan);
+            launch
+                .arg(&ws.w)
+                .arg(&ws.u)
+                .arg(&ws.qg)
+                .arg(&ws.kgt)
+                .arg(&ws.aqk)
+                .arg(&ws.egl);
+            match initial {
+                Some(s) => launch.arg(s),
+                None => launch.arg(&null),
+            };
+            launch
+                .arg(final_state)
+                .arg(out)
+                .arg(&t)
+                .arg(&h)
+                .launch(scan_cfg)?;
+        }
+        Ok(())
+    }
+
+    /// Chooses the decode kernel built for three resident blocks per multiprocessor (fewer
+    /// registers) instead of two.
+    pub fn set_decode_three_blocks_per_sm(&mut self, on: bool) {
+        self.use_occ3 = on;
+    }
+
+    /// One decode step for `shape.batch` sequences (seq_len 1): `state` [B, H, DK, DV] is read
+    /// and updated in place, `out` receives o [B, H, DV].
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode(
+        &self,
+        dev: &CudaDevice,
+        shape: KdaShape,
+        x: &KdaInputs,
+        scale: f32,
+        l2norm: bool,
+        state: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), CudaError> {
+        if shape.seq_len != 1 {
+            return Err(shape_err(format!(
+                "decode takes one token per sequence, got {shape:?}"
+            )));
+        }
+        self.check(&shape, x)?;
+        if state.len() != shape.state_len() || out.len() != shape.v_len() {
+            return Err(shape_err(
+                "state or output size does not match the shape".into(),
+            ));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: ((shape.batch * shape.heads) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let l2 = l2norm as i32;
+        // SAFETY: argument types and order match kda_decode; sizes were checked above.
+        unsafe {
+            dev.stream()
+                .launch_builder(if self.use_occ3 {
+                    &self.decode_occ3
+                } else {
+                    &self.decode
+                })
+                .arg(x.q)
+                .arg(x.k)
+                .arg(x.v)
+                .arg(x.g)
+                .arg(x.beta)
+                .arg(state)
+                .arg(out)
+                .arg(&scale)
+                .arg(&l2)
+                .launch(cfg)?;
+        }
+        Ok(())
+    }
+}
+
+/// The `-D` macros of one configuration.
+pub fn kda_defines(dk: usize, dv: usize, v_tile: usize) -> [(&'static str, String); 3] {
+    [
+        ("DK", dk.to_string()),
+        ("DV", dv.to_string()),
+        ("VT", v_tile.to_string()),
+    ]
+}
+
+/// Dynamic shared memory of the two prefill kernels; mirrors the layout macros of `kda.cu`.
+fn smem_bytes(dk: usize, dv: usize, vt: usize, stages: usize) -> (u32, u32) {
+    let (ch, sub) = (CHUNK, 16);
+    let (gld, old, tld, ald, uld) = (dk + 4, dk + 8, ch + 8, ch + 1, vt + 8);
+    let p_x = ch * gld * 4 + 2 * ch * old * 2 + 3 * ch * 4 + 16 + ch * ald * 4;
+    let products = 2 * sub * old * 2 + ch * old * 2;
+    let inverse = ch * ald * 4 + (ch / sub - 1) * sub * sub * 4;
+    let staged = dk * tld * 2;
+    debug_assert!(
+        dv * tld * 2 <= 2 * ch * old * 2,
+        "(beta v)^T must fit where q/k were"
+    );
+    let prep = p_x + products.max(inverse).max(staged);
+    let stage = 2 * ch * old * 2 + dk * tld * 2 + ch * tld * 2 + ch * uld * 2 + dk * 4;
+    let scan = stages * stage + vt * (dk + 8) * 2 + vt * tld * 2;
+    (prep as u32, scan as u32)
+}

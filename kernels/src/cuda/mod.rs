@@ -1,0 +1,273 @@
+//! The CUDA backend: kernels written as `.cu` sources, compiled by NVRTC for the device's
+//! architecture at start-up and cached on disk as PTX.
+//!
+//! The CUDA driver (`libcuda.so.1`) and NVRTC are loaded dynamically, so building this module
+//! needs no CUDA installation; [`CudaDevice::open`] reports a clear [`CudaError`] when either
+//! library or the device is missing. Tensors cross the API as device slices: bf16 values as raw
+//! `u16` bit patterns ([`bf16_bits`], [`bf16_value`] convert on the host), f32 as `f32`.
+
+mod kda;
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaModule, DriverError};
+pub use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+
+pub use kda::{
+    kda_defines, KdaInputs, KdaKernels, KdaPrefillWorkspace, KdaShape, CHUNK as KDA_CHUNK,
+    KDA_SOURCE,
+};
+
+/// Everything that can go wrong in the CUDA backend.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no CUDA driver: libcuda.so.1 could not be loaded (is the NVIDIA driver installed and visible to this process?)")]
+    NoDriver,
+    #[error("no NVRTC: libnvrtc could not be loaded (install the CUDA runtime compiler, e.g. the cuda-nvrtc package)")]
+    NoNvrtc,
+    #[error("CUDA device {ordinal} does not exist: {count} device(s) visible")]
+    NoDevice { ordinal: usize, count: usize },
+    #[error("CUDA driver call failed: {0}")]
+    Driver(#[from] DriverError),
+    #[error("NVRTC could not compile {name} for {arch}:\n{log}")]
+    Compile {
+        name: String,
+        arch: String,
+        log: String,
+    },
+    #[error("{0}")]
+    Shape(String),
+    #[error("kernel cache {path}: {source}")]
+    Cache {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// One GPU: its context, the stream every launch goes to, and the module compiler.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: String,
+    name: String,
+    cache_dir: Option<PathBuf>,
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`. Kernels compiled by this device are cached under `cache_dir`
+    /// (no caching when `None`).
+    pub fn open(ordinal: usize, cache_dir: Option<PathBuf>) -> Result<Self, CudaError> {
+        // SAFETY: only probes whether the shared library can be loaded.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(CudaError::NoDriver);
+        }
+        let count = CudaContext::device_count()? as usize;
+        if ordinal >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let (major, minor) = ctx.compute_capability()?;
+        let name = ctx.name()?;
+        // One stream, ordered launches: the per-argument event tracking is not needed.
+        // SAFETY: every launch of this device goes to `stream`, so ordering is by the stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        Ok(CudaDevice {
+            ctx,
+            stream,
+            arch: format!("sm_{major}{minor}"),
+            name,
+            cache_dir,
+        })
+    }
+
+    /// The device's marketing name, e.g. "NVIDIA H200".
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The architecture kernels are compiled for, e.g. "sm_90".
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Compiles (or loads from the cache) `source` with `defines` as `-D` macros.
+    pub fn module(
+        &self,
+        name: &str,
+        source: &str,
+        defines: &[(&str, String)],
+    ) -> Result<Arc<CudaModule>, CudaError> {
+        let key = cache_key(&self.arch, name, source, defines);
+        let cached = self.cache_dir.as_ref().map(|d| d.join(&key));
+        if let Some(path) = &cached {
+            if let Ok(ptx) = std::fs::read_to_string(path) {
+                return Ok(self.ctx.load_module(Ptx::from_src(ptx))?);
+            }
+        }
+        let ptx = compile(&self.arch, name, source, defines)?;
+        if let Some(path) = &cached {
+            let write = || -> std::io::Result<()> {
+                std::fs::create_dir_all(path.parent().expect("cache file has a parent"))?;
+                let tmp = path.with_extension("tmp");
+                std::fs::write(&tmp, ptx.to_src())?;
+                std::fs::rename(&tmp, path)
+            };
+            write().map_err(|source| CudaError::Cache {
+                path: path.clone(),
+                source,
+            })?;
+        }
+        Ok(self.ctx.load_module(ptx)?)
+    }
+
+    /// Uploads host data.
+    pub fn upload<T: cudarc::driver::DeviceRepr>(
+        &self,
+        data: &[T],
+    ) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.clone_htod(data)?)
+    }
+
+    /// Downloads device data (waits for the stream).
+    pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        data: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        Ok(self.stream.clone_dtoh(data)?)
+    }
+
+    /// Waits for everything queued so far.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+}
+
+/// Where compiled kernels are cached by default: `$TESSERA_CACHE_DIR/cuda`, else
+/// `$XDG_CACHE_HOME/tessera/cuda`, else `~/.cache/tessera/cuda`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    env("TESSERA_CACHE_DIR")
+        .or_else(|| env("XDG_CACHE_HOME").map(|p| p.join("tessera")))
+        .or_else(|| env("HOME").map(|p| p.join(".cache").join("tessera")))
+        .map(|p| p.join("cuda"))
+}
+
+fn nvrtc_options(arch: &str, defines: &[(&str, String)]) -> Vec<String> {
+    let mut options = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+    ];
+    options.extend(defines.iter().map(|(k, v)| format!("-D{k}={v}")));
+    options
+}
+
+fn cache_key(arch: &str, name: &str, source: &str, defines: &[(&str, String)]) -> String {
+    let mut hasher = DefaultHasher::new();
+    COMMON.hash(&mut hasher);
+    source.hash(&mut hasher);
+    nvrtc_options(arch, defines).hash(&mut hasher);
+    format!("{name}-{arch}-{:016x}.ptx", hasher.finish())
+}
+
+/// Compiles a kernel source (with the shared helpers prepended) to PTX for `arch` (e.g.
+/// "sm_90"). Needs NVRTC but no GPU.
+pub fn compile(
+    arch: &str,
+    name: &str,
+    source: &str,
+    defines: &[(&str, String)],
+) -> Result<Ptx, CudaError> {
+    // SAFETY: only probes whether the shared library can be loaded.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc);
+    }
+    let opts = CompileOptions {
+        options: nvrtc_options(arch, defines),
+        name: Some(format!("{name}.cu")),
+        ..Default::default()
+    };
+    let full = format!("{COMMON}\n{source}");
+    cudarc::nvrtc::compile_ptx_with_opts(&full, opts).map_err(|e| {
+        let log = match e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
+            other => other.to_string(),
+        };
+        CudaError::Compile {
+            name: name.to_string(),
+            arch: arch.to_string(),
+            log,
+        }
+    })
+}
+
+/// The shared device helpers every kernel source is compiled with.
+const COMMON: &str = include_str!("common.cuh");
+
+/// f32 → bf16 bits, round to nearest even (NaN stays NaN).
+pub fn bf16_bits(x: f32) -> u16 {
+    let u = x.to_bits();
+    if x.is_nan() {
+        return ((u >> 16) | 0x40) as u16;
+    }
+    let round = 0x7fff + ((u >> 16) & 1);
+    (u.wrapping_add(round) >> 16) as u16
+}
+
+/// bf16 bits → f32 (exact).
+pub fn bf16_value(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_round_trip_and_rounding() {
+        for x in [0.0f32, 1.0, -2.5, 3.0e38, 1.0e-38, 0.1] {
+            let r = bf16_value(bf16_bits(x));
+            assert!((r - x).abs() <= x.abs() * (1.0 / 256.0), "{x} -> {r}");
+        }
+        // Ties go to even: 1 + 2^-8 lies halfway between 1 and 1 + 2^-7.
+        assert_eq!(bf16_value(bf16_bits(1.0 + 1.0 / 256.0)), 1.0);
+        assert!(bf16_value(bf16_bits(f32::NAN)).is_nan());
+    }
+
+    #[test]
+    fn opening_a_device_without_a_driver_is_a_clear_error() {
+        // On machines with a GPU this opens it; without one it must be an error, not a panic.
+        match CudaDevice::open(0, None) {
+            Ok(dev) => assert!(dev.arch().starts_with("sm_")),
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("CUDA") || msg.contains("libcuda"),
+                    "unhelpful error: {msg}"
+                );
+            }
+        }
+        match CudaDevice::open(10_000, None) {
+            Ok(_) => panic!("device 10000 cannot exist"),
+            Err(e) => assert!(!e.to_string().is_empty()),
+        }
+    }
+}

@@ -1,0 +1,49 @@
+//! The CUDA kernel sources compile with NVRTC for the GPUs we ship for (no GPU needed).
+//! NVRTC comes from the CUDA toolkit or the `nvidia-cuda-nvrtc` wheel (scripts/test.sh puts the
+//! latter on LD_LIBRARY_PATH and sets TESSERA_REQUIRE_NVRTC=1, so there a missing NVRTC fails).
+#![cfg(feature = "cuda")]
+
+use tessera_kernels::cuda::{compile, kda_defines, CudaError, KDA_SOURCE};
+
+fn nvrtc_required() -> bool {
+    std::env::var("TESSERA_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
+}
+
+#[test]
+fn kda_kernels_compile_for_hopper_and_ampere_in_every_configuration() {
+    for arch in ["sm_90", "sm_80"] {
+        for (dk, vt) in [(128, 32), (128, 64), (64, 32)] {
+            match compile(arch, "kda", KDA_SOURCE, &kda_defines(dk, 128, vt)) {
+                Ok(ptx) => {
+                    let text = ptx.to_src();
+                    for entry in ["kda_chunk_prep", "kda_chunk_scan", "kda_decode"] {
+                        assert!(text.contains(&format!(".entry {entry}")), "{entry} missing");
+                    }
+                    assert!(
+                        text.contains("mma.sync.aligned.m16n8k16"),
+                        "tensor-core path missing"
+                    );
+                }
+                Err(CudaError::NoNvrtc) if !nvrtc_required() => {
+                    eprintln!("NVRTC not found: set TESSERA_REQUIRE_NVRTC=1 to make this fatal");
+                    return;
+                }
+                Err(e) => panic!("{arch} dk={dk} vt={vt}: {e}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn a_broken_source_reports_the_compiler_log() {
+    match compile(
+        "sm_90",
+        "broken",
+        "extern \"C\" __global__ void f() { undefined_thing(); }",
+        &[],
+    ) {
+        Err(CudaError::Compile { log, .. }) => assert!(log.contains("undefined_thing"), "{log}"),
+        Err(CudaError::NoNvrtc) if !nvrtc_required() => {}
+        other => panic!("expected a compile error, got {:?}", other.map(|_| ())),
+    }
+}
