@@ -1,19 +1,36 @@
 //! Loopback transfer benchmark: batches of 1.77 MB extents (one K3 MLA parent plane) from one
-//! transport to another in the same process, for a few seconds per configuration; prints GB/s
-//! (10^9 bytes per second, counted at the source once each batch is acknowledged).
+//! transport to another, for a few seconds per backend; prints GB/s (10^9 bytes per second,
+//! counted at the source once each batch is acknowledged).
 //!
-//!     cargo run --release -p tessera-transfer --example transfer_bench -- \
+//!     cargo run --release -p tessera-transfer [--features ucx] --example transfer_bench -- \
 //!         [--seconds 3] [--batch 16] [--extent 1769472] [--conns 4] [--inflight 1] \
-//!         [--threads 2] [--socket-buffer BYTES|auto] [--only tcp|tcp-nocrc|local]
+//!         [--threads 2] [--socket-buffer BYTES|auto] [--processes 1|2] \
+//!         [--backend tcp|tcp-nocrc|local|ucx|ucx-crc] [--ucx-memory ucx|heap] [--tsv]
+//!
+//! Without `--backend` every backend built in runs (`--only` is an old name of `--backend`).
+//! `ucx` (with the `ucx` feature) puts without checksums, as release builds do by default;
+//! `ucx-crc` adds the per-extent CRC32C on both sides. Their regions come from
+//! `UcxTransport::alloc_region` (shared memory, as a worker using UCX allocates its arena), or
+//! with `--ucx-memory heap` from the heap. `--processes 2` puts the destination in a
+//! child process, as between two workers of one host (UCX can then use cross-memory attach);
+//! `local` always runs in one process. `--tsv` prints one `backend<TAB>GB/s` line per backend
+//! instead of the table (for scripts).
 
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_transfer::checksum::extent_checksum;
+#[cfg(feature = "ucx")]
+use tessera_transfer::UcxTransport;
 use tessera_transfer::{
-    Extent, Instant, LocalTransport, PeerId, RegionHandle, Secret, TcpTransport, TransferId,
-    Transport, TransportConfig, WriteBatch,
+    Extent, Incarnation, Instant, LocalTransport, PeerId, RegionDescriptor, RegionHandle, RegionId,
+    Secret, TcpTransport, TransferId, Transport, TransportConfig, WriteBatch,
 };
+
+const BACKENDS: [&str; 5] = ["tcp", "tcp-nocrc", "local", "ucx", "ucx-crc"];
 
 struct Args {
     seconds: f64,
@@ -23,7 +40,13 @@ struct Args {
     inflight: usize,
     threads: usize,
     socket_buffer: Option<u32>,
-    only: Option<String>,
+    processes: usize,
+    backend: Option<String>,
+    /// UCX backends: regions from `UcxTransport::alloc_region` (true) or the heap.
+    ucx_memory: bool,
+    tsv: bool,
+    /// Set in the child of `--processes 2`: serve as the destination of this backend.
+    target: bool,
 }
 
 fn parse_args() -> Args {
@@ -35,7 +58,11 @@ fn parse_args() -> Args {
         inflight: 1,
         threads: 2,
         socket_buffer: TransportConfig::new(Secret::new("")).socket_buffer_bytes,
-        only: None,
+        processes: 1,
+        backend: None,
+        ucx_memory: true,
+        tsv: false,
+        target: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -53,41 +80,96 @@ fn parse_args() -> Args {
                     v => Some(v.parse().expect("bytes or auto")),
                 }
             }
-            "--only" => a.only = Some(value()),
+            "--processes" => a.processes = value().parse().expect("1 or 2"),
+            "--ucx-memory" => {
+                a.ucx_memory = match value().as_str() {
+                    "ucx" => true,
+                    "heap" => false,
+                    v => panic!("--ucx-memory takes ucx or heap, not {v}"),
+                }
+            }
+            "--backend" | "--only" => a.backend = Some(value()),
+            "--tsv" => a.tsv = true,
+            "--target" => a.target = true,
             other => panic!("unknown flag {other}"),
         }
+    }
+    assert!(matches!(a.processes, 1 | 2), "--processes takes 1 or 2");
+    if let Some(b) = &a.backend {
+        assert!(BACKENDS.contains(&b.as_str()), "unknown backend {b}");
+        assert!(
+            cfg!(feature = "ucx") || !b.starts_with("ucx"),
+            "{b}: this build lacks the ucx feature (cargo ... --features ucx)"
+        );
     }
     a
 }
 
-fn config(args: &Args, checksums: bool) -> TransportConfig {
+fn config(args: &Args, backend: &str) -> TransportConfig {
     let mut c = TransportConfig::new(Secret::new("bench"));
-    c.checksums = checksums;
+    c.checksums = backend != "tcp-nocrc";
+    c.rma_checksums = backend == "ucx-crc";
     c.connections_per_peer = args.conns;
     c.socket_buffer_bytes = args.socket_buffer;
     c
 }
 
-/// Writes batches from `src` to `dst` for the configured time with `inflight` batches
-/// outstanding; returns GB/s.
+/// A bound transport and where its regions come from.
+struct Bound {
+    t: Arc<dyn Transport>,
+    alloc: Box<dyn Fn(usize) -> RegionHandle>,
+}
+
+async fn bind(args: &Args, backend: &str) -> Bound {
+    let c = config(args, backend);
+    let heap = || -> Box<dyn Fn(usize) -> RegionHandle> { Box::new(RegionHandle::new) };
+    match backend {
+        "tcp" | "tcp-nocrc" => Bound {
+            t: Arc::new(TcpTransport::bind(c).await.expect("bind tcp")),
+            alloc: heap(),
+        },
+        "local" => Bound {
+            t: Arc::new(LocalTransport::new(c)),
+            alloc: heap(),
+        },
+        #[cfg(feature = "ucx")]
+        "ucx" | "ucx-crc" => {
+            let t = Arc::new(UcxTransport::bind(c).await.expect("bind ucx"));
+            let alloc: Box<dyn Fn(usize) -> RegionHandle> = if args.ucx_memory {
+                let t = t.clone();
+                Box::new(move |len| t.alloc_region(len).expect("ucx allocation"))
+            } else {
+                heap()
+            };
+            Bound { t, alloc }
+        }
+        other => panic!("backend {other} is not built in"),
+    }
+}
+
+fn pattern(region: &RegionHandle) {
+    let mut w = region.try_write(0..region.len()).unwrap();
+    for (i, b) in w.iter_mut().enumerate() {
+        *b = (i.wrapping_mul(2654435761) >> 13) as u8;
+    }
+}
+
+/// Writes batches from `src_t` into `desc` for the configured time with `inflight` batches
+/// outstanding; returns GB/s. With the destination at hand (one process), each batch also waits
+/// for its completion there, and the last batch's bytes are checked.
 async fn run(
     args: &Args,
-    src_t: Arc<dyn Transport>,
-    dst_t: Arc<dyn Transport>,
+    src_t: &Bound,
     peer: PeerId,
+    desc: RegionDescriptor,
+    dst: Option<(Arc<dyn Transport>, RegionHandle)>,
 ) -> f64 {
-    let bytes = (args.batch * args.extent) as usize;
-    let src = RegionHandle::new(bytes * args.inflight);
-    {
-        let mut w = src.try_write(0..src.len()).unwrap();
-        for (i, b) in w.iter_mut().enumerate() {
-            *b = (i.wrapping_mul(2654435761) >> 13) as u8;
-        }
-    }
+    let src = (src_t.alloc)(region_len(args));
+    pattern(&src);
+    let src_t = src_t.t.clone();
     src_t.register(&src).unwrap();
-    let dst = RegionHandle::new(bytes * args.inflight);
-    let desc = dst_t.register(&dst).unwrap();
-    let next_id = Arc::new(std::sync::atomic::AtomicU64::new(1));
+    let dst_t = dst.as_ref().map(|(t, _)| t.clone());
+    let next_id = Arc::new(AtomicU64::new(1));
     let run_for = Duration::from_secs_f64(args.seconds);
     let start = Instant::now();
     let mut workers = Vec::new();
@@ -104,7 +186,7 @@ async fn run(
             let mut moved = 0u64;
             let base = lane * batch * extent;
             while start.elapsed() < run_for {
-                let id = TransferId(next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+                let id = TransferId(next_id.fetch_add(1, Ordering::Relaxed));
                 let b = WriteBatch {
                     transfer_id: id,
                     dst_region: desc.clone(),
@@ -120,7 +202,9 @@ async fn run(
                 };
                 let deadline = Instant::now() + Duration::from_secs(30);
                 let r = src_t.write(peer, b, deadline).await.expect("write");
-                dst_t.wait_incoming(id, deadline).await.expect("completion");
+                if let Some(dst_t) = &dst_t {
+                    dst_t.wait_incoming(id, deadline).await.expect("completion");
+                }
                 moved += r.bytes;
             }
             moved
@@ -131,34 +215,96 @@ async fn run(
         moved += w.await.unwrap();
     }
     let secs = start.elapsed().as_secs_f64();
-    // Spot-check the last batch landed where it should.
-    let got = dst.try_read(0..args.extent as usize).unwrap();
-    let want_at = ((args.batch - 1) * args.extent) as usize;
-    let want = src
-        .try_read(want_at..want_at + args.extent as usize)
-        .unwrap();
-    assert!(*got == *want, "destination bytes differ");
+    if let Some((_, dst)) = dst {
+        // Spot-check the last batch landed where it should.
+        let got = dst.try_read(0..args.extent as usize).unwrap();
+        let want_at = ((args.batch - 1) * args.extent) as usize;
+        let want = src
+            .try_read(want_at..want_at + args.extent as usize)
+            .unwrap();
+        assert!(*got == *want, "destination bytes differ");
+    }
     moved as f64 / secs / 1e9
 }
 
-async fn tcp(args: &Args, checksums: bool) -> f64 {
-    let a = TcpTransport::bind(config(args, checksums)).await.unwrap();
-    let b = TcpTransport::bind(config(args, checksums)).await.unwrap();
-    let peer = a
-        .connect(&b.endpoint(), Instant::now() + Duration::from_secs(5))
-        .await
-        .unwrap();
-    run(args, Arc::new(a), Arc::new(b), peer).await
+fn region_len(args: &Args) -> usize {
+    (args.batch * args.extent) as usize * args.inflight
 }
 
-async fn local(args: &Args) -> f64 {
-    let a = LocalTransport::new(config(args, true));
-    let b = LocalTransport::new(config(args, true));
-    let peer = a
-        .connect(&b.endpoint(), Instant::now() + Duration::from_secs(5))
-        .await
-        .unwrap();
-    run(args, Arc::new(a), Arc::new(b), peer).await
+/// Source and destination in this process.
+async fn in_process(args: &Args, backend: &str) -> f64 {
+    let a = bind(args, backend).await;
+    let b = bind(args, backend).await;
+    let dst = (b.alloc)(region_len(args));
+    let desc = b.t.register(&dst).unwrap();
+    let peer =
+        a.t.connect(&b.t.endpoint(), Instant::now() + Duration::from_secs(5))
+            .await
+            .unwrap();
+    run(args, &a, peer, desc, Some((b.t.clone(), dst))).await
+}
+
+/// The destination in a child process (this program with `--target`), which announces its
+/// endpoint and region on its first output line and exits when its input closes.
+async fn two_processes(args: &Args, backend: &str) -> f64 {
+    let me = std::env::current_exe().expect("own path");
+    let mut child = Command::new(me)
+        .args(std::env::args().skip(1))
+        .args(["--target", "--backend", backend])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the destination process");
+    // UCX logs to standard output too: skip to the announcement.
+    let line = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map(|l| l.expect("destination output"))
+        .find(|l| l.starts_with("READY "))
+        .expect("the destination announces itself");
+    let f: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(f.len(), 5, "bad announcement {line:?}");
+    let desc = RegionDescriptor {
+        region_id: RegionId(f[2].parse().unwrap()),
+        len: f[3].parse().unwrap(),
+        incarnation: Incarnation(u64::from_str_radix(f[4], 16).unwrap()),
+        remote_key: Vec::new(),
+    };
+    let a = bind(args, backend).await;
+    let peer =
+        a.t.connect(f[1], Instant::now() + Duration::from_secs(5))
+            .await
+            .unwrap();
+    let gbps = run(args, &a, peer, desc, None).await;
+    drop(child.stdin.take());
+    let _ = child.wait();
+    gbps
+}
+
+/// The child of `--processes 2`.
+async fn serve_target(args: &Args) {
+    let backend = args.backend.as_deref().expect("--target needs --backend");
+    let b = bind(args, backend).await;
+    let dst = (b.alloc)(region_len(args));
+    let desc = b.t.register(&dst).unwrap();
+    let t = b.t;
+    let mut out = std::io::stdout();
+    writeln!(
+        out,
+        "READY {} {} {} {}",
+        t.endpoint(),
+        desc.region_id.0,
+        desc.len,
+        desc.incarnation
+    )
+    .unwrap();
+    out.flush().unwrap();
+    // Until the parent closes our input.
+    tokio::task::spawn_blocking(|| {
+        let mut sink = String::new();
+        while std::io::stdin().read_line(&mut sink).is_ok_and(|n| n > 0) {}
+    })
+    .await
+    .unwrap();
 }
 
 fn crc_rate(extent: usize) -> f64 {
@@ -181,38 +327,50 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    println!(
-        "transfer_bench: {} extents of {} B per batch ({:.1} MB), {} connection(s), {} batch(es) in flight, socket buffer {}, {} s each, {} cores",
-        args.batch,
-        args.extent,
-        (args.batch * args.extent) as f64 / 1e6,
-        args.conns,
-        args.inflight,
-        args.socket_buffer.map_or("auto".to_string(), |b| b.to_string()),
-        args.seconds,
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
-    );
-    println!(
-        "crc32c alone (one core):   {:6.2} GB/s",
-        crc_rate(args.extent as usize)
-    );
-    let want = |name: &str| args.only.as_deref().is_none_or(|o| o == name);
-    if want("tcp") {
+    if args.target {
+        rt.block_on(serve_target(&args));
+        return;
+    }
+    if !args.tsv {
         println!(
-            "tcp, checksums on:         {:6.2} GB/s",
-            rt.block_on(tcp(&args, true))
+            "transfer_bench: {} extents of {} B per batch ({:.1} MB), {} connection(s), {} batch(es) in flight, socket buffer {}, {} process(es), {} s each, {} cores",
+            args.batch,
+            args.extent,
+            (args.batch * args.extent) as f64 / 1e6,
+            args.conns,
+            args.inflight,
+            args.socket_buffer.map_or("auto".to_string(), |b| b.to_string()),
+            args.processes,
+            args.seconds,
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+        );
+        println!(
+            "crc32c alone (one core):   {:6.2} GB/s",
+            crc_rate(args.extent as usize)
         );
     }
-    if want("tcp-nocrc") {
-        println!(
-            "tcp, checksums off:        {:6.2} GB/s",
-            rt.block_on(tcp(&args, false))
-        );
-    }
-    if want("local") {
-        println!(
-            "local (memcpy + checksum): {:6.2} GB/s",
-            rt.block_on(local(&args))
-        );
+    let labels = [
+        ("tcp", "tcp, checksums on:"),
+        ("tcp-nocrc", "tcp, checksums off:"),
+        ("local", "local (memcpy + checksum):"),
+        ("ucx", "ucx (RMA put):"),
+        ("ucx-crc", "ucx, checksums on:"),
+    ];
+    for (backend, label) in labels {
+        let built = cfg!(feature = "ucx") || !backend.starts_with("ucx");
+        let wanted = args.backend.as_deref().is_none_or(|b| b == backend);
+        if !built || !wanted {
+            continue;
+        }
+        let gbps = if args.processes == 2 && backend != "local" {
+            rt.block_on(two_processes(&args, backend))
+        } else {
+            rt.block_on(in_process(&args, backend))
+        };
+        if args.tsv {
+            println!("{backend}\t{gbps:.2}");
+        } else {
+            println!("{label:<27}{gbps:6.2} GB/s");
+        }
     }
 }

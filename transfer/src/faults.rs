@@ -9,9 +9,12 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 pub struct FaultInjection {
     /// Flip one byte of each of the next N extents after they land and before they are verified.
     pub corrupt_extents: AtomicU32,
-    /// Accept connections and finish handshakes, then read nothing after the next part header.
+    /// Accept connections and finish handshakes, then read nothing after the next part header
+    /// (UCX: the next Begin).
     pub stall_receive: AtomicBool,
-    /// Once: after this many payload bytes of a transfer, drop the connection (0 = off).
+    /// Once: after this many payload bytes of a transfer, drop the connection (0 = off). UCX:
+    /// the control connection of the first transfer that lands at least this many bytes is
+    /// dropped instead of acknowledged.
     pub drop_after_bytes: AtomicU64,
 }
 

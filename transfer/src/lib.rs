@@ -8,13 +8,14 @@
 //! regions, never "MLA" or "KDA"; the page pool maps `(src page, dst page)` pairs of every plane to
 //! extents.
 //!
-//! Backends: [`local`] (same process, memcpy) and [`tcp`] (tokio, the default between processes).
-//! The trait is shaped for an RMA-put backend too (register → descriptor with a remote key →
-//! put extents → completion), which the `ucx` feature will add.
+//! Backends: [`local`] (same process, memcpy), [`tcp`] (tokio, the default between processes)
+//! and, with the `ucx` feature, `ucx` (RMA puts over the system's libucx: InfiniBand/RoCE and
+//! shared memory come from UCX).
 //!
 //! Guarantees every backend keeps:
 //! - every extent carries a CRC32C of its bytes that the receiver verifies before it
-//!   acknowledges (unless the sender's [`TransportConfig::checksums`] is off);
+//!   acknowledges (unless the sender's [`TransportConfig::checksums`] is off; for `ucx`, also
+//!   [`TransportConfig::rma_checksums`]);
 //! - a peer proves knowledge of the shared secret and both sides exchange incarnations in the
 //!   handshake; a write whose destination descriptor names another incarnation is refused;
 //! - nothing outlives its deadline; only [`TransferError::Io`] is retried, at most
@@ -30,6 +31,8 @@ pub mod local;
 mod plan;
 pub mod region;
 pub mod tcp;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -49,6 +52,8 @@ pub use region::{
     ExtentMut, ExtentRef, Incarnation, RegionDescriptor, RegionError, RegionHandle, RegionId,
 };
 pub use tcp::TcpTransport;
+#[cfg(feature = "ucx")]
+pub use ucx::UcxTransport;
 
 /// A connected peer, local to the transport that connected it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -113,16 +118,28 @@ pub struct TransportConfig {
     pub max_retries: u32,
     /// Send a CRC32C with every extent (the receiver verifies whatever checksums it is sent).
     pub checksums: bool,
-    /// TCP: connections opened to each peer; a batch is spread over them.
+    /// TCP: connections opened to each peer; a batch is spread over them. UCX: control
+    /// connections per peer, so as many batches can be in flight to it at once.
     pub connections_per_peer: usize,
     /// TCP: `SO_SNDBUF`/`SO_RCVBUF` in bytes; `None` (the default) keeps the kernel's
     /// autotuning, which suits any bandwidth-delay product. 1 MiB measured ~10% faster on
     /// bare-metal loopback, slower in a small VM (more flow-control wake-ups).
     pub socket_buffer_bytes: Option<u32>,
-    /// TCP: where the listener binds.
+    /// TCP and UCX: where the (control) listener binds; UCX's own listener takes the same IP.
     pub bind: SocketAddr,
     /// TCP: host name or address peers use to reach the listener (default: the bound IP).
     pub advertise_host: Option<String>,
+    /// UCX: verify the per-extent checksums too (with `checksums` on). It costs a pass over
+    /// every byte on each side, which an RMA data path otherwise never makes, while UCX's
+    /// transports already protect data in flight; so the default is on in debug builds (tests)
+    /// and off in release builds.
+    pub rma_checksums: bool,
+    /// UCX: peer-failure handling (`UCP_ERR_HANDLING_MODE_PEER`) on every endpoint, so that a
+    /// dead peer fails UCX operations instead of stalling them. UCX 1.13 then uses only
+    /// transports that detect peer failure (tcp, InfiniBand), not shared memory, so the default
+    /// is off, which keeps the fast same-host path (a dead peer is still noticed through the
+    /// control connection).
+    pub ucx_peer_failure: bool,
     /// Longest a handshake may take when the caller's deadline is later.
     pub handshake_timeout: Duration,
     /// How long finished or abandoned incoming transfers are remembered (to answer late waits and
@@ -144,6 +161,8 @@ impl TransportConfig {
             socket_buffer_bytes: None,
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise_host: None,
+            rma_checksums: cfg!(debug_assertions),
+            ucx_peer_failure: false,
             handshake_timeout: Duration::from_secs(5),
             incoming_ttl: Duration::from_secs(120),
             faults: Arc::new(FaultInjection::default()),

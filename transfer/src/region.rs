@@ -2,8 +2,9 @@
 //! writes into (destination side), shared safely between the owner and the transport.
 //!
 //! A [`RegionHandle`] is a cheap clone of an `Arc` over [`RegionMemory`], which owns one
-//! 64-byte-aligned, zero-initialised allocation. Every access, by the owner or by a transport,
-//! goes through an **extent lease**: [`RegionHandle::try_read`] takes a shared lease on a byte
+//! 64-byte-aligned, zero-initialised allocation (its own, or one a transport made, such as the
+//! shared memory `UcxTransport::alloc_region` returns). Every access, by the owner or by a
+//! transport, goes through an **extent lease**: [`RegionHandle::try_read`] takes a shared lease on a byte
 //! range, [`RegionHandle::try_write`] an exclusive one; overlapping leases conflict unless both are
 //! shared, and a conflicting request fails at once with [`RegionError::Busy`] (it never blocks).
 //!
@@ -81,8 +82,8 @@ pub struct RegionDescriptor {
     pub len: u64,
     /// The registering worker's incarnation; a write naming another one is refused.
     pub incarnation: Incarnation,
-    /// Backend-specific access token (a packed UCX rkey and base address for RMA backends);
-    /// empty for `local` and `tcp`.
+    /// Backend-specific access token; empty for every backend so far (`ucx` hands remote keys
+    /// only to authenticated peers, over its control connections).
     pub remote_key: Vec<u8>,
 }
 
@@ -111,12 +112,24 @@ struct Lease {
     exclusive: bool,
 }
 
+/// Who owns a region's allocation.
+enum Backing {
+    /// This crate's allocator, with [`RegionMemory::layout`].
+    Heap,
+    /// Something else (an RMA library); dropping the owner releases the memory.
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+    Foreign {
+        _owner: Box<dyn std::any::Any + Send + Sync>,
+    },
+}
+
 /// The bytes of one region and the leases currently held on them.
 pub struct RegionMemory {
     id: RegionId,
     ptr: NonNull<u8>,
     len: usize,
     leases: Mutex<Vec<Lease>>,
+    backing: Backing,
 }
 
 // SAFETY: the allocation is owned by this value and only reached through leases (which exclude
@@ -183,9 +196,17 @@ impl RegionMemory {
 
 impl Drop for RegionMemory {
     fn drop(&mut self) {
-        // SAFETY: allocated in `RegionHandle::new` with this very layout.
-        unsafe { dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+        if let Backing::Heap = self.backing {
+            // SAFETY: allocated in `RegionHandle::new` with this very layout.
+            unsafe { dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+        }
+        // A foreign owner releases its memory when it is dropped, right after this.
     }
+}
+
+fn next_region_id() -> RegionId {
+    static NEXT_REGION: AtomicU64 = AtomicU64::new(1);
+    RegionId(NEXT_REGION.fetch_add(1, Ordering::Relaxed))
 }
 
 /// A shareable handle on one region. Clones name the same bytes; the memory lives until the last
@@ -205,16 +226,39 @@ impl fmt::Debug for RegionHandle {
 impl RegionHandle {
     /// A zeroed region of `len` bytes, aligned to [`REGION_ALIGN`].
     pub fn new(len: usize) -> Self {
-        static NEXT_REGION: AtomicU64 = AtomicU64::new(1);
         let layout = RegionMemory::layout(len);
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         RegionHandle(Arc::new(RegionMemory {
-            id: RegionId(NEXT_REGION.fetch_add(1, Ordering::Relaxed)),
+            id: next_region_id(),
             ptr,
             len,
             leases: Mutex::new(Vec::new()),
+            backing: Backing::Heap,
+        }))
+    }
+
+    /// A region over memory something else allocated (an RMA library's shared memory, say);
+    /// `owner` is dropped, and releases the memory, when the last handle and lease are gone.
+    ///
+    /// # Safety
+    /// `ptr` must be aligned to [`REGION_ALIGN`], valid for reads and writes of `len` bytes,
+    /// zero-initialised, and reached by nothing but this region (and transports it is registered
+    /// with) until `owner` is dropped.
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+    pub(crate) unsafe fn from_foreign(
+        ptr: NonNull<u8>,
+        len: usize,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        debug_assert_eq!(ptr.as_ptr() as usize % REGION_ALIGN, 0);
+        RegionHandle(Arc::new(RegionMemory {
+            id: next_region_id(),
+            ptr,
+            len,
+            leases: Mutex::new(Vec::new()),
+            backing: Backing::Foreign { _owner: owner },
         }))
     }
 

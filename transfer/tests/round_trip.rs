@@ -6,75 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use common::*;
-use tessera_transfer::{
-    LocalTransport, PeerId, RegionHandle, TransferError, TransferId, Transport,
-};
-
-/// Several random batches from `src_t` into `dst_t`; checks the whole destination each time.
-async fn random_round_trips(src_t: &dyn Transport, dst_t: &dyn Transport, peer: PeerId) {
-    let src = random_region(8 << 20, 1);
-    let src_bytes = read_all(&src);
-    src_t.register(&src).unwrap();
-    let dst = random_region(12 << 20, 2);
-    let desc = dst_t.register(&dst).unwrap();
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    for round in 0..6u64 {
-        let before = read_all(&dst);
-        let count = [1, 3, 16, 40, 7, 64][round as usize];
-        let (batch, expected) = random_batch(
-            &mut rng,
-            100 + round,
-            &src,
-            &src_bytes,
-            &desc,
-            &before,
-            count,
-        );
-        let total: u64 = batch.extents.iter().map(|e| e.len).sum();
-        let n = batch.extents.len() as u32;
-        let receipt = src_t.write(peer, batch, in_ms(10_000)).await.unwrap();
-        assert_eq!(receipt.bytes, total);
-        assert_eq!(receipt.attempts, 1);
-        let done = dst_t
-            .wait_incoming(TransferId(100 + round), in_ms(1_000))
-            .await
-            .unwrap();
-        assert_eq!(done.bytes, total);
-        assert_eq!(done.extents, n);
-        assert_eq!(done.from, src_t.incarnation());
-        let after = read_all(&dst);
-        assert!(after == expected, "round {round}: destination bytes differ");
-    }
-
-    // write_bytes (embeddings) through the same path.
-    let emb: Vec<u8> = (0..100_003u32).map(|i| (i * 7) as u8).collect();
-    src_t
-        .write_bytes(peer, TransferId(7), &desc, 12345, &emb, in_ms(5_000))
-        .await
-        .unwrap();
-    let done = dst_t
-        .wait_incoming(TransferId(7), in_ms(1_000))
-        .await
-        .unwrap();
-    assert_eq!(done.bytes, emb.len() as u64);
-    assert_eq!(&*dst.try_read(12345..12345 + emb.len()).unwrap(), &emb[..]);
-
-    // An empty batch still completes once.
-    let empty = tessera_transfer::WriteBatch {
-        transfer_id: TransferId(8),
-        dst_region: desc.clone(),
-        extents: vec![],
-    };
-    src_t.write(peer, empty, in_ms(5_000)).await.unwrap();
-    assert_eq!(
-        dst_t
-            .wait_incoming(TransferId(8), in_ms(1_000))
-            .await
-            .unwrap()
-            .bytes,
-        0
-    );
-}
+use tessera_transfer::{LocalTransport, RegionHandle, TransferError, TransferId, Transport};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_random_extents_land_exactly() {

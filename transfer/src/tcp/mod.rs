@@ -6,7 +6,7 @@
 //! with the extent header) and from the socket straight into the leased destination extent: no
 //! staging buffers on either side. The wire format is in [`wire`].
 
-mod server;
+pub(crate) mod server;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -232,9 +232,14 @@ async fn send_part(
     let mut stream = match slot.take().filter(is_idle_and_open) {
         Some(s) => s,
         None => {
-            dial(&node, &peer.address, Some(peer.incarnation), deadline)
-                .await?
-                .0
+            dial(
+                &node.config,
+                &peer.address,
+                Some(peer.incarnation),
+                deadline,
+            )
+            .await?
+            .0
         }
     };
     let left = deadline.saturating_duration_since(Instant::now());
@@ -312,12 +317,14 @@ impl Transport for TcpTransport {
                 "{endpoint:?} is not a tcp endpoint"
             )));
         }
-        let (first, incarnation) = dial(&self.node, &ep.address, ep.incarnation, deadline).await?;
+        let (first, incarnation) =
+            dial(&self.node.config, &ep.address, ep.incarnation, deadline).await?;
         let n = self.node.config.connections_per_peer.max(1);
         // The others are dialled now but may fail: a missing one is dialled again when used.
-        let rest =
-            join_all((1..n).map(|_| dial(&self.node, &ep.address, Some(incarnation), deadline)))
-                .await;
+        let rest = join_all(
+            (1..n).map(|_| dial(&self.node.config, &ep.address, Some(incarnation), deadline)),
+        )
+        .await;
         let mut conns = vec![tokio::sync::Mutex::new(Some(first))];
         conns.extend(
             rest.into_iter()
@@ -400,7 +407,10 @@ impl Transport for TcpTransport {
     }
 }
 
-fn new_socket(addr: SocketAddr, buffer: Option<u32>) -> Result<TcpSocket, TransferError> {
+pub(crate) fn new_socket(
+    addr: SocketAddr,
+    buffer: Option<u32>,
+) -> Result<TcpSocket, TransferError> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {
@@ -413,27 +423,28 @@ fn new_socket(addr: SocketAddr, buffer: Option<u32>) -> Result<TcpSocket, Transf
     Ok(socket)
 }
 
-/// Opens and authenticates one connection; returns it with the server's incarnation.
-async fn dial(
-    node: &Node,
+/// Opens and authenticates one connection; returns it with the server's incarnation. The `ucx`
+/// backend's control connections open the same way.
+pub(crate) async fn dial(
+    config: &TransportConfig,
     address: &str,
     expected: Option<Incarnation>,
     deadline: Instant,
 ) -> Result<(TcpStream, Incarnation), TransferError> {
-    let limit = deadline.min(Instant::now() + node.config.handshake_timeout);
+    let limit = deadline.min(Instant::now() + config.handshake_timeout);
     let work = async {
         let addr = tokio::net::lookup_host(address)
             .await
             .map_err(|e| TransferError::PeerGone(format!("cannot resolve {address}: {e}")))?
             .next()
             .ok_or_else(|| TransferError::PeerGone(format!("{address} resolves to nothing")))?;
-        let socket = new_socket(addr, node.config.socket_buffer_bytes)?;
+        let socket = new_socket(addr, config.socket_buffer_bytes)?;
         let mut stream = socket
             .connect(addr)
             .await
             .map_err(|e| TransferError::PeerGone(format!("cannot connect to {address}: {e}")))?;
         stream.set_nodelay(true)?;
-        let incarnation = client_handshake(node, &mut stream, expected).await?;
+        let incarnation = client_handshake(config, &mut stream, expected).await?;
         Ok((stream, incarnation))
     };
     match tokio::time::timeout_at(limit, work).await {
@@ -447,11 +458,11 @@ async fn dial(
 
 /// The client half of the handshake (see [`wire`]).
 async fn client_handshake(
-    node: &Node,
+    config: &TransportConfig,
     stream: &mut TcpStream,
     expected: Option<Incarnation>,
 ) -> Result<Incarnation, TransferError> {
-    let own = node.config.incarnation;
+    let own = config.incarnation;
     let hello = ClientHello {
         version: VERSION,
         client_incarnation: own,
@@ -496,7 +507,7 @@ async fn client_handshake(
             found: server,
         });
     }
-    if !transcript.verify(&node.config.secret, Side::Server, &reply.proof) {
+    if !transcript.verify(&config.secret, Side::Server, &reply.proof) {
         let _ = stream.write_all(&give_up.encode()).await;
         return Err(TransferError::Auth(
             "the peer could not prove the shared secret".into(),
@@ -504,7 +515,7 @@ async fn client_handshake(
     }
     let proof = ClientProof {
         status: 0,
-        proof: transcript.prove(&node.config.secret, Side::Client),
+        proof: transcript.prove(&config.secret, Side::Client),
     };
     stream.write_all(&proof.encode()).await?;
     let mut buf = [0u8; Verdict::LEN];
@@ -518,7 +529,7 @@ async fn client_handshake(
 /// Whether a pooled connection is still usable: an idle connection has nothing to read, so
 /// readable data or an end of stream means the peer closed it (it restarted, say) or broke the
 /// protocol. Checked before each use, so a retry does not burn its attempts on dead connections.
-fn is_idle_and_open(stream: &TcpStream) -> bool {
+pub(crate) fn is_idle_and_open(stream: &TcpStream) -> bool {
     let mut probe = [0u8; 1];
     matches!(stream.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
@@ -543,7 +554,7 @@ async fn write_two(stream: &mut TcpStream, head: &[u8], body: &[u8]) -> std::io:
     stream.write_all(body).await
 }
 
-async fn read_ack(stream: &mut TcpStream) -> Result<Ack, TransferError> {
+pub(crate) async fn read_ack(stream: &mut TcpStream) -> Result<Ack, TransferError> {
     let mut buf = [0u8; Ack::LEN];
     stream.read_exact(&mut buf).await?;
     let (mut ack, message_len) = Ack::decode(&buf)?;

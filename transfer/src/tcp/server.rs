@@ -17,11 +17,11 @@ use crate::auth::{nonce, Side, Transcript, PROOF_LEN};
 use crate::checksum::{self, STREAM_CHUNK};
 use crate::incoming::PartStart;
 use crate::region::{ExtentMut, Incarnation, RegionHandle};
-use crate::TransferError;
+use crate::{TransferError, TransportConfig};
 
 /// Extra time a receiver grants a part beyond the sender's remaining deadline (clock skew,
 /// scheduling), before it drops the connection.
-const PART_SLACK: Duration = Duration::from_secs(1);
+pub(crate) const PART_SLACK: Duration = Duration::from_secs(1);
 
 /// Accepts connections until aborted; aborting drops (and so aborts) every connection task.
 pub(super) async fn accept_loop(node: Arc<Node>, listener: TcpListener) {
@@ -45,20 +45,22 @@ pub(super) async fn accept_loop(node: Arc<Node>, listener: TcpListener) {
 
 async fn serve(node: Arc<Node>, mut stream: TcpStream) {
     let _ = stream.set_nodelay(true);
-    let peer =
-        match tokio::time::timeout(node.config.handshake_timeout, handshake(&node, &mut stream))
-            .await
-        {
-            Ok(Ok(incarnation)) => incarnation,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "transfer handshake refused");
-                return;
-            }
-            Err(_) => {
-                tracing::warn!("transfer handshake timed out");
-                return;
-            }
-        };
+    let peer = match tokio::time::timeout(
+        node.config.handshake_timeout,
+        handshake(&node.config, &mut stream),
+    )
+    .await
+    {
+        Ok(Ok(incarnation)) => incarnation,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "transfer handshake refused");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!("transfer handshake timed out");
+            return;
+        }
+    };
     loop {
         let mut buf = [0u8; PartHeader::LEN];
         if stream.read_exact(&mut buf).await.is_err() {
@@ -96,8 +98,12 @@ async fn serve(node: Arc<Node>, mut stream: TcpStream) {
 }
 
 /// The server half of the handshake; returns the client's incarnation once it proved the secret.
-async fn handshake(node: &Node, stream: &mut TcpStream) -> Result<Incarnation, TransferError> {
-    let own = node.config.incarnation;
+/// The `ucx` backend's control connections open the same way.
+pub(crate) async fn handshake(
+    config: &TransportConfig,
+    stream: &mut TcpStream,
+) -> Result<Incarnation, TransferError> {
+    let own = config.incarnation;
     let mut buf = [0u8; ClientHello::LEN];
     stream.read_exact(&mut buf).await?;
     let hello = ClientHello::decode(&buf)?;
@@ -120,7 +126,7 @@ async fn handshake(node: &Node, stream: &mut TcpStream) -> Result<Incarnation, T
         server_incarnation: own,
     };
     if reply.status == HELLO_OK {
-        reply.proof = transcript.prove(&node.config.secret, Side::Server);
+        reply.proof = transcript.prove(&config.secret, Side::Server);
     }
     stream.write_all(&reply.encode()).await?;
     match reply.status {
@@ -146,7 +152,7 @@ async fn handshake(node: &Node, stream: &mut TcpStream) -> Result<Incarnation, T
             "the client gave up on the handshake".into(),
         ));
     }
-    let ok = transcript.verify(&node.config.secret, Side::Client, &proof.proof);
+    let ok = transcript.verify(&config.secret, Side::Client, &proof.proof);
     stream
         .write_all(&Verdict(if ok { 0 } else { 1 }).encode())
         .await?;

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+#[cfg(feature = "ucx")]
+use tessera_transfer::UcxTransport;
 use tessera_transfer::{
     Extent, Instant, PeerId, RegionDescriptor, RegionHandle, Secret, TcpTransport, TransferId,
     Transport, TransportConfig, WriteBatch,
@@ -59,6 +61,21 @@ pub async fn tcp_pair(
 ) -> (TcpTransport, TcpTransport, PeerId) {
     let src = TcpTransport::bind(a).await.expect("bind source");
     let dst = TcpTransport::bind(b).await.expect("bind destination");
+    let peer = src
+        .connect(&dst.endpoint(), in_ms(5_000))
+        .await
+        .expect("connect");
+    (src, dst, peer)
+}
+
+/// Two UCX transports on loopback, the first connected to the second.
+#[cfg(feature = "ucx")]
+pub async fn ucx_pair(
+    a: TransportConfig,
+    b: TransportConfig,
+) -> (UcxTransport, UcxTransport, PeerId) {
+    let src = UcxTransport::bind(a).await.expect("bind source");
+    let dst = UcxTransport::bind(b).await.expect("bind destination");
     let peer = src
         .connect(&dst.endpoint(), in_ms(5_000))
         .await
@@ -137,4 +154,82 @@ pub fn random_batch(
         },
         expected,
     )
+}
+
+/// Several random batches from `src_t` into `dst_t`; checks the whole destination each time.
+pub async fn random_round_trips(src_t: &dyn Transport, dst_t: &dyn Transport, peer: PeerId) {
+    let (src, dst) = (RegionHandle::new(8 << 20), RegionHandle::new(12 << 20));
+    random_round_trips_in(src_t, dst_t, peer, src, dst).await;
+}
+
+/// [`random_round_trips`] between regions the caller allocated (8 MB and 12 MB at least).
+pub async fn random_round_trips_in(
+    src_t: &dyn Transport,
+    dst_t: &dyn Transport,
+    peer: PeerId,
+    src: RegionHandle,
+    dst: RegionHandle,
+) {
+    Rng(1).fill(&mut src.try_write(0..src.len()).unwrap());
+    Rng(2).fill(&mut dst.try_write(0..dst.len()).unwrap());
+    let src_bytes = read_all(&src);
+    src_t.register(&src).unwrap();
+    let desc = dst_t.register(&dst).unwrap();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for round in 0..6u64 {
+        let before = read_all(&dst);
+        let count = [1, 3, 16, 40, 7, 64][round as usize];
+        let (batch, expected) = random_batch(
+            &mut rng,
+            100 + round,
+            &src,
+            &src_bytes,
+            &desc,
+            &before,
+            count,
+        );
+        let total: u64 = batch.extents.iter().map(|e| e.len).sum();
+        let n = batch.extents.len() as u32;
+        let receipt = src_t.write(peer, batch, in_ms(10_000)).await.unwrap();
+        assert_eq!(receipt.bytes, total);
+        assert_eq!(receipt.attempts, 1);
+        let done = dst_t
+            .wait_incoming(TransferId(100 + round), in_ms(1_000))
+            .await
+            .unwrap();
+        assert_eq!(done.bytes, total);
+        assert_eq!(done.extents, n);
+        assert_eq!(done.from, src_t.incarnation());
+        let after = read_all(&dst);
+        assert!(after == expected, "round {round}: destination bytes differ");
+    }
+
+    // write_bytes (embeddings) through the same path.
+    let emb: Vec<u8> = (0..100_003u32).map(|i| (i * 7) as u8).collect();
+    src_t
+        .write_bytes(peer, TransferId(7), &desc, 12345, &emb, in_ms(5_000))
+        .await
+        .unwrap();
+    let done = dst_t
+        .wait_incoming(TransferId(7), in_ms(1_000))
+        .await
+        .unwrap();
+    assert_eq!(done.bytes, emb.len() as u64);
+    assert_eq!(&*dst.try_read(12345..12345 + emb.len()).unwrap(), &emb[..]);
+
+    // An empty batch still completes once.
+    let empty = tessera_transfer::WriteBatch {
+        transfer_id: TransferId(8),
+        dst_region: desc.clone(),
+        extents: vec![],
+    };
+    src_t.write(peer, empty, in_ms(5_000)).await.unwrap();
+    assert_eq!(
+        dst_t
+            .wait_incoming(TransferId(8), in_ms(1_000))
+            .await
+            .unwrap()
+            .bytes,
+        0
+    );
 }

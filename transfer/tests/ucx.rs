@@ -1,0 +1,385 @@
+//! The UCX backend, two transports in one process over loopback: bytes land exactly, the
+//! handshake refuses strangers, corrupted extents are caught, deadlines hold, broken control
+//! connections are retried.
+#![cfg(feature = "ucx")]
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use tessera_transfer::{
+    Endpoint, Incarnation, Instant, RegionHandle, Secret, TransferError, TransferId, Transport,
+    TransportConfig, UcxTransport,
+};
+
+/// How late past its deadline a call may return on a loaded two-core machine.
+const SLACK: Duration = Duration::from_millis(400);
+
+/// Checksums verified whatever the build profile.
+fn checked() -> TransportConfig {
+    let mut c = config();
+    c.rma_checksums = true;
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_random_extents_land_exactly() {
+    let (a, b, peer) = ucx_pair(checked(), checked()).await;
+    assert_eq!(a.kind(), "ucx");
+    random_round_trips(&a, &b, peer).await;
+}
+
+/// Regions in memory UCX allocated: shared memory, which the sender maps and copies into.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_shared_memory_regions_land_exactly() {
+    let (a, b, peer) = ucx_pair(checked(), checked()).await;
+    let src = a.alloc_region(8 << 20).unwrap();
+    let dst = b.alloc_region(12 << 20).unwrap();
+    assert_eq!(dst.len(), 12 << 20);
+    assert_eq!(
+        dst.as_ptr() as usize % tessera_transfer::region::REGION_ALIGN,
+        0
+    );
+    assert!(read_all(&dst).iter().all(|&x| x == 0));
+    random_round_trips_in(&a, &b, peer, src, dst.clone()).await;
+    // The memory outlives the transport that allocated it while a handle remains.
+    drop(b);
+    assert_eq!(read_all(&dst).len(), 12 << 20);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_without_checksums_and_with_one_control_connection() {
+    let mut ca = config();
+    ca.checksums = false;
+    ca.connections_per_peer = 1;
+    let (a, b, peer) = ucx_pair(ca, config()).await;
+    random_round_trips(&a, &b, peer).await;
+}
+
+/// UCX's peer-failure mode (endpoints with an error handler, closed by force).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_with_peer_failure_handling() {
+    let mut ca = checked();
+    ca.ucx_peer_failure = true;
+    let mut cb = checked();
+    cb.ucx_peer_failure = true;
+    let (a, b, peer) = ucx_pair(ca, cb).await;
+    random_round_trips(&a, &b, peer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_concurrent_batches_and_reregistered_regions() {
+    let (a, b, peer) = ucx_pair(checked(), checked()).await;
+    let (a, b) = (Arc::new(a), Arc::new(b));
+    let len = 256 << 10;
+    let src = random_region(16 * len as usize, 3);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(16 * len as usize);
+    let desc = b.register(&dst).unwrap();
+    let mut tasks = Vec::new();
+    for t in 0..8u64 {
+        let (a, src, desc) = (a.clone(), src.clone(), desc.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut batch = contiguous_batch(1000 + t, &src, &desc, 2, len);
+            for e in &mut batch.extents {
+                e.src_offset += 2 * t * len;
+                e.dst_offset += 2 * t * len;
+            }
+            a.write(peer, batch, in_ms(10_000)).await
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    for t in 0..8u64 {
+        b.wait_incoming(TransferId(1000 + t), in_ms(1_000))
+            .await
+            .unwrap();
+    }
+    assert!(read_all(&dst) == read_all(&src));
+
+    // Deregistered: refused by the destination before any put; registered again (a new remote
+    // key), the sender picks up the new key.
+    assert!(b.deregister(desc.region_id));
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 4, 4096),
+            in_ms(2_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::BadRegion(_))), "{r:?}");
+    let fresh = RegionHandle::new(16 * len as usize);
+    let desc = b.register(&fresh).unwrap();
+    a.write(peer, contiguous_batch(2, &src, &desc, 4, len), in_ms(5_000))
+        .await
+        .unwrap();
+    b.wait_incoming(TransferId(2), in_ms(1_000)).await.unwrap();
+    let n = 4 * len as usize;
+    assert!(read_all(&fresh)[..n] == read_all(&src)[..n]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_destination_extents_leased_by_the_owner_are_refused() {
+    let (a, b, peer) = ucx_pair(checked(), checked()).await;
+    let src = random_region(1 << 20, 4);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(1 << 20);
+    let desc = b.register(&dst).unwrap();
+    let held = dst.try_read(0..10).unwrap();
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(6, &src, &desc, 1, 4096),
+            in_ms(2_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::BadRegion(_))), "{r:?}");
+    let w = b.wait_incoming(TransferId(6), in_ms(2_000)).await;
+    assert!(matches!(w, Err(TransferError::BadRegion(_))), "{w:?}");
+    drop(held);
+    // Nothing was written.
+    assert!(read_all(&dst).iter().all(|&x| x == 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_wrong_secret_is_refused_both_ways() {
+    let a = UcxTransport::bind(TransportConfig::new(Secret::new("not the cluster secret")))
+        .await
+        .unwrap();
+    let b = UcxTransport::bind(config()).await.unwrap();
+    let r = a.connect(&b.endpoint(), in_ms(2_000)).await;
+    assert!(matches!(r, Err(TransferError::Auth(_))), "{r:?}");
+    let r = b.connect(&a.endpoint(), in_ms(2_000)).await;
+    assert!(matches!(r, Err(TransferError::Auth(_))), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_stale_incarnations_are_refused() {
+    let (a, b, peer) = ucx_pair(config(), config()).await;
+    let mut ep = Endpoint::parse(&b.endpoint()).unwrap();
+    ep.incarnation = Some(Incarnation(b.incarnation().0 ^ 1));
+    let r = a.connect(&ep.to_string(), in_ms(2_000)).await;
+    assert!(
+        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+        "{r:?}"
+    );
+    let src = random_region(4096, 21);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(4096);
+    let mut desc = b.register(&dst).unwrap();
+    desc.incarnation = Incarnation(desc.incarnation.0 ^ 1);
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 1, 4096),
+            in_ms(2_000),
+        )
+        .await;
+    assert!(
+        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+        "{r:?}"
+    );
+    assert!(read_all(&dst).iter().all(|&x| x == 0));
+    // A tcp endpoint is not a ucx one.
+    let r = a.connect("tcp://127.0.0.1:1", in_ms(1_000)).await;
+    assert!(matches!(r, Err(TransferError::PeerGone(_))), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_corrupted_extent_is_caught_and_never_completes() {
+    let cb = checked();
+    let faults = cb.faults.clone();
+    let (a, b, peer) = ucx_pair(checked(), cb).await;
+    let len = 64 << 10;
+    let src = random_region(8 * len, 11);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(8 * len);
+    let desc = b.register(&dst).unwrap();
+    faults.corrupt_extents.store(1, Ordering::Relaxed);
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 8, len as u64),
+            in_ms(5_000),
+        )
+        .await;
+    assert!(
+        matches!(r, Err(TransferError::ChecksumMismatch { extent: 0 })),
+        "{r:?}"
+    );
+    let w = b.wait_incoming(TransferId(1), in_ms(300)).await;
+    assert!(
+        matches!(w, Err(TransferError::ChecksumMismatch { .. })),
+        "{w:?}"
+    );
+    // The failed transfer's extents are free again, and a fresh transfer goes through.
+    assert!(dst.try_write(0..dst.len()).is_ok());
+    a.write(
+        peer,
+        contiguous_batch(2, &src, &desc, 8, len as u64),
+        in_ms(5_000),
+    )
+    .await
+    .unwrap();
+    b.wait_incoming(TransferId(2), in_ms(1_000)).await.unwrap();
+    assert!(read_all(&dst) == read_all(&src));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_deadlines_hold() {
+    let cb = checked();
+    let faults = cb.faults.clone();
+    let (a, b, peer) = ucx_pair(checked(), cb).await;
+    let src = random_region(1 << 20, 31);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(1 << 20);
+    let desc = b.register(&dst).unwrap();
+
+    // Nobody sends: the wait ends at its deadline and abandons the transfer.
+    let started = Instant::now();
+    let w = b.wait_incoming(TransferId(1), in_ms(200)).await;
+    assert!(matches!(w, Err(TransferError::Timeout)), "{w:?}");
+    assert!(started.elapsed() <= Duration::from_millis(200) + SLACK);
+    // A late sender is refused.
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 4, 4096),
+            in_ms(2_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::Timeout)), "{r:?}");
+
+    // The destination stalls: the sender's write ends at its deadline.
+    faults.stall_receive.store(true, Ordering::Relaxed);
+    let started = Instant::now();
+    let r = a
+        .write(peer, contiguous_batch(2, &src, &desc, 4, 4096), in_ms(300))
+        .await;
+    assert!(matches!(r, Err(TransferError::Timeout)), "{r:?}");
+    assert!(started.elapsed() <= Duration::from_millis(300) + SLACK);
+    let w = b.wait_incoming(TransferId(2), in_ms(100)).await;
+    assert!(matches!(w, Err(TransferError::Timeout)), "{w:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_dropped_control_connection_is_retried() {
+    let cb = checked();
+    cb.faults.drop_after_bytes.store(1, Ordering::Relaxed);
+    let (a, b, peer) = ucx_pair(checked(), cb).await;
+    let len = 512 << 10;
+    let src = random_region(4 * len, 41);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(4 * len);
+    let desc = b.register(&dst).unwrap();
+    let receipt = a
+        .write(
+            peer,
+            contiguous_batch(7, &src, &desc, 4, len as u64),
+            in_ms(5_000),
+        )
+        .await
+        .unwrap();
+    assert_eq!(receipt.attempts, 2);
+    let done = b.wait_incoming(TransferId(7), in_ms(1_000)).await.unwrap();
+    assert_eq!(done.bytes, 4 * len as u64);
+    assert!(read_all(&dst) == read_all(&src));
+
+    // Without retries the same fault is reported as an I/O error.
+    let mut ca = checked();
+    ca.max_retries = 0;
+    let cb = checked();
+    cb.faults.drop_after_bytes.store(1, Ordering::Relaxed);
+    let (a, b, peer) = ucx_pair(ca, cb).await;
+    a.register(&src).unwrap();
+    let desc = b.register(&dst).unwrap();
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(8, &src, &desc, 4, len as u64),
+            in_ms(5_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::Io(_))), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_vanished_and_restarted_peers() {
+    let (a, b, peer) = ucx_pair(checked(), checked()).await;
+    let old_endpoint = b.endpoint();
+    let addr = b.local_addr();
+    let src = random_region(1 << 20, 51);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(1 << 20);
+    let old_desc = b.register(&dst).unwrap();
+    a.write(
+        peer,
+        contiguous_batch(1, &src, &old_desc, 4, 4096),
+        in_ms(3_000),
+    )
+    .await
+    .unwrap();
+    drop(b);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    // Vanished: reported, not waited for.
+    let started = Instant::now();
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(2, &src, &old_desc, 4, 4096),
+            in_ms(3_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::PeerGone(_))), "{r:?}");
+    assert!(started.elapsed() < Duration::from_secs(1));
+
+    // Restarted at the same address: what names the old life is refused.
+    let mut cb = checked();
+    cb.bind = addr;
+    let b2 = UcxTransport::bind(cb).await.unwrap();
+    let new_desc = b2.register(&dst).unwrap();
+    let r = a.connect(&old_endpoint, in_ms(3_000)).await;
+    assert!(
+        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+        "{r:?}"
+    );
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(3, &src, &old_desc, 1, 4096),
+            in_ms(3_000),
+        )
+        .await;
+    assert!(
+        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+        "{r:?}"
+    );
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(4, &src, &new_desc, 1, 4096),
+            in_ms(3_000),
+        )
+        .await;
+    assert!(
+        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+        "{r:?}"
+    );
+
+    // Through the new endpoint: a new UCX endpoint, the new region's key.
+    let peer2 = a.connect(&b2.endpoint(), in_ms(3_000)).await.unwrap();
+    a.write(
+        peer2,
+        contiguous_batch(5, &src, &new_desc, 4, 4096),
+        in_ms(3_000),
+    )
+    .await
+    .unwrap();
+    b2.wait_incoming(TransferId(5), in_ms(1_000)).await.unwrap();
+    assert!(read_all(&dst)[..4 * 4096] == read_all(&src)[..4 * 4096]);
+}
