@@ -7,7 +7,7 @@ mod server;
 
 use common::*;
 use serde_json::{json, Value};
-use server::{sse_events, Server};
+use server::{sse_events, KeyFile, Server};
 
 fn ids(v: &Value) -> Vec<u32> {
     serde_json::from_value(v.clone()).unwrap()
@@ -149,4 +149,129 @@ fn cancelled_streams_and_errors_leave_no_pages_behind() {
     // And the server still answers correctly.
     let r = completion(&s, &prompt[..10], 3);
     assert_eq!(ids(&r["choices"][0]["token_ids"]).len(), 3);
+}
+
+/// `tessera serve --api-key-file … --rate-limit-… --max-…`: keys, limits and refusals as a
+/// client sees them, then a normal request still gets the reference tokens.
+#[test]
+fn api_keys_rate_limit_and_request_limits_of_tessera_serve() {
+    let dir = fixtures_dir().join("kl_mixed");
+    let keys = KeyFile::new("# clients\nsk-serve-limited\nsk-serve-other\n");
+    let s = Server::start(
+        &dir,
+        &[
+            "--api-key-file",
+            &keys.path,
+            "--rate-limit-rps",
+            "0.5",
+            "--rate-limit-burst",
+            "12",
+            "--max-prompt-tokens",
+            "64",
+            "--max-body-bytes",
+            "4096",
+        ],
+    );
+    let send = |key: Option<&str>, method: &str, path: &str, body: Option<&str>| {
+        s.request_as(key, method, path, body)
+    };
+    let error = |body: &str| -> Value {
+        let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        v["error"].clone()
+    };
+    // Open routes.
+    assert_eq!(send(None, "GET", "/health", None).0, 200);
+    assert_eq!(send(None, "GET", "/metrics", None).0, 200);
+    // No key, a wrong key.
+    let ok_body = json!({"prompt": [5, 6, 7], "max_tokens": 2}).to_string();
+    for (key, code) in [
+        (None, "missing_api_key"),
+        (Some("sk-nope"), "invalid_api_key"),
+    ] {
+        for (method, path, body) in [
+            ("POST", "/v1/completions", Some(ok_body.as_str())),
+            ("GET", "/v1/models", None),
+        ] {
+            let (st, head, body) = send(key, method, path, body);
+            assert_eq!(st, 401, "{key:?} {path}: {body}");
+            assert_eq!(error(&body)["code"], code);
+            assert!(head
+                .to_ascii_lowercase()
+                .contains("www-authenticate: bearer"));
+        }
+    }
+    // Limits and validation, with a right key.
+    let other = Some("sk-serve-other");
+    let long_prompt = json!({"prompt": vec![5; 65], "max_tokens": 1}).to_string();
+    let big_body = json!({"prompt": "x".repeat(5000)}).to_string();
+    let cases: [(&str, u16, Option<&str>, &str); 6] = [
+        (
+            &long_prompt,
+            400,
+            Some("context_length_exceeded"),
+            "at most 64 tokens",
+        ),
+        (&big_body, 413, Some("request_too_large"), "too large"),
+        (r#"{"prompt": [5], "n": 3}"#, 400, None, "n=3"),
+        (
+            r#"{"prompt": [5], "model": "gpt-x"}"#,
+            404,
+            Some("model_not_found"),
+            "gpt-x",
+        ),
+        (r#"{"prompt": [5],, }"#, 400, None, "at line 1 column 16"),
+        (r#"{"prompt": [5], "top_p": -1}"#, 400, None, "top_p"),
+    ];
+    for (body, status, code, says) in cases {
+        let (st, _, text) = send(other, "POST", "/v1/completions", Some(body));
+        assert_eq!(st, status, "{text}");
+        let e = error(&text);
+        assert_eq!(e["code"].as_str(), code, "{text}");
+        assert!(e["message"].as_str().unwrap().contains(says), "{text}");
+    }
+    // A normal request still gets the reference's greedy tokens.
+    let p = reference(&dir).prompts.into_iter().nth(1).unwrap();
+    let body = json!({"prompt": p.prompt_ids, "max_tokens": p.greedy_ids.len(), "temperature": 0,
+        "ignore_eos": true, "return_token_ids": true});
+    let (st, _, text) = send(other, "POST", "/v1/completions", Some(&body.to_string()));
+    assert_eq!(st, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let got = ids(&v["choices"][0]["token_ids"]);
+    assert_greedy_matches(&got, &p.greedy_ids, &p.greedy_margins, &p.name);
+
+    // The burst of one key, then 429 with Retry-After, then recovery after waiting.
+    let limited = Some("sk-serve-limited");
+    for i in 0..12 {
+        let (st, _, text) = send(limited, "GET", "/v1/models", None);
+        assert_eq!(st, 200, "request {i}: {text}");
+    }
+    let (st, head, text) = send(limited, "GET", "/v1/models", None);
+    assert_eq!(st, 429, "{text}");
+    assert_eq!(error(&text)["type"], "rate_limit_error");
+    let retry: u64 = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("retry-after: ")
+                .map(str::to_string)
+        })
+        .expect("a Retry-After header")
+        .trim()
+        .parse()
+        .unwrap();
+    assert!((1..=2).contains(&retry), "Retry-After {retry}");
+    // The other key is not held back.
+    assert_eq!(send(other, "GET", "/v1/models", None).0, 200);
+    std::thread::sleep(std::time::Duration::from_secs(retry));
+    assert_eq!(send(limited, "GET", "/v1/models", None).0, 200);
+
+    let (_, _, metrics) = send(None, "GET", "/metrics", None);
+    for line in [
+        "tessera_http_refused_requests_total{status=\"401\",reason=\"missing_api_key\"} 2",
+        "tessera_http_refused_requests_total{status=\"401\",reason=\"invalid_api_key\"} 2",
+        "tessera_http_refused_requests_total{status=\"429\",reason=\"rate_limit_exceeded\"} 1",
+        "tessera_http_refused_requests_total{status=\"413\",reason=\"request_too_large\"} 1",
+    ] {
+        assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
+    }
 }

@@ -94,7 +94,7 @@ pub enum BackendError {
     /// The request cannot be served as asked (400).
     #[error("{0}")]
     InvalidRequest(String),
-    /// The prompt alone does not fit the model (413).
+    /// The prompt alone does not fit the model (400, `context_length_exceeded`).
     #[error("prompt of {prompt_tokens} tokens exceeds the limit of {limit} tokens")]
     PromptTooLong { prompt_tokens: usize, limit: usize },
     /// No worker can serve at all (503).

@@ -3,8 +3,9 @@
 //! It shares everything with the HTTP front ([`HttpFront::grpc`](crate::HttpFront::grpc)): the
 //! backend, the tokenizer, the metrics, and the request path — parameters are validated by the
 //! same `GenOptions::from_params`, prompts admitted by the same `AppState::start`, output
-//! detokenized by the same `Generation`. Errors stay [`ApiError`]s until `status` turns them
-//! into a gRPC status, once, at the edge.
+//! detokenized by the same `Generation`, callers admitted by the same API keys and rate limit
+//! (`authorization: Bearer <key>` or `x-api-key` metadata; `grpc.health.v1` stays open). Errors
+//! stay [`ApiError`]s until `status` turns them into a gRPC status, once, at the edge.
 //!
 //! The response stream owns the `Generation`: when the client cancels (drops the stream),
 //! tonic drops it, which drops the backend receiver and so cancels the request.
@@ -36,6 +37,7 @@ pub struct GrpcFront {
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
 const GENERATE_ENDPOINT: &str = "/tessera.v1.Generate/Generate";
+const LIST_MODELS_ENDPOINT: &str = "/tessera.v1.Generate/ListModels";
 
 impl GrpcFront {
     pub(crate) fn new(state: Arc<AppState>) -> Self {
@@ -65,6 +67,34 @@ impl GrpcFront {
             .add_service(self.into_service())
             .serve_with_incoming_shutdown(incoming, shutdown)
             .await
+    }
+
+    /// The API key and rate limit, as the HTTP front checks them.
+    fn admit<T>(&self, request: &Request<T>) -> Result<(), ApiError> {
+        let md = request.metadata();
+        self.state.access.admit(
+            md.get("authorization").map(|v| v.as_bytes()),
+            md.get("x-api-key").map(|v| v.as_bytes()),
+            request.remote_addr().map(|a| a.ip()),
+        )
+    }
+
+    /// Count the call's outcome, then turn an error into its status.
+    fn finish<T>(&self, endpoint: &str, result: Result<T, ApiError>) -> Result<T, Status> {
+        let metrics = &self.state.metrics;
+        match result {
+            Ok(v) => {
+                metrics.count_request(endpoint, 200);
+                Ok(v)
+            }
+            Err(e) => {
+                metrics.count_request(endpoint, e.status.as_u16());
+                if e.status.is_client_error() {
+                    metrics.count_refused(e.status.as_u16(), e.reason());
+                }
+                Err(status(e))
+            }
+        }
     }
 
     /// Validate, tokenize and submit; the first delta is awaited so that failures before any
@@ -146,16 +176,22 @@ fn common_params(req: &GenerateRequest) -> CommonParams {
     }
 }
 
-/// The one place an [`ApiError`] becomes a gRPC status.
+/// The one place an [`ApiError`] becomes a gRPC status (a 429's `Retry-After` as `retry-after`
+/// metadata).
 fn status(e: ApiError) -> Status {
     let code = match e.status.as_u16() {
         400 | 413 | 422 => Code::InvalidArgument,
+        401 => Code::Unauthenticated,
         404 => Code::NotFound,
         429 => Code::ResourceExhausted,
         503 => Code::Unavailable,
         _ => Code::Internal,
     };
-    Status::new(code, e.message)
+    let mut s = Status::new(code, e.message);
+    if let Some(secs) = e.retry_after {
+        s.metadata_mut().insert("retry-after", secs.into());
+    }
+    s
 }
 
 fn finish_reason(name: &str) -> v1::FinishReason {
@@ -264,25 +300,26 @@ impl Generate for GrpcFront {
         &self,
         request: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let req = request.into_inner();
-        let stream = req.stream;
-        let result = match self.start(req).await {
-            Ok((call, first)) if stream => Ok(response_stream(call, first)),
-            Ok((call, first)) => call
-                .collect(first)
-                .await
-                .map(|r| Box::pin(futures_util::stream::iter([Ok(r)])) as ResponseStream),
-            Err(e) => Err(e),
-        };
-        let code = result.as_ref().map_or_else(|e| e.status.as_u16(), |_| 200);
-        self.state.metrics.count_request(GENERATE_ENDPOINT, code);
-        result.map(Response::new).map_err(status)
+        let result = async {
+            self.admit(&request)?;
+            let req = request.into_inner();
+            let stream = req.stream;
+            let (call, first) = self.start(req).await?;
+            if stream {
+                return Ok(response_stream(call, first));
+            }
+            let r = call.collect(first).await?;
+            Ok(Box::pin(futures_util::stream::iter([Ok(r)])) as ResponseStream)
+        }
+        .await;
+        self.finish(GENERATE_ENDPOINT, result).map(Response::new)
     }
 
     async fn list_models(
         &self,
-        _request: Request<ListModelsRequest>,
+        request: Request<ListModelsRequest>,
     ) -> Result<Response<ListModelsResponse>, Status> {
+        self.finish(LIST_MODELS_ENDPOINT, self.admit(&request))?;
         let state = &self.state;
         Ok(Response::new(ListModelsResponse {
             models: vec![ModelInfo {
@@ -308,6 +345,11 @@ mod tests {
             (ApiError::invalid("x"), Code::InvalidArgument),
             (ApiError::model_not_found("m"), Code::NotFound),
             (
+                ApiError::unauthorized("no key", "missing_api_key"),
+                Code::Unauthenticated,
+            ),
+            (ApiError::rate_limited(3), Code::ResourceExhausted),
+            (
                 BackendError::Overloaded("q".into()).into(),
                 Code::ResourceExhausted,
             ),
@@ -328,5 +370,7 @@ mod tests {
         for (e, code) in cases {
             assert_eq!(status(e).code(), code);
         }
+        let s = status(ApiError::rate_limited(3));
+        assert_eq!(s.metadata().get("retry-after").unwrap(), "3");
     }
 }

@@ -23,5 +23,7 @@ pub use backend::{
 pub use cluster::{ClusterBackend, ClusterConfig, PoolOptions, WorkerPool};
 pub use daemon::RouterArgs;
 pub use grpc_front::GrpcFront;
+pub use http::access::{ApiKeys, RateLimit};
+pub use http::args::FrontArgs;
 pub use http::{ApiError, FrontOptions, HttpFront};
 pub use metrics::Metrics;

@@ -4,7 +4,7 @@
 //! backend appends its own lines through `GenerationBackend::metrics_text`.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
+use std::fmt::{Display, Write as _};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -64,11 +64,28 @@ impl Histogram {
     }
 }
 
+/// A counter family with two labels, one sample per `(a, b)` key.
+fn render_labelled<A: Display, B: Display>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    [la, lb]: [&str; 2],
+    map: &Mutex<BTreeMap<(A, B), u64>>,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+    let map = map.lock().unwrap_or_else(|e| e.into_inner());
+    for ((a, b), n) in map.iter() {
+        let _ = writeln!(out, "{name}{{{la}=\"{a}\",{lb}=\"{b}\"}} {n}");
+    }
+}
+
 /// Everything the front measures.
 #[derive(Debug)]
 pub struct Metrics {
     /// `(endpoint, status) → count`.
     requests: Mutex<BTreeMap<(String, u16), u64>>,
+    /// Refused requests (HTTP and gRPC): `(status, reason) → count`.
+    refused: Mutex<BTreeMap<(u16, &'static str), u64>>,
     pub in_flight: AtomicI64,
     pub prompt_tokens: AtomicU64,
     pub cached_tokens: AtomicU64,
@@ -82,6 +99,7 @@ impl Default for Metrics {
     fn default() -> Self {
         Metrics {
             requests: Mutex::default(),
+            refused: Mutex::default(),
             in_flight: AtomicI64::new(0),
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
@@ -107,22 +125,36 @@ impl Metrics {
             .unwrap_or(0)
     }
 
+    /// Count one request refused with a 4xx `status` for `reason` (the error's code:
+    /// `invalid_api_key`, `rate_limit_exceeded`, `context_length_exceeded`, …).
+    pub fn count_refused(&self, status: u16, reason: &'static str) {
+        let mut map = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        *map.entry((status, reason)).or_default() += 1;
+    }
+
+    /// Refusals counted so far with `status` and `reason`.
+    pub fn refused(&self, status: u16, reason: &'static str) -> u64 {
+        let map = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(&(status, reason)).copied().unwrap_or(0)
+    }
+
     /// The Prometheus text exposition of every metric above.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        out.push_str(
-            "# HELP tessera_http_requests_total HTTP requests by endpoint and status code.\n\
-             # TYPE tessera_http_requests_total counter\n",
+        render_labelled(
+            &mut out,
+            "tessera_http_requests_total",
+            "HTTP requests by endpoint and status code.",
+            ["endpoint", "status"],
+            &self.requests,
         );
-        {
-            let map = self.requests.lock().unwrap_or_else(|e| e.into_inner());
-            for ((endpoint, status), n) in map.iter() {
-                let _ = writeln!(
-                    out,
-                    "tessera_http_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
-                );
-            }
-        }
+        render_labelled(
+            &mut out,
+            "tessera_http_refused_requests_total",
+            "Requests refused with a 4xx status (HTTP and gRPC), by status and reason.",
+            ["status", "reason"],
+            &self.refused,
+        );
         let gauge = |out: &mut String, name: &str, kind: &str, help: &str, v: String| {
             let _ = writeln!(
                 out,
@@ -207,5 +239,22 @@ mod tests {
             "tessera_http_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 2"
         ));
         assert_eq!(m.requests("/v1/completions", 400), 1);
+    }
+
+    #[test]
+    fn refusals_are_labelled_by_status_and_reason() {
+        let m = Metrics::default();
+        m.count_refused(401, "invalid_api_key");
+        m.count_refused(429, "rate_limit_exceeded");
+        m.count_refused(429, "rate_limit_exceeded");
+        let text = m.render();
+        assert!(text.contains(
+            "tessera_http_refused_requests_total{status=\"429\",reason=\"rate_limit_exceeded\"} 2"
+        ));
+        assert!(text.contains(
+            "tessera_http_refused_requests_total{status=\"401\",reason=\"invalid_api_key\"} 1"
+        ));
+        assert_eq!(m.refused(429, "rate_limit_exceeded"), 2);
+        assert_eq!(m.refused(400, "invalid_request"), 0);
     }
 }

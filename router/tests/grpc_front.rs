@@ -1,6 +1,6 @@
 //! The public gRPC `tessera.v1.Generate` service over the fake backend, through a generated
 //! client on loopback: the same tokens and text as the HTTP front, usage, error codes,
-//! cancellation, `ListModels` and `grpc.health.v1`.
+//! cancellation, `ListModels` and `grpc.health.v1`, API keys and the rate limit.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,7 +22,7 @@ use tessera_proto::v1::{
     FinishReason, GenerateRequest, GenerateResponse, ListModelsRequest, SamplingParams, TokenIds,
 };
 use tessera_router::fake::{FakeBackend, FakeConfig};
-use tessera_router::{BackendError, FrontOptions, HttpFront};
+use tessera_router::{ApiKeys, BackendError, FrontOptions, HttpFront, RateLimit};
 use tessera_tokenizer::{ChatTemplate, Tokenizer};
 use tower::ServiceExt;
 
@@ -40,6 +40,10 @@ struct Harness {
 
 impl Harness {
     async fn start(config: FakeConfig) -> Harness {
+        Self::start_with(config, FrontOptions::default()).await
+    }
+
+    async fn start_with(config: FakeConfig, opts: FrontOptions) -> Harness {
         let dir = tempfile::tempdir().unwrap();
         tessera_tokenizer::write_tiny_tokenizer(dir.path(), VOCAB).unwrap();
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
@@ -50,7 +54,7 @@ impl Harness {
             tok.clone(),
             ChatTemplate::from_dir(dir.path()).unwrap(),
             special.stop_ids(),
-            FrontOptions::default(),
+            opts,
         );
         let grpc = front.grpc();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -362,6 +366,33 @@ async fn bad_requests_map_to_grpc_codes() {
             },
             Code::InvalidArgument,
         ),
+        (
+            GenerateRequest {
+                sampling: Some(SamplingParams {
+                    temperature: f32::NAN,
+                    ..SamplingParams::default()
+                }),
+                ..base.clone()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            GenerateRequest {
+                sampling: Some(SamplingParams {
+                    top_p: Some(-0.5),
+                    ..SamplingParams::default()
+                }),
+                ..base.clone()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            GenerateRequest {
+                stop: (0..17).map(|i| format!("s{i}")).collect(),
+                ..base.clone()
+            },
+            Code::InvalidArgument,
+        ),
     ];
     for (req, code) in cases {
         let e = generate(&mut client, req.clone()).await.unwrap_err();
@@ -464,5 +495,129 @@ async fn list_models_and_health() {
             .into_inner();
         assert_eq!(r.status(), ServingStatus::Serving, "{service:?}");
     }
+    h.stop().await;
+}
+
+/// `Generate` with `(name, value)` metadata.
+async fn generate_with(
+    client: &mut GenerateClient<Channel>,
+    metadata: &[(&'static str, &str)],
+    req: GenerateRequest,
+) -> Result<Vec<GenerateResponse>, tessera_proto::tonic::Status> {
+    let mut r = tessera_proto::tonic::Request::new(req);
+    for (k, v) in metadata {
+        r.metadata_mut().insert(*k, v.parse().unwrap());
+    }
+    let mut stream = client.generate(r).await?.into_inner();
+    let mut out = Vec::new();
+    while let Some(r) = stream.message().await? {
+        out.push(r);
+    }
+    Ok(out)
+}
+
+fn keys() -> Option<Arc<ApiKeys>> {
+    Some(Arc::new(ApiKeys::parse(b"sk-alpha\nsk-beta\n").unwrap()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_guard_generate_and_list_models_but_not_health() {
+    let opts = FrontOptions {
+        api_keys: keys(),
+        ..FrontOptions::default()
+    };
+    let h = Harness::start_with(fake_config(), opts).await;
+    let mut client = h.client().await;
+    let req = text_request("hello", 4, false);
+    for (metadata, message) in [
+        (&[][..], "didn't provide an API key"),
+        (&[("authorization", "Bearer sk-gamma")], "Incorrect API key"),
+        (
+            &[("authorization", "sk-alpha")],
+            "must be `Bearer <API key>`",
+        ),
+        (&[("x-api-key", "sk-alph")], "Incorrect API key"),
+    ] {
+        let e = generate_with(&mut client, metadata, req.clone())
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::Unauthenticated, "{metadata:?}: {e:?}");
+        assert!(e.message().contains(message), "{metadata:?}: {e:?}");
+    }
+    assert!(h.fake.submitted().is_empty(), "nothing reached the backend");
+    let n = h.tok.encode("hello", true).unwrap().len();
+    let want: Vec<u32> = (0..4).map(|i| ((n + i) % 128) as u32).collect();
+    for metadata in [
+        &[("authorization", "Bearer sk-alpha")][..],
+        &[("x-api-key", "sk-beta")],
+    ] {
+        let out = generate_with(&mut client, metadata, req.clone())
+            .await
+            .unwrap();
+        assert_eq!(out[0].token_ids, want, "{metadata:?}");
+        assert_eq!(out[0].finish_reason(), FinishReason::Length);
+    }
+    let e = client.list_models(ListModelsRequest {}).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
+    let mut r = tessera_proto::tonic::Request::new(ListModelsRequest {});
+    r.metadata_mut()
+        .insert("authorization", "Bearer sk-beta".parse().unwrap());
+    assert_eq!(
+        client
+            .list_models(r)
+            .await
+            .unwrap()
+            .into_inner()
+            .models
+            .len(),
+        1
+    );
+    // Health needs no key.
+    let channel = Channel::from_shared(format!("http://{}", h.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let r = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: "tessera.v1.Generate".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(r.into_inner().status(), ServingStatus::Serving);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_limit_holds_a_key_back_with_retry_after() {
+    let opts = FrontOptions {
+        api_keys: keys(),
+        rate_limit: Some(RateLimit { rps: 2.0, burst: 2 }),
+        ..FrontOptions::default()
+    };
+    let h = Harness::start_with(fake_config(), opts).await;
+    let mut client = h.client().await;
+    let alpha = [("authorization", "Bearer sk-alpha")];
+    let req = text_request("hello", 2, false);
+    for _ in 0..2 {
+        generate_with(&mut client, &alpha, req.clone())
+            .await
+            .unwrap();
+    }
+    let e = generate_with(&mut client, &alpha, req.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert_eq!(e.metadata().get("retry-after").unwrap(), "1");
+    assert!(e.message().contains("Rate limit"), "{e:?}");
+    // The other key is not held back; the first recovers after the wait.
+    generate_with(&mut client, &[("x-api-key", "sk-beta")], req.clone())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    generate_with(&mut client, &alpha, req.clone())
+        .await
+        .unwrap();
+    assert_eq!(h.fake.submitted().len(), 4);
     h.stop().await;
 }

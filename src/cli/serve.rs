@@ -5,7 +5,7 @@ use anyhow::Context;
 use clap::Args;
 use tessera_engine::serving::{EngineHandle, SchedulerConfig};
 use tessera_engine::tokenizer::{ChatTemplate, Tokenizer};
-use tessera_router::{FrontOptions, HttpFront};
+use tessera_router::{FrontArgs, FrontOptions, HttpFront};
 
 use super::model_arg::ModelArg;
 use crate::serve::engine_backend::EngineBackend;
@@ -50,12 +50,14 @@ pub struct ServeArgs {
     /// Model name clients send (default: the model directory's name).
     #[arg(long, env = "TESSERA_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
-    /// Largest request body accepted (bytes).
-    #[arg(long, default_value_t = 8 << 20, env = "TESSERA_MAX_BODY_BYTES")]
-    pub max_body_bytes: usize,
+    /// API keys, rate limit and request limits of the HTTP front.
+    #[command(flatten)]
+    pub front: FrontArgs,
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    // Before the model loads: a bad key file should fail at once.
+    let front_options = a.front.options()?;
     let (dir, model) = a.model.load()?;
     let tokenizer = Tokenizer::from_dir(&dir)
         .with_context(|| format!("loading the tokenizer from {}", dir.display()))?;
@@ -91,9 +93,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         eos,
         FrontOptions {
             served_model_name: Some(model_id.clone()),
-            max_body_bytes: a.max_body_bytes,
             vocab_size: Some(vocab),
-            ..FrontOptions::default()
+            ..front_options
         },
     );
     let rt = tokio::runtime::Builder::new_multi_thread()

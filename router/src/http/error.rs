@@ -3,7 +3,7 @@
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::de::DeserializeOwned;
@@ -21,6 +21,16 @@ pub struct ApiError {
     pub param: Option<String>,
     /// OpenAI's machine-readable `code` (`model_not_found`, `context_length_exceeded`, …).
     pub code: Option<&'static str>,
+    /// Seconds the client should wait before retrying (`Retry-After`), for 429s.
+    pub retry_after: Option<u64>,
+}
+
+/// Set on the response of every refused request, for the metrics middleware: the status and
+/// [`ApiError::reason`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refused {
+    pub status: u16,
+    pub reason: &'static str,
 }
 
 impl ApiError {
@@ -30,6 +40,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -69,6 +80,27 @@ impl ApiError {
         )
     }
 
+    /// 401: no API key, or not one of the configured keys.
+    pub fn unauthorized(message: impl Into<String>, code: &'static str) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, message).with_code(code)
+    }
+
+    /// 429: the client's rate limit is spent; it may retry after `retry_after` seconds.
+    pub fn rate_limited(retry_after: u64) -> Self {
+        let mut e = Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!("Rate limit reached for this API key or client. Retry after {retry_after} s."),
+        )
+        .with_code("rate_limit_exceeded");
+        e.retry_after = Some(retry_after);
+        e
+    }
+
+    /// 400: the prompt does not fit the model's context or the server's prompt limit.
+    pub fn prompt_too_long(message: impl Into<String>) -> Self {
+        Self::invalid_param("prompt", message).with_code("context_length_exceeded")
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
     }
@@ -86,10 +118,25 @@ impl ApiError {
     /// OpenAI's error `type` for this status.
     pub fn error_type(&self) -> &'static str {
         match self.status.as_u16() {
+            401 => "authentication_error",
             429 => "rate_limit_error",
             500..=599 => "server_error",
             _ => "invalid_request_error",
         }
+    }
+
+    /// Why a request was refused, for the metrics: the `code` when there is one, else a name
+    /// for the status.
+    pub fn reason(&self) -> &'static str {
+        self.code.unwrap_or(match self.status.as_u16() {
+            400 => "invalid_request",
+            401 => "unauthenticated",
+            404 => "not_found",
+            405 => "method_not_allowed",
+            413 => "request_too_large",
+            429 => "rate_limited",
+            _ => "other",
+        })
     }
 
     /// The JSON body OpenAI clients expect.
@@ -125,7 +172,21 @@ impl IntoResponse for ApiError {
         } else {
             tracing::debug!(status = %self.status, message = %self.message, "request rejected");
         }
-        (self.status, Json(self.body())).into_response()
+        let mut response = (self.status, Json(self.body())).into_response();
+        let headers = response.headers_mut();
+        if let Some(secs) = self.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if self.status.is_client_error() {
+            response.extensions_mut().insert(Refused {
+                status: self.status.as_u16(),
+                reason: self.reason(),
+            });
+        }
+        response
     }
 }
 
@@ -134,11 +195,13 @@ impl From<BackendError> for ApiError {
         let message = e.to_string();
         match e {
             BackendError::Overloaded(_) => {
-                Self::new(StatusCode::TOO_MANY_REQUESTS, message).with_code("overloaded")
+                let mut e =
+                    Self::new(StatusCode::TOO_MANY_REQUESTS, message).with_code("overloaded");
+                e.retry_after = Some(1);
+                e
             }
             BackendError::InvalidRequest(_) => Self::invalid(message),
-            BackendError::PromptTooLong { .. } => Self::new(StatusCode::PAYLOAD_TOO_LARGE, message)
-                .with_code("context_length_exceeded"),
+            BackendError::PromptTooLong { .. } => Self::prompt_too_long(message),
             BackendError::Unavailable(_) => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, message).with_code("service_unavailable")
             }
@@ -241,7 +304,7 @@ mod tests {
                     prompt_tokens: 9,
                     limit: 8,
                 },
-                413,
+                400,
                 "invalid_request_error",
             ),
             (BackendError::Unavailable("x".into()), 503, "server_error"),

@@ -15,6 +15,13 @@ use crate::backend::{FinishReason, GenerationRequest, Sampling, TokenEvent};
 use crate::metrics::Metrics;
 use crate::text::{OutputText, TextDelta};
 
+/// Stop strings a request may give at most.
+pub(crate) const MAX_STOP_SEQUENCES: usize = 16;
+/// Characters of one stop string at most.
+pub(crate) const MAX_STOP_CHARS: usize = 256;
+/// Stop token ids a request may give at most.
+pub(crate) const MAX_STOP_TOKEN_IDS: usize = 256;
+
 /// Validated generation parameters, before the prompt is known.
 #[derive(Debug, Clone)]
 pub(crate) struct GenOptions {
@@ -98,9 +105,31 @@ impl GenOptions {
                 ))
             }
         };
-        let stop_token_ids = p
-            .stop_token_ids
-            .unwrap_or_default()
+        if p.stream_options.is_some() && !p.stream {
+            return Err(ApiError::invalid_param(
+                "stream_options",
+                "stream_options is only allowed when stream is true",
+            ));
+        }
+        let stops = p.stop.map(|s| s.into_vec()).unwrap_or_default();
+        at_most("stop", "stop sequences", stops.len(), MAX_STOP_SEQUENCES)?;
+        if let Some(long) = stops.iter().find(|s| s.chars().count() > MAX_STOP_CHARS) {
+            return Err(ApiError::invalid_param(
+                "stop",
+                format!(
+                    "a stop sequence may be at most {MAX_STOP_CHARS} characters, got one of {}",
+                    long.chars().count()
+                ),
+            ));
+        }
+        let stop_token_ids = p.stop_token_ids.unwrap_or_default();
+        at_most(
+            "stop_token_ids",
+            "stop token ids",
+            stop_token_ids.len(),
+            MAX_STOP_TOKEN_IDS,
+        )?;
+        let stop_token_ids = stop_token_ids
             .into_iter()
             .map(|id| check_token_id(id, vocab_size, "stop_token_ids"))
             .collect::<Result<Vec<_>, _>>()?;
@@ -111,7 +140,7 @@ impl GenOptions {
                 top_k,
                 seed: p.seed.map(|s| s as u64),
             },
-            stops: p.stop.map(|s| s.into_vec()).unwrap_or_default(),
+            stops,
             stop_token_ids,
             ignore_eos: p.ignore_eos,
             max_tokens,
@@ -120,6 +149,17 @@ impl GenOptions {
             return_token_ids: p.return_token_ids,
         })
     }
+}
+
+/// 400 naming `param` when a list of `what` has more than `max` entries.
+fn at_most(param: &str, what: &str, len: usize, max: usize) -> Result<(), ApiError> {
+    if len > max {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("at most {max} {what} are allowed, got {len}"),
+        ));
+    }
+    Ok(())
 }
 
 /// A token id from the request, checked against the vocabulary.
@@ -149,16 +189,17 @@ impl AppState {
         if prompt_len == 0 {
             return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
         }
+        if let Some(max) = self.max_prompt_tokens.filter(|&m| prompt_len > m) {
+            return Err(ApiError::prompt_too_long(format!(
+                "This server accepts prompts of at most {max} tokens (--max-prompt-tokens). \
+                 However, your prompt has {prompt_len} tokens."
+            )));
+        }
         if prompt_len >= limit {
-            return Err(ApiError {
-                status: axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-                message: format!(
-                    "This model's maximum context length is {limit} tokens. However, your prompt \
-                     has {prompt_len} tokens, leaving no room for a completion."
-                ),
-                param: Some("prompt".into()),
-                code: Some("context_length_exceeded"),
-            });
+            return Err(ApiError::prompt_too_long(format!(
+                "This model's maximum context length is {limit} tokens. However, your prompt \
+                 has {prompt_len} tokens, leaving no room for a completion."
+            )));
         }
         let room = limit - prompt_len;
         let max_tokens = match opts.max_tokens {

@@ -1,7 +1,10 @@
 //! The OpenAI-compatible HTTP front: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
 //! `/health`, `/metrics`. It owns tokenization, chat templating, validation and detokenization,
-//! and hands token IDs to a [`GenerationBackend`].
+//! and hands token IDs to a [`GenerationBackend`]. With API keys configured every route but
+//! `/health` and `/metrics` needs one ([`access`]), and a rate limit may hold clients back.
 
+pub mod access;
+pub mod args;
 mod chat;
 mod completions;
 pub mod error;
@@ -11,11 +14,12 @@ pub mod types;
 
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, MatchedPath, Path, Request, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -25,7 +29,9 @@ use tessera_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::backend::GenerationBackend;
 use crate::metrics::Metrics;
+use access::{Access, ApiKeys, RateLimit};
 pub use error::ApiError;
+use error::Refused;
 use types::{ModelCard, ModelList};
 
 /// Settings of the front that are not the model's.
@@ -40,6 +46,13 @@ pub struct FrontOptions {
     pub vocab_size: Option<usize>,
     /// `max_tokens` of `/v1/completions` when the client gives none (OpenAI: 16).
     pub default_completion_max_tokens: usize,
+    /// Longest prompt accepted in tokens (400 above it); the model's context when `None`.
+    pub max_prompt_tokens: Option<usize>,
+    /// Keys every request but `/health` and `/metrics` must present; `None`: no
+    /// authentication (loopback and development only).
+    pub api_keys: Option<Arc<ApiKeys>>,
+    /// Per-key (per-IP without keys) token bucket; `None`: unlimited.
+    pub rate_limit: Option<RateLimit>,
 }
 
 impl Default for FrontOptions {
@@ -49,6 +62,9 @@ impl Default for FrontOptions {
             max_body_bytes: 8 << 20,
             vocab_size: None,
             default_completion_max_tokens: 16,
+            max_prompt_tokens: None,
+            api_keys: None,
+            rate_limit: None,
         }
     }
 }
@@ -62,6 +78,8 @@ pub(crate) struct AppState {
     pub(crate) served_model: String,
     pub(crate) vocab_size: usize,
     pub(crate) default_completion_max_tokens: usize,
+    pub(crate) max_prompt_tokens: Option<usize>,
+    pub(crate) access: Access,
     pub(crate) created: u64,
     pub(crate) metrics: Arc<Metrics>,
 }
@@ -117,6 +135,8 @@ impl HttpFront {
             served_model,
             vocab_size,
             default_completion_max_tokens: opts.default_completion_max_tokens,
+            max_prompt_tokens: opts.max_prompt_tokens,
+            access: Access::new(opts.api_keys, opts.rate_limit),
             created: unix_now(),
             metrics: Arc::new(Metrics::default()),
         };
@@ -149,6 +169,7 @@ impl HttpFront {
             .route("/metrics", get(metrics))
             .fallback(not_found)
             .method_not_allowed_fallback(method_not_allowed)
+            .layer(middleware::from_fn_with_state(state.clone(), guard))
             .layer(middleware::from_fn_with_state(
                 state.clone(),
                 count_requests,
@@ -166,7 +187,11 @@ impl HttpFront {
         if let Ok(addr) = listener.local_addr() {
             tracing::info!(%addr, model = %self.state.served_model, "HTTP front listening");
         }
-        axum::serve(listener, self.router())
+        // The peer address keys the rate limit when there are no API keys.
+        let app = self
+            .router()
+            .into_make_service_with_connect_info::<SocketAddr>();
+        axum::serve(listener, app)
             .with_graceful_shutdown(shutdown)
             .await
     }
@@ -187,7 +212,31 @@ pub(crate) fn new_request_id(prefix: &str) -> String {
     format!("{prefix}-{:016x}{:08x}", h.finish(), n as u32)
 }
 
-/// Counts every response by matched route and status.
+/// Routes open to anyone: load balancers and Prometheus carry no API key.
+const OPEN_ROUTES: &[&str] = &["/health", "/metrics"];
+
+/// API key and rate limit, before any route (unknown ones included) sees the request or its
+/// body.
+async fn guard(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if OPEN_ROUTES.contains(&req.uri().path()) {
+        return next.run(req).await;
+    }
+    let headers = req.headers();
+    let peer = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip());
+    match state.access.admit(
+        headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()),
+        headers.get("x-api-key").map(|v| v.as_bytes()),
+        peer,
+    ) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Counts every response by matched route and status, and refusals by reason.
 async fn count_requests(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let endpoint = req
         .extensions()
@@ -195,9 +244,11 @@ async fn count_requests(State(state): State<Arc<AppState>>, req: Request, next: 
         .map_or("unmatched", |p| p.as_str())
         .to_string();
     let response = next.run(req).await;
-    state
-        .metrics
-        .count_request(&endpoint, response.status().as_u16());
+    let metrics = &state.metrics;
+    metrics.count_request(&endpoint, response.status().as_u16());
+    if let Some(r) = response.extensions().get::<Refused>() {
+        metrics.count_refused(r.status, r.reason);
+    }
     response
 }
 

@@ -3,11 +3,13 @@
 
 #![allow(dead_code)]
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{Method, Request, StatusCode};
+use axum::extract::ConnectInfo;
+use axum::http::{HeaderMap, Method, Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
 use serde_json::Value;
@@ -74,16 +76,36 @@ impl Harness {
         path: &str,
         body: impl Into<Body>,
     ) -> (StatusCode, String) {
-        let req = Request::builder()
+        let (status, _, text) = self.send_from(None, &[], method, path, body).await;
+        (status, text)
+    }
+
+    /// A request from `peer` (as the server sees the TCP peer) with extra `headers`; returns
+    /// the response headers too.
+    pub async fn send_from(
+        &self,
+        peer: Option<SocketAddr>,
+        headers: &[(&str, &str)],
+        method: Method,
+        path: &str,
+        body: impl Into<Body>,
+    ) -> (StatusCode, HeaderMap, String) {
+        let mut req = Request::builder()
             .method(method)
             .uri(path)
-            .header("content-type", "application/json")
-            .body(body.into())
-            .unwrap();
+            .header("content-type", "application/json");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let mut req = req.body(body.into()).unwrap();
+        if let Some(peer) = peer {
+            req.extensions_mut().insert(ConnectInfo(peer));
+        }
         let resp = self.router.clone().oneshot(req).await.unwrap();
         let status = resp.status();
+        let headers = resp.headers().clone();
         let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        (status, String::from_utf8(bytes.to_vec()).unwrap())
+        (status, headers, String::from_utf8(bytes.to_vec()).unwrap())
     }
 
     pub async fn get(&self, path: &str) -> (StatusCode, String) {

@@ -1,4 +1,5 @@
-//! Every bad input gets the right status and OpenAI's error JSON, and the server keeps serving.
+//! Every bad input gets the right status and OpenAI's error JSON naming the problem, and the
+//! server keeps serving. `docs/RELIABILITY.md` lists the inputs.
 
 use axum::http::{Method, StatusCode};
 use serde_json::{json, Value};
@@ -23,12 +24,190 @@ fn bad_requests() -> Vec<(
     &'static str,
 )> {
     let j = |v: Value| v.to_string();
+    let hi = |k: &str, v: Value| {
+        let mut b = json!({"prompt": "hi"});
+        b[k] = v;
+        b.to_string()
+    };
+    let say = |k: &str, v: Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "x"}]});
+        b[k] = v;
+        b.to_string()
+    };
+    // Past the model's context (512) but within --max-prompt-tokens (1000, set above the
+    // context so that both limits can be reached).
     let long_prompt: Vec<u32> = vec![7; 600];
+    let longer_prompt: Vec<u32> = vec![7; 1001];
+    let many_stops: Vec<String> = (0..17).map(|i| format!("s{i}")).collect();
+    let many_stop_ids: Vec<u32> = (0..257).collect();
     vec![
-        (C, r#"{"prompt": "hi", "#.into(), 400, None, "Invalid JSON"),
-        (C, "not json at all".into(), 400, None, "Invalid JSON"),
+        (
+            C,
+            r#"{"prompt": "hi", "#.into(),
+            400,
+            None,
+            "Invalid JSON in request body: EOF while parsing a value at line 1 column 17",
+        ),
+        (
+            C,
+            "{\n  \"prompt\": \"hi\",\n  \"max_tokens\": 3,,\n}".into(),
+            400,
+            None,
+            "at line 3 column 19",
+        ),
+        (
+            C,
+            "not json at all".into(),
+            400,
+            None,
+            "Invalid JSON in request body: expected ident at line 1 column 2",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "temperature": NaN}"#.into(),
+            400,
+            None,
+            "Invalid JSON in request body: expected value at line 1 column 33",
+        ),
+        (
+            C,
+            r#"{"prompt": "hi", "temperature": 1e400}"#.into(),
+            400,
+            None,
+            "number out of range at line 1 column",
+        ),
         (C, "[1, 2]".into(), 400, None, "JSON object"),
+        (C, "null".into(), 400, None, "JSON object"),
         (C, "".into(), 400, None, "Invalid JSON"),
+        (
+            C,
+            hi("top_p", json!("high")),
+            400,
+            Some("top_p"),
+            "invalid type: string \"high\", expected f64",
+        ),
+        (
+            C,
+            hi("max_tokens", json!(1.5)),
+            400,
+            Some("max_tokens"),
+            "invalid type: floating point",
+        ),
+        (
+            C,
+            hi("seed", json!("abc")),
+            400,
+            Some("seed"),
+            "invalid type",
+        ),
+        (
+            C,
+            hi("top_k", json!(1.5)),
+            400,
+            Some("top_k"),
+            "invalid type",
+        ),
+        (
+            C,
+            hi("ignore_eos", json!("yes")),
+            400,
+            Some("ignore_eos"),
+            "expected a boolean",
+        ),
+        (
+            C,
+            hi("return_token_ids", json!(1)),
+            400,
+            Some("return_token_ids"),
+            "expected a boolean",
+        ),
+        (
+            C,
+            hi("presence_penalty", json!("x")),
+            400,
+            Some("presence_penalty"),
+            "invalid type",
+        ),
+        (C, hi("top_p", json!(-0.5)), 400, Some("top_p"), "(0, 1]"),
+        (C, hi("n", json!(0)), 400, Some("n"), "n=0 is not supported"),
+        (
+            C,
+            hi("frequency_penalty", json!(1)),
+            400,
+            Some("frequency_penalty"),
+            "frequency_penalty is not supported",
+        ),
+        (
+            C,
+            hi("logit_bias", json!({"5": 10})),
+            400,
+            Some("logit_bias"),
+            "logit_bias is not supported",
+        ),
+        (C, hi("suffix", json!("end")), 400, Some("suffix"), "suffix"),
+        (
+            C,
+            hi("max_tokens", json!(1_000_000_000_000_i64)),
+            400,
+            Some("max_tokens"),
+            "maximum context length is 512 tokens",
+        ),
+        (
+            C,
+            hi("stop", json!(many_stops)),
+            400,
+            Some("stop"),
+            "at most 16 stop sequences are allowed, got 17",
+        ),
+        (
+            C,
+            hi("stop", json!("z".repeat(300))),
+            400,
+            Some("stop"),
+            "at most 256 characters, got one of 300",
+        ),
+        (
+            C,
+            hi("stop", json!([1, 2])),
+            400,
+            Some("stop"),
+            "did not match any variant",
+        ),
+        (
+            C,
+            hi("stop_token_ids", json!(many_stop_ids)),
+            400,
+            Some("stop_token_ids"),
+            "at most 256 stop token ids are allowed, got 257",
+        ),
+        (
+            C,
+            hi("stream_options", json!({"include_usage": true})),
+            400,
+            Some("stream_options"),
+            "only allowed when stream is true",
+        ),
+        (
+            C,
+            j(json!({"prompt": true})),
+            400,
+            Some("prompt"),
+            "must be",
+        ),
+        (
+            C,
+            j(json!({"prompt": [1.5]})),
+            400,
+            Some("prompt"),
+            "not an integer",
+        ),
+        (
+            C,
+            j(json!({"prompt": longer_prompt, "max_tokens": 1})),
+            400,
+            Some("prompt"),
+            "at most 1000 tokens (--max-prompt-tokens). However, your prompt has 1001 tokens",
+        ),
         (
             C,
             j(json!({"prompt": "hi", "temperature": "hot"})),
@@ -55,7 +234,7 @@ fn bad_requests() -> Vec<(
             j(json!({"prompt": "hi", "stop": 5})),
             400,
             Some("stop"),
-            "",
+            "Invalid value for `stop`",
         ),
         (C, j(json!({"prompt": "hi", "n": 2})), 400, Some("n"), "n=2"),
         (
@@ -63,7 +242,7 @@ fn bad_requests() -> Vec<(
             j(json!({"prompt": "hi", "best_of": 3})),
             400,
             Some("best_of"),
-            "",
+            "best_of=3 is not supported",
         ),
         (
             C,
@@ -112,28 +291,28 @@ fn bad_requests() -> Vec<(
             j(json!({"prompt": "hi", "top_k": -3})),
             400,
             Some("top_k"),
-            "",
+            "top_k must be -1 (disabled) or at least 1, got -3",
         ),
         (
             C,
             j(json!({"prompt": "hi", "presence_penalty": 0.5})),
             400,
             Some("presence_penalty"),
-            "",
+            "presence_penalty is not supported",
         ),
         (
             C,
             j(json!({"prompt": "hi", "echo": true})),
             400,
             Some("echo"),
-            "",
+            "echo is not supported",
         ),
         (
             C,
             j(json!({"prompt": "hi", "logprobs": 2})),
             400,
             Some("logprobs"),
-            "",
+            "logprobs are not supported",
         ),
         (C, j(json!({"prompt": ""})), 400, Some("prompt"), "empty"),
         (C, j(json!({"prompt": []})), 400, Some("prompt"), "empty"),
@@ -183,9 +362,9 @@ fn bad_requests() -> Vec<(
         (
             C,
             j(json!({"prompt": long_prompt, "max_tokens": 1})),
-            413,
+            400,
             Some("prompt"),
-            "maximum context length",
+            "maximum context length is 512 tokens. However, your prompt has 600 tokens",
         ),
         (
             C,
@@ -258,14 +437,14 @@ fn bad_requests() -> Vec<(
             j(json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true})),
             400,
             Some("logprobs"),
-            "",
+            "logprobs are not supported",
         ),
         (
             CHAT,
             j(json!({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0})),
             400,
             Some("max_tokens"),
-            "",
+            "max_tokens must be at least 1, got 0",
         ),
         (
             CHAT,
@@ -274,7 +453,7 @@ fn bad_requests() -> Vec<(
             ),
             400,
             Some("response_format"),
-            "",
+            "only response_format {\"type\": \"text\"} is supported",
         ),
         (
             CHAT,
@@ -282,6 +461,78 @@ fn bad_requests() -> Vec<(
             404,
             Some("model"),
             "nope",
+        ),
+        (
+            CHAT,
+            j(json!({"messages": null})),
+            400,
+            Some("messages"),
+            "missing field `messages`",
+        ),
+        (
+            CHAT,
+            j(json!({"messages": [{"role": 5, "content": "x"}]})),
+            400,
+            Some("messages[0].role"),
+            "invalid type",
+        ),
+        (
+            CHAT,
+            j(user(json!([{"text": "no type"}]))),
+            400,
+            Some("messages[0].content"),
+            "needs a string `type`",
+        ),
+        (
+            CHAT,
+            j(
+                json!({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": null}]}),
+            ),
+            400,
+            Some("messages[1].content"),
+            "a `user` message needs content",
+        ),
+        (
+            CHAT,
+            say("top_logprobs", json!(3)),
+            400,
+            Some("logprobs"),
+            "not supported",
+        ),
+        (
+            CHAT,
+            say("chat_template_kwargs", json!("thinking")),
+            400,
+            Some("chat_template_kwargs"),
+            "invalid type",
+        ),
+        (
+            CHAT,
+            say("response_format", json!("json")),
+            400,
+            Some("response_format"),
+            "only response_format",
+        ),
+        (
+            CHAT,
+            say("temperature", json!(-1)),
+            400,
+            Some("temperature"),
+            "temperature must be in [0, 2], got -1",
+        ),
+        (
+            CHAT,
+            say("n", json!(4)),
+            400,
+            Some("n"),
+            "n=4 is not supported: only n=1 is",
+        ),
+        (
+            CHAT,
+            say("stop", json!(vec!["a"; 20])),
+            400,
+            Some("stop"),
+            "at most 16 stop sequences",
         ),
         ("/v1/nope", "{}".into(), 404, None, "/v1/nope"),
     ]
@@ -292,6 +543,7 @@ fn assert_openai_error(v: &Value, status: u16) {
     assert!(!e["message"].as_str().unwrap().is_empty(), "{v}");
     let ty = e["type"].as_str().unwrap();
     let want = match status {
+        401 => "authentication_error",
         429 => "rate_limit_error",
         500..=599 => "server_error",
         _ => "invalid_request_error",
@@ -300,9 +552,15 @@ fn assert_openai_error(v: &Value, status: u16) {
     assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
 }
 
+/// A normal request still gets exactly the fake's output: ids 70 and 71 after a 70-token
+/// prompt, which are the bytes `F` and `G`.
 async fn still_serves(h: &Harness) {
-    let (status, v) = h.post(C, &json!({"prompt": "ok", "max_tokens": 2})).await;
+    let body = json!({"prompt": vec![7; 70], "max_tokens": 2, "return_token_ids": true});
+    let (status, v) = h.post(C, &body).await;
     assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["text"], "FG", "{v}");
+    assert_eq!(ids_of(&v["choices"][0]["token_ids"]), fake_ids(70, 2));
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(v["usage"]["completion_tokens"], 2);
 }
 
@@ -314,11 +572,14 @@ async fn bad_inputs_get_openai_errors() {
     };
     let opts = FrontOptions {
         max_body_bytes: 16 << 10,
+        max_prompt_tokens: Some(1000),
         ..FrontOptions::default()
     };
     let h = harness_with(config, opts, true);
     let cases = bad_requests();
-    assert!(cases.len() >= 40);
+    assert!(cases.len() >= 80, "{} cases", cases.len());
+    let distinct: std::collections::HashSet<_> = cases.iter().map(|c| (c.0, &c.1)).collect();
+    assert_eq!(distinct.len(), cases.len(), "a bad input is listed twice");
     let completion_400s = cases.iter().filter(|c| c.0 == C && c.2 == 400).count() as u64;
     for (path, body, status, param, msg) in cases {
         let (got, text) = h.send(Method::POST, path, body.clone()).await;
@@ -334,6 +595,17 @@ async fn bad_inputs_get_openai_errors() {
     // Nothing that was rejected reached the backend.
     assert_eq!(h.fake.submitted().len(), bad_requests().len());
     assert_eq!(h.metrics.requests("/v1/completions", 400), completion_400s);
+    // Every refusal was counted by reason.
+    let text = h.get("/metrics").await.1;
+    let refused: u64 = text
+        .lines()
+        .filter(|l| l.starts_with("tessera_http_refused_requests_total{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(refused, bad_requests().len() as u64, "{text}");
+    assert_eq!(h.metrics.refused(400, "context_length_exceeded"), 4);
+    assert_eq!(h.metrics.refused(413, "request_too_large"), 1);
+    assert_eq!(h.metrics.refused(404, "model_not_found"), 2);
 }
 
 #[tokio::test]
@@ -365,7 +637,7 @@ async fn backend_refusals_and_failures() {
                 prompt_tokens: 9,
                 limit: 4,
             },
-            413,
+            400,
         ),
         (BackendError::Internal("boom".into()), 500),
     ] {

@@ -2,6 +2,7 @@
 
 mod common;
 
+mod access;
 mod cancel;
 mod errors;
 mod generation;
