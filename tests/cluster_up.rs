@@ -1,6 +1,8 @@
 //! `tessera up`: router, prefill and decode daemons as separate processes on loopback. Greedy
 //! outputs through the cluster equal the single-process engine and the `transformers`
-//! references, plain and streamed, with 1+1 and 2+2 workers; SIGTERM stops everything.
+//! references, plain and streamed, with 1+1 and 2+2 workers; SIGTERM stops everything. The
+//! workers refuse gRPC calls without the cluster secret `up` generated for its children. The
+//! router gets `up`'s API-key and limit flags.
 
 mod common;
 #[path = "common/server.rs"]
@@ -8,7 +10,7 @@ mod server;
 
 use common::*;
 use serde_json::{json, Value};
-use server::{sse_events, Server};
+use server::{sse_events, KeyFile, Server};
 
 fn ids(v: &Value) -> Vec<u32> {
     serde_json::from_value(v.clone()).unwrap()
@@ -88,4 +90,111 @@ fn one_prefill_one_decode() {
 #[test]
 fn two_prefill_two_decode() {
     check_cluster("2", "2");
+}
+
+#[test]
+fn workers_refuse_calls_without_the_secret_up_gave_its_children() {
+    use tessera_prefill::runtime::{ClusterToken, DEV_SECRET};
+    use tessera_proto::tonic::{transport::Channel, Code};
+    use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
+    use tessera_proto::v1::{self, decode_worker_client::DecodeWorkerClient};
+
+    let dir = fixtures_dir().join("kl_mixed");
+    let s = Server::launch(&dir, &["up", "--port", "0"]);
+    let grpc = |role: &str| {
+        let prefix = format!("tessera up: {role} ready, gRPC at ");
+        s.banner
+            .iter()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("no {role} in {:?}", s.banner))
+            .to_string()
+    };
+    let (decode, prefill) = (grpc("decode-0"), grpc("prefill-0"));
+    assert!(
+        !s.banner.iter().any(|l| l.contains("encoder")),
+        "no encoder for a text-only model: {:?}",
+        s.banner
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let channel = |addr: &str| {
+            Channel::from_shared(format!("http://{addr}"))
+                .unwrap()
+                .connect_lazy()
+        };
+        // Without a secret, and with the default one: `up` generated its own.
+        let dev = ClusterToken::new(DEV_SECRET).unwrap();
+        let refusals = [
+            DecodeWorkerClient::new(channel(&decode))
+                .stats(v1::StatsRequest {})
+                .await
+                .map(drop),
+            DecodeWorkerClient::with_interceptor(channel(&decode), dev.clone())
+                .stats(v1::StatsRequest {})
+                .await
+                .map(drop),
+            PrefillWorkerClient::new(channel(&prefill))
+                .stats(v1::StatsRequest {})
+                .await
+                .map(drop),
+            PrefillWorkerClient::with_interceptor(channel(&prefill), dev)
+                .stats(v1::StatsRequest {})
+                .await
+                .map(drop),
+        ];
+        for (i, r) in refusals.into_iter().enumerate() {
+            assert_eq!(r.unwrap_err().code(), Code::Unauthenticated, "call {i}");
+        }
+    });
+    // Closes the connections, which the workers' graceful stop would otherwise wait for.
+    drop(rt);
+    // The router was given the same secret: requests go through.
+    let refs = reference(&dir).prompts;
+    let p = &refs[0];
+    let got = greedy(&s, &p.prompt_ids, p.greedy_ids.len(), false);
+    assert_greedy_matches(&got, &p.greedy_ids, &p.greedy_margins, &p.name);
+    s.terminate();
+}
+
+#[test]
+fn up_hands_api_keys_and_limits_to_the_router() {
+    let dir = fixtures_dir().join("kl_mixed");
+    let keys = KeyFile::new("sk-cluster\n");
+    let s = Server::launch(
+        &dir,
+        &[
+            "up",
+            "--port",
+            "0",
+            "--api-key-file",
+            &keys.path,
+            "--max-prompt-tokens",
+            "8",
+        ],
+    );
+    let p = &reference(&dir).prompts[0];
+    let post = |key, prompt: &[u32]| {
+        let body = json!({"prompt": prompt, "max_tokens": p.greedy_ids.len(), "temperature": 0,
+            "ignore_eos": true, "return_token_ids": true});
+        let (st, _, text) = s.request_as(key, "POST", "/v1/completions", Some(&body.to_string()));
+        (st, serde_json::from_str::<Value>(&text).unwrap())
+    };
+    let (st, v) = post(None, &p.prompt_ids);
+    assert_eq!(st, 401, "{v}");
+    assert_eq!(v["error"]["code"], "missing_api_key");
+    let key = Some("sk-cluster");
+    let (st, v) = post(key, &[5; 9]);
+    assert_eq!(st, 400, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("at most 8 tokens"));
+    let (st, v) = post(key, &p.prompt_ids);
+    assert_eq!(st, 200, "{v}");
+    let got = ids(&v["choices"][0]["token_ids"]);
+    assert_greedy_matches(&got, &p.greedy_ids, &p.greedy_margins, &p.name);
+    assert_eq!(s.request("GET", "/health", None).0, 200);
 }

@@ -398,3 +398,51 @@ fn prefix_hits_work_without_mla_and_without_kda_layers() {
         }
     }
 }
+
+#[test]
+fn stats_count_queued_prompt_tokens_and_the_parents_requests_hold() {
+    let m = model("kl_mixed");
+    // 16-token steps: a 40-token prompt takes three of them.
+    let mut s = Scheduler::new(&m, cfg(16, 16, 0, 4 << 20, true)).unwrap();
+    let prompt =
+        |n: u32, k: u32| -> Vec<u32> { (0..n).map(|i| (i * 13 + k * 31) % 300 + 3).collect() };
+    let (a, b) = (prompt(40, 0), prompt(24, 1));
+    assert_eq!(s.stats().queued_prompt_tokens, 0);
+    let outs = [
+        submit(&mut s, &a, 4, SamplingParams::default(), None),
+        submit(&mut s, &b, 4, SamplingParams::default(), None),
+    ];
+    assert_eq!(s.stats().queued_prompt_tokens, 64, "both prompts wait");
+    assert_eq!(s.request_parents(), 0);
+    s.step(&m).unwrap();
+    assert_eq!(
+        s.stats().queued_prompt_tokens,
+        48,
+        "16 tokens of the first were prefilled"
+    );
+    assert!(s.request_parents() >= 1);
+    run_to_end(&mut s, &m);
+    for o in &outs {
+        assert!(o.lock().unwrap().failed.is_none());
+    }
+    // Idle: nothing queued and no request holds a page, but the cache keeps what they published.
+    assert_eq!(s.stats().queued_prompt_tokens, 0);
+    assert_eq!(s.request_parents(), 0);
+    assert!(s.evictable_pages() > 0);
+    assert_eq!(s.evictable_pages(), s.live_pages());
+    // A cached prefix taken again by a request is no longer evictable, and pins its parents.
+    let again = submit(&mut s, &a, 4, SamplingParams::default(), None);
+    s.step(&m).unwrap();
+    assert!(s.evictable_pages() < s.live_pages());
+    assert!(s.request_parents() >= 1);
+    run_to_end(&mut s, &m);
+    assert!(again.lock().unwrap().failed.is_none());
+    assert_eq!(s.request_parents(), 0);
+    // A reservation for an incoming transfer holds pages like a request.
+    let r = s.reserve(40).unwrap();
+    assert!(s.request_parents() >= 1);
+    assert!(s.cancel_reservation(r.id).unwrap());
+    assert_eq!(s.request_parents(), 0);
+    s.clear_prefix_cache().unwrap();
+    assert_eq!((s.live_pages(), s.evictable_pages()), (0, 0));
+}

@@ -15,7 +15,6 @@
 //! TTL is cancelled (pages freed, incoming transfer abandoned).
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -47,6 +46,9 @@ const MAX_TTL: Duration = Duration::from_secs(600);
 struct Pending {
     request_id: String,
     reservation: Reservation,
+    /// A reservation is in-flight work: a drain waits for it to be started (its decode then
+    /// holds this) or released, so a request that reserved pages before SIGTERM still decodes.
+    inflight: InflightGuard,
 }
 
 pub struct DecodeService {
@@ -67,46 +69,25 @@ pub struct DecodeService {
 }
 
 impl DecodeService {
-    pub async fn new(
-        engine: Arc<EngineHandle>,
-        transport: Arc<TcpTransport>,
-        worker_id: String,
-        model_id: String,
-        max_running: usize,
-        drain: Arc<Drain>,
-    ) -> anyhow::Result<Self> {
-        let e = engine.clone();
-        let ((slot_bytes, slots), layout) = tokio::task::spawn_blocking(move || {
-            anyhow::Ok((runtime::slot_bytes(&e)?, runtime::layout_descriptor(&e)?))
-        })
-        .await??;
+    /// The service over an engine daemon's foundation: registers the transfer staging region
+    /// (`slots × slot_bytes`) that prefill workers write into.
+    fn new(f: &runtime::Foundation, max_running: usize) -> anyhow::Result<Self> {
+        let (slot_bytes, slots) = f.slots;
         let staging = RegionHandle::new(slot_bytes * slots);
-        let staging_desc = transport.register(&staging)?;
+        let staging_desc = f.transport.register(&staging)?;
         tracing::info!(
             bytes = slot_bytes * slots,
             slot_bytes,
             "transfer staging region registered"
         );
-        let info = v1::WorkerInfo {
-            worker_id,
-            incarnation_id: transport.incarnation().0,
-            role: v1::Role::Decode as i32,
-            model_id,
-            transfer_endpoint: transport.endpoint(),
-            transfer_backend: v1::TransferBackend::Tcp as i32,
-            layout: Some(layout),
-            max_running: max_running as u32,
-            version: env!("CARGO_PKG_VERSION").into(),
-            ..Default::default()
-        };
         Ok(DecodeService {
-            engine,
-            transport,
+            engine: f.engine.clone(),
+            transport: f.transport.clone(),
             staging,
             staging_desc,
             slot_bytes,
-            info,
-            drain,
+            info: f.info.clone(),
+            drain: f.drain.clone(),
             max_running,
             pending: Mutex::default(),
             running: Mutex::default(),
@@ -135,12 +116,8 @@ impl DecodeService {
 
     fn stats_now(&self) -> anyhow::Result<(v1::PoolStats, v1::LoadStats)> {
         let reservations = self.pending.lock().unwrap().len();
-        let (mut pool, load) = runtime::worker_stats(
-            &self.engine,
-            self.drain.is_draining(),
-            reservations,
-            self.max_running,
-        )?;
+        let (mut pool, load) =
+            runtime::worker_stats(&self.engine, &self.drain, reservations, self.max_running)?;
         pool.reserved_pages = self
             .pending
             .lock()
@@ -153,24 +130,22 @@ impl DecodeService {
 
     /// Prometheus text for `/metrics` (blocking).
     pub fn metrics_text(&self) -> String {
-        match self.stats_now() {
-            Ok((p, l)) => runtime::render_metrics(
-                "decode",
-                &p,
-                &l,
-                &[
-                    (
-                        "generated_tokens_total",
-                        self.tokens_out.load(Ordering::Relaxed),
-                    ),
-                    (
-                        "reservations_expired_total",
-                        self.expired.load(Ordering::Relaxed),
-                    ),
-                ],
-            ),
-            Err(e) => format!("# error: {e}\n"),
-        }
+        runtime::engine_metrics(
+            "decode",
+            self.stats_now(),
+            &[
+                runtime::counter(
+                    "tessera_generated_tokens_total",
+                    "Tokens decoded and streamed (each request's first token comes from prefill).",
+                    self.tokens_out.load(Ordering::Relaxed),
+                ),
+                runtime::counter(
+                    "tessera_reservations_expired_total",
+                    "Reservations freed because no StartDecode claimed them within their TTL.",
+                    self.expired.load(Ordering::Relaxed),
+                ),
+            ],
+        )
     }
 }
 
@@ -210,16 +185,7 @@ impl Drop for StreamGuard {
 
 type TokenStream = Pin<Box<dyn Stream<Item = Result<v1::TokenChunk, Status>> + Send>>;
 
-/// The gRPC face of [`DecodeService`] (a newtype: the trait is foreign, and so is `Arc`).
-#[derive(Clone)]
-pub struct DecodeGrpc(pub Arc<DecodeService>);
-
-impl std::ops::Deref for DecodeGrpc {
-    type Target = DecodeService;
-    fn deref(&self) -> &DecodeService {
-        &self.0
-    }
-}
+tessera_prefill::grpc_face!(DecodeGrpc => DecodeService);
 
 #[tonic::async_trait]
 impl DecodeWorker for DecodeGrpc {
@@ -227,13 +193,9 @@ impl DecodeWorker for DecodeGrpc {
         &self,
         request: Request<v1::ReserveRequest>,
     ) -> Result<Response<v1::ReserveReply>, Status> {
-        let _g = self.drain.admit(&self.info.worker_id)?;
+        let inflight = self.drain.admit(&self.info.worker_id)?;
         let req = request.into_inner();
-        tessera_proto::check_incarnation(
-            req.target_incarnation,
-            self.info.incarnation_id,
-            &self.info.worker_id,
-        )?;
+        runtime::check_target(&self.info, req.target_incarnation)?;
         let prompt_len = req.prompt_token_ids.len();
         if prompt_len == 0 {
             return Err(err(v1::ErrorCode::InvalidArgument, "empty prompt"));
@@ -265,6 +227,7 @@ impl DecodeWorker for DecodeGrpc {
             Pending {
                 request_id: req.request_id,
                 reservation: r,
+                inflight,
             },
         );
         let me = self.clone();
@@ -300,13 +263,9 @@ impl DecodeWorker for DecodeGrpc {
         &self,
         request: Request<v1::StartDecodeRequest>,
     ) -> Result<Response<TokenStream>, Status> {
-        let inflight = self.drain.admit(&self.info.worker_id)?;
+        // No admission check: the reservation was admitted, and a drain lets it finish.
         let req = request.into_inner();
-        tessera_proto::check_incarnation(
-            req.target_incarnation,
-            self.info.incarnation_id,
-            &self.info.worker_id,
-        )?;
+        runtime::check_target(&self.info, req.target_incarnation)?;
         let id: u64 = req
             .reservation_id
             .parse()
@@ -386,7 +345,7 @@ impl DecodeWorker for DecodeGrpc {
         .await
         .map_err(internal)?
         .map_err(|e| err(v1::ErrorCode::InvalidArgument, e.to_string()))?;
-        let _ = pending.request_id;
+        let inflight = pending.inflight;
         self.running
             .lock()
             .unwrap()
@@ -507,11 +466,7 @@ impl DecodeWorker for DecodeGrpc {
         request: Request<v1::TransferHandshakeRequest>,
     ) -> Result<Response<v1::TransferHandshakeReply>, Status> {
         let req = request.into_inner();
-        tessera_proto::check_incarnation(
-            req.target_incarnation,
-            self.info.incarnation_id,
-            &self.info.worker_id,
-        )?;
+        runtime::check_target(&self.info, req.target_incarnation)?;
         if let (Some(mine), Some(theirs)) = (
             self.info.layout.as_ref(),
             req.initiator.as_ref().and_then(|i| i.layout.as_ref()),
@@ -536,13 +491,7 @@ impl DecodeWorker for DecodeGrpc {
 }
 
 /// A running decode daemon (in-process handle, for `main` and tests).
-pub struct RunningDecode {
-    pub grpc: SocketAddr,
-    pub transfer_endpoint: String,
-    pub metrics: Option<SocketAddr>,
-    pub service: Arc<DecodeService>,
-    pub server: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
+pub type RunningDecode = runtime::Running<DecodeService>;
 
 /// Starts the daemon: engine, transport, gRPC (+ health), `/metrics`; stops gracefully when
 /// `shutdown` resolves.
@@ -550,49 +499,18 @@ pub async fn start(
     args: WorkerArgs,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<RunningDecode> {
-    let runtime::Foundation {
-        engine,
-        transport,
-        drain,
-        worker_id,
-        listener,
-        grpc,
-    } = runtime::foundation(&args, "decode").await?;
-    let mut svc = DecodeService::new(
-        engine,
-        transport.clone(),
-        worker_id.clone(),
-        args.model_id(),
-        args.max_running,
-        drain.clone(),
-    )
-    .await?;
-    svc.info.grpc_address = grpc.to_string();
-    let service = Arc::new(svc);
-    let s = service.clone();
-    let metrics = runtime::metrics_if_asked(&args, Arc::new(move || s.metrics_text())).await?;
-    let (health, health_svc) = tessera_proto::health::server::health_reporter();
-    health.set_serving::<DecodeWorkerServer<DecodeGrpc>>().await;
-    let stop = runtime::drain_on::<DecodeWorkerServer<DecodeGrpc>>(
-        shutdown,
-        drain,
-        health,
-        Duration::from_secs(args.drain_timeout),
-    );
-    let incoming = tonic::transport::server::TcpIncoming::from(listener);
-    let router = tonic::transport::Server::builder()
-        .add_service(health_svc)
-        .add_service(DecodeWorkerServer::new(DecodeGrpc(service.clone())));
-    let server = tokio::spawn(async move {
-        router.serve_with_incoming_shutdown(incoming, stop).await?;
-        Ok(())
-    });
-    runtime::ready(&args, service.info(), metrics, &service.drain).await?;
-    Ok(RunningDecode {
-        grpc,
-        transfer_endpoint: transport.endpoint(),
-        metrics,
+    let f = runtime::foundation(&args, v1::Role::Decode).await?;
+    let service = Arc::new(DecodeService::new(&f, args.max_running)?);
+    let grpc = DecodeWorkerServer::new(DecodeGrpc(service.clone()));
+    runtime::serve(
+        &args.daemon,
+        f.listener,
+        &f.info,
+        f.drain,
         service,
-        server,
-    })
+        grpc,
+        DecodeService::metrics_text,
+        shutdown,
+    )
+    .await
 }

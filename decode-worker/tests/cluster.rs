@@ -2,18 +2,21 @@
 //! `tessera-decode` binary), the prefill daemon in-process (its own engine, gRPC server and TCP
 //! transport), and pages move between them over `tessera-transfer`'s TCP backend. Tokens must
 //! equal the single-process engine, and both pools must return to baseline after completion,
-//! a dropped stream, a released reservation and an expired one.
+//! a dropped stream, a released reservation and an expired one. Withholding any one part of the
+//! state from the transfer must change the tokens; calls without the cluster secret are refused.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use futures_util::StreamExt;
 use tessera_engine::generate::{generate, GenerateRequest};
 use tessera_engine::{Model, SamplingParams};
-use tessera_prefill::runtime::WorkerArgs;
+use tessera_prefill::runtime::{ClusterToken, TestHooks, Withhold, WorkerArgs};
+use tessera_proto::tonic::service::interceptor::InterceptedService;
 use tessera_proto::tonic::transport::Channel;
 use tessera_proto::v1;
 use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
@@ -40,13 +43,14 @@ impl Drop for Daemon {
     }
 }
 
-/// Starts `tessera-decode` and returns it with its gRPC address (from its ready line).
+/// Starts `tessera-decode` (its own process, its own fresh pool and staging region) and returns
+/// it with its gRPC address (from its ready line).
 fn spawn_decode() -> (Daemon, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_tessera-decode"))
         .args(["--listen", "127.0.0.1:0", "--page-tokens", "16"])
         .env("TESSERA_MODEL", fixture())
         .env("TESSERA_KV_MEMORY", "24M")
-        .env("TESSERA_AUTH_SECRET", "cluster-test")
+        .env("TESSERA_AUTH_SECRET", SECRET)
         .stdout(Stdio::piped())
         .spawn()
         .expect("start tessera-decode");
@@ -87,11 +91,30 @@ fn solo(prompt: &[u32], n: usize, sampling: SamplingParams) -> Vec<u32> {
     .unwrap()
 }
 
+const SECRET: &str = "cluster-test";
+
+type Authed = InterceptedService<Channel, ClusterToken>;
+
+/// A channel to `addr` whose calls carry the cluster secret `secret`.
+async fn channel(addr: &str) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn token(secret: &str) -> ClusterToken {
+    ClusterToken::new(secret).unwrap()
+}
+
 struct Cluster {
-    decode: DecodeWorkerClient<Channel>,
-    prefill: PrefillWorkerClient<Channel>,
+    decode: DecodeWorkerClient<Authed>,
+    prefill: PrefillWorkerClient<Authed>,
     decode_addr: String,
     last_cached: u32,
+    /// Bytes the last prefill moved to decode.
+    last_bytes: u64,
 }
 
 fn wire(s: &SamplingParams) -> v1::SamplingParams {
@@ -104,6 +127,39 @@ fn wire(s: &SamplingParams) -> v1::SamplingParams {
 }
 
 impl Cluster {
+    /// Starts a prefill daemon in-process (its test hooks shared with the caller) and connects
+    /// to it and to the decode daemon at `decode_addr`, with the cluster secret.
+    async fn connect(
+        decode_addr: &str,
+        hooks: Arc<TestHooks>,
+    ) -> (Cluster, tessera_prefill::RunningPrefill) {
+        let mut args = A::parse_from([
+            "t",
+            "--model",
+            fixture().to_str().unwrap(),
+            "--kv-memory",
+            "8M",
+            "--auth-secret",
+            SECRET,
+        ])
+        .w;
+        args.daemon.test_hooks = hooks;
+        let prefill = tessera_prefill::start(args, std::future::pending())
+            .await
+            .unwrap();
+        let c = Cluster {
+            decode: DecodeWorkerClient::with_interceptor(channel(decode_addr).await, token(SECRET)),
+            prefill: PrefillWorkerClient::with_interceptor(
+                channel(&prefill.grpc.to_string()).await,
+                token(SECRET),
+            ),
+            decode_addr: decode_addr.to_string(),
+            last_cached: 0,
+            last_bytes: 0,
+        };
+        (c, prefill)
+    }
+
     /// Reserve on decode, prefill into the reservation; returns (reservation id, first token).
     async fn reserve_and_prefill(
         &mut self,
@@ -140,7 +196,8 @@ impl Cluster {
             .await
             .unwrap()
             .into_inner();
-        assert!(p.transfer.unwrap().bytes > 0);
+        self.last_bytes = p.transfer.unwrap().bytes;
+        assert!(self.last_bytes > 0);
         self.last_cached = p.cached_tokens;
         (r.reservation_id, p.first_token)
     }
@@ -224,29 +281,7 @@ impl Cluster {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_and_decode_daemons_equal_the_single_process_engine() {
     let (mut decode_proc, decode_addr) = spawn_decode();
-    let args = A::parse_from([
-        "t",
-        "--model",
-        fixture().to_str().unwrap(),
-        "--kv-memory",
-        "8M",
-        "--auth-secret",
-        "cluster-test",
-    ])
-    .w;
-    let prefill = tessera_prefill::start(args, std::future::pending())
-        .await
-        .unwrap();
-    let mut c = Cluster {
-        decode: DecodeWorkerClient::connect(format!("http://{decode_addr}"))
-            .await
-            .unwrap(),
-        prefill: PrefillWorkerClient::connect(format!("http://{}", prefill.grpc))
-            .await
-            .unwrap(),
-        decode_addr: decode_addr.clone(),
-        last_cached: 0,
-    };
+    let (mut c, _prefill) = Cluster::connect(&decode_addr, Default::default()).await;
     assert_eq!(c.live().await, (0, 0));
 
     let prompt: Vec<u32> = (0..70).map(|i| (i * 29 % 370) as u32 + 5).collect();
@@ -352,12 +387,7 @@ async fn prefill_and_decode_daemons_equal_the_single_process_engine() {
 
     // Health, then a graceful drain on SIGTERM: the daemon exits cleanly.
     use tessera_proto::health::pb::{health_client::HealthClient, HealthCheckRequest};
-    let channel = Channel::from_shared(format!("http://{decode_addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut health = HealthClient::new(channel);
+    let mut health = HealthClient::new(channel(&decode_addr).await);
     let st = health
         .check(HealthCheckRequest {
             service: "tessera.v1.DecodeWorker".into(),
@@ -427,4 +457,157 @@ impl Cluster {
             .into_inner();
         (r.reservation_id, p.first_token)
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn withholding_one_page_of_the_state_over_the_wire_changes_the_output() {
+    let hooks = Arc::new(TestHooks::default());
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 29 % 370) as u32 + 5).collect();
+    let greedy = SamplingParams::default();
+    let n = 24;
+    let want = solo(&prompt, n, greedy.clone());
+    let mla_pages = prompt.len().div_ceil(16);
+
+    // Every case gets a fresh decode process: its staging slots and pages hold no earlier copy
+    // of this prompt's state that a withheld page could silently fall back on.
+    let (mut decode, mut addr) = spawn_decode();
+    let (mut c, _prefill) = Cluster::connect(&addr, hooks.clone()).await;
+    let layout = c
+        .decode
+        .stats(v1::StatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .info
+        .unwrap()
+        .layout
+        .unwrap();
+    let kda_groups = layout
+        .groups
+        .iter()
+        .filter(|g| g.kind == v1::CacheGroupKind::Kda as i32)
+        .count();
+    assert!(kda_groups >= 2, "the fixture has several KDA groups");
+
+    // The whole state: exact.
+    assert_eq!(c.run("all", &prompt, n, greedy.clone()).await, want);
+    let full_bytes = c.last_bytes;
+
+    let mut cases = vec![Withhold::MlaPage(0), Withhold::MlaPage(mla_pages - 1)];
+    cases.extend((0..kda_groups).map(Withhold::KdaGroup));
+    for (i, w) in cases.into_iter().enumerate() {
+        drop(decode);
+        (decode, addr) = spawn_decode();
+        c.decode = DecodeWorkerClient::with_interceptor(channel(&addr).await, token(SECRET));
+        c.decode_addr = addr.clone();
+        *hooks.withhold.lock().unwrap() = Some(w);
+        let got = c
+            .run(&format!("withheld{i}"), &prompt, n, greedy.clone())
+            .await;
+        assert!(
+            c.last_bytes < full_bytes,
+            "{w:?}: the transfer left something out ({} of {full_bytes} bytes)",
+            c.last_bytes
+        );
+        assert_ne!(
+            got, want,
+            "decode ignored the withheld {w:?}: the equality check cannot tell a missing state"
+        );
+        *hooks.withhold.lock().unwrap() = None;
+        c.wait_baseline(&format!("after withholding {w:?}")).await;
+    }
+
+    // With the hook disarmed, the same decode worker is exact again.
+    assert_eq!(c.run("again", &prompt, n, greedy).await, want);
+    assert_eq!(c.last_bytes, full_bytes);
+}
+
+/// An interceptor that sends `secret` (none: no `authorization` at all) as the bearer token.
+fn bearer(secret: Option<&'static str>) -> impl tessera_proto::tonic::service::Interceptor + Clone {
+    move |mut r: tessera_proto::tonic::Request<()>| {
+        if let Some(s) = secret {
+            let v = format!("Bearer {s}").parse().unwrap();
+            r.metadata_mut().insert("authorization", v);
+        }
+        Ok(r)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_refuse_calls_without_the_cluster_secret() {
+    use tessera_proto::health::pb::{health_client::HealthClient, HealthCheckRequest};
+    use tessera_proto::tonic::Code;
+
+    let (_decode, decode_addr) = spawn_decode();
+    let (mut c, prefill) = Cluster::connect(&decode_addr, Default::default()).await;
+    let prefill_addr = prefill.grpc.to_string();
+    let prompt: Vec<u32> = (0..40).map(|i| i as u32 + 5).collect();
+    let unauthenticated = |r: Result<_, tessera_proto::tonic::Status>, what: &str| {
+        let e = r.err().unwrap_or_else(|| panic!("{what}: accepted"));
+        assert_eq!(e.code(), Code::Unauthenticated, "{what}: {e:?}");
+    };
+
+    for secret in [None, Some("not-the-cluster-secret")] {
+        let what = |call: &str| format!("{call} with secret {secret:?}");
+        let mut decode =
+            DecodeWorkerClient::with_interceptor(channel(&decode_addr).await, bearer(secret));
+        let mut prefill =
+            PrefillWorkerClient::with_interceptor(channel(&prefill_addr).await, bearer(secret));
+        let reserve = decode
+            .reserve_pages(v1::ReserveRequest {
+                request_id: "intruder".into(),
+                prompt_token_ids: prompt.clone(),
+                ..Default::default()
+            })
+            .await;
+        unauthenticated(reserve.map(drop), &what("ReservePages"));
+        unauthenticated(
+            decode.stats(v1::StatsRequest {}).await.map(drop),
+            &what("decode Stats"),
+        );
+        unauthenticated(
+            decode
+                .transfer_handshake(v1::TransferHandshakeRequest::default())
+                .await
+                .map(drop),
+            &what("TransferHandshake"),
+        );
+        let p = prefill
+            .prefill(v1::PrefillRequest {
+                request_id: "intruder".into(),
+                prompt_token_ids: prompt.clone(),
+                ..Default::default()
+            })
+            .await;
+        unauthenticated(p.map(drop), &what("Prefill"));
+        unauthenticated(
+            prefill.stats(v1::StatsRequest {}).await.map(drop),
+            &what("prefill Stats"),
+        );
+    }
+    // Nothing was reserved or run by the refused calls.
+    assert_eq!(c.live().await, (0, 0));
+
+    // Health stays open to anyone (load balancers and probes carry no secret).
+    for (addr, service) in [
+        (&decode_addr, "tessera.v1.DecodeWorker"),
+        (&prefill_addr, "tessera.v1.PrefillWorker"),
+    ] {
+        let st = HealthClient::new(channel(addr).await)
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(st, 1, "{service} is SERVING to an unauthenticated probe");
+    }
+
+    // With the secret, the whole path works (prefill's own calls to decode carry it too).
+    let want = solo(&prompt, 8, SamplingParams::default());
+    assert_eq!(
+        c.run("member", &prompt, 8, SamplingParams::default()).await,
+        want
+    );
 }

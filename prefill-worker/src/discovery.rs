@@ -13,7 +13,7 @@ use anyhow::Context;
 use tessera_proto::etcd::{pb, EtcdClient};
 use tessera_proto::v1;
 
-use crate::runtime::WorkerArgs;
+use crate::runtime::DaemonArgs;
 
 /// The key prefix of every worker of `cluster` (a router watches it).
 pub fn workers_prefix(cluster: &str) -> String {
@@ -46,7 +46,7 @@ pub struct Registration {
 impl Registration {
     /// Grants the lease, writes the record and starts the keep-alive.
     pub async fn register(
-        args: &WorkerArgs,
+        args: &DaemonArgs,
         role: &str,
         info: &v1::WorkerInfo,
     ) -> anyhow::Result<Self> {

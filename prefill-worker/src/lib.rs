@@ -14,12 +14,15 @@
 //! decode worker waits for that transfer, then unpacks each slot into its reserved page's extents
 //! on the engine thread (`EngineHandle::with_pool`). TODO: register the arena itself (RMA put
 //! straight into pages, no staging copy) once the pool's arena can be a transfer region.
+//!
+//! A transfer that misses its deadline (`KvDestination.transfer_timeout_ms`) fails the call with
+//! TRANSFER_TIMEOUT after freeing both sides: the handoff's pages here, and the reservation on
+//! decode (`ReleaseReservation`), so neither waits for the reservation's TTL.
 
 pub mod discovery;
 pub mod runtime;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant as StdInstant};
@@ -27,6 +30,8 @@ use std::time::{Duration, Instant as StdInstant};
 use tessera_engine::kv::PageId;
 use tessera_engine::serving::handoff::transfer_pairs;
 use tessera_engine::serving::{EngineEvent, EngineHandle, EngineRequest, EventSink, Reservation};
+use tessera_proto::tonic::service::interceptor::InterceptedService;
+use tessera_proto::tonic::transport::{Channel, Endpoint};
 use tessera_proto::tonic::{self, Request, Response, Status};
 use tessera_proto::v1;
 use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
@@ -36,15 +41,18 @@ use tessera_transfer::{
     TransferId, Transport, WriteBatch,
 };
 
-use runtime::{Drain, WorkerArgs};
+use runtime::{ClusterToken, Drain, TestHooks, Withhold, WorkerArgs};
 
 fn err(code: v1::ErrorCode, msg: impl Into<String>) -> Status {
     v1::ErrorDetail::new(code, msg).into_status()
 }
 
-/// What a decode worker told us in `TransferHandshake`.
+type DecodeClient = DecodeWorkerClient<InterceptedService<Channel, ClusterToken>>;
+
+/// A decode worker: its gRPC client and what it told us in `TransferHandshake`.
 #[derive(Clone)]
 struct DecodePeer {
+    client: DecodeClient,
     peer: PeerId,
     region: RegionDescriptor,
 }
@@ -56,6 +64,9 @@ pub struct PrefillService {
     slot_bytes: usize,
     drain: Arc<Drain>,
     max_running: usize,
+    /// Sent on this worker's calls to decode workers.
+    token: ClusterToken,
+    hooks: Arc<TestHooks>,
     /// request id → cancel flag of the prefill in flight.
     inflight: Mutex<HashMap<String, Arc<AtomicBool>>>,
     /// decode gRPC address → connected peer and its staging region.
@@ -139,45 +150,6 @@ impl EventSink for HandoffSink {
 }
 
 impl PrefillService {
-    pub async fn new(
-        engine: Arc<EngineHandle>,
-        transport: Arc<TcpTransport>,
-        worker_id: String,
-        model_id: String,
-        max_running: usize,
-        drain: Arc<Drain>,
-    ) -> anyhow::Result<Self> {
-        let e = engine.clone();
-        let ((slot_bytes, _), layout) = tokio::task::spawn_blocking(move || {
-            anyhow::Ok((runtime::slot_bytes(&e)?, runtime::layout_descriptor(&e)?))
-        })
-        .await??;
-        let info = v1::WorkerInfo {
-            worker_id,
-            incarnation_id: transport.incarnation().0,
-            role: v1::Role::Prefill as i32,
-            model_id,
-            transfer_endpoint: transport.endpoint(),
-            transfer_backend: v1::TransferBackend::Tcp as i32,
-            layout: Some(layout),
-            max_running: max_running as u32,
-            version: env!("CARGO_PKG_VERSION").into(),
-            ..Default::default()
-        };
-        Ok(PrefillService {
-            engine,
-            transport,
-            info,
-            slot_bytes,
-            drain,
-            max_running,
-            inflight: Mutex::default(),
-            peers: Default::default(),
-            bytes_sent: AtomicU64::new(0),
-            transfers: AtomicU64::new(0),
-        })
-    }
-
     /// The drain state (and etcd registration) of this worker.
     pub fn drain(&self) -> &Arc<Drain> {
         &self.drain
@@ -202,9 +174,17 @@ impl PrefillService {
         } else {
             format!("http://{}", dest.decode_grpc_address)
         };
-        let mut client = DecodeWorkerClient::connect(addr)
+        let channel = Endpoint::from_shared(addr)
+            .map_err(|e| {
+                err(
+                    v1::ErrorCode::InvalidArgument,
+                    format!("decode address: {e}"),
+                )
+            })?
+            .connect()
             .await
             .map_err(|e| err(v1::ErrorCode::TransferFailed, format!("decode gRPC: {e}")))?;
+        let mut client = DecodeWorkerClient::with_interceptor(channel, self.token.clone());
         let reply = client
             .transfer_handshake(v1::TransferHandshakeRequest {
                 initiator: Some(self.info.clone()),
@@ -244,7 +224,11 @@ impl PrefillService {
                     format!("connect {endpoint}: {e}"),
                 )
             })?;
-        let p = DecodePeer { peer, region };
+        let p = DecodePeer {
+            client,
+            peer,
+            region,
+        };
         peers.insert(dest.decode_grpc_address.clone(), p.clone());
         Ok(p)
     }
@@ -335,27 +319,69 @@ impl PrefillService {
         })
     }
 
+    /// Frees a reservation on decode after a transfer into it timed out (best effort, bounded).
+    async fn release_reservation(
+        &self,
+        peer: &DecodePeer,
+        request_id: &str,
+        dest: &v1::KvDestination,
+    ) {
+        let msg = v1::ReleaseReservationRequest {
+            request_id: request_id.to_string(),
+            target_incarnation: dest.decode_incarnation_id,
+            reservation_id: dest.reservation_id.clone(),
+        };
+        let mut client = peer.client.clone();
+        let released =
+            tokio::time::timeout(Duration::from_secs(2), client.release_reservation(msg)).await;
+        if !matches!(released, Ok(Ok(_))) {
+            tracing::warn!(
+                reservation = %dest.reservation_id,
+                decode = %dest.decode_grpc_address,
+                "could not release the reservation after the transfer timed out; its TTL frees it"
+            );
+        }
+    }
+
+    /// Drops the pair the armed [`TestHooks::withhold`] names (pairs are the MLA pages in prompt
+    /// order, then one KDA snapshot per group); without a hook, `pairs` as they are.
+    fn withhold(&self, mut pairs: Vec<(PageId, PageId)>, mla: usize) -> Vec<(PageId, PageId)> {
+        let index = match self.hooks.withheld() {
+            None => return pairs,
+            Some(Withhold::MlaPage(n)) if n < mla => n,
+            Some(Withhold::KdaGroup(g)) if mla + g < pairs.len() => mla + g,
+            Some(w) => {
+                tracing::warn!(?w, "the withheld part is not in this transfer");
+                return pairs;
+            }
+        };
+        tracing::warn!(index, "test hook: withholding one page from the transfer");
+        pairs.remove(index);
+        pairs
+    }
+
     fn stats_now(&self) -> anyhow::Result<(v1::PoolStats, v1::LoadStats)> {
-        runtime::worker_stats(&self.engine, self.drain.is_draining(), 0, self.max_running)
+        runtime::worker_stats(&self.engine, &self.drain, 0, self.max_running)
     }
 
     /// Prometheus text for `/metrics` (blocking).
     pub fn metrics_text(&self) -> String {
-        match self.stats_now() {
-            Ok((p, l)) => runtime::render_metrics(
-                "prefill",
-                &p,
-                &l,
-                &[
-                    (
-                        "transfer_bytes_total",
-                        self.bytes_sent.load(Ordering::Relaxed),
-                    ),
-                    ("transfers_total", self.transfers.load(Ordering::Relaxed)),
-                ],
-            ),
-            Err(e) => format!("# error: {e}\n"),
-        }
+        runtime::engine_metrics(
+            "prefill",
+            self.stats_now(),
+            &[
+                runtime::counter(
+                    "tessera_transfer_bytes_total",
+                    "Bytes of KV pages sent to decode workers.",
+                    self.bytes_sent.load(Ordering::Relaxed),
+                ),
+                runtime::counter(
+                    "tessera_transfers_total",
+                    "Page transfers to decode workers (one per prefilled request).",
+                    self.transfers.load(Ordering::Relaxed),
+                ),
+            ],
+        )
     }
 }
 
@@ -369,16 +395,7 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// The gRPC face of [`PrefillService`] (a newtype: the trait is foreign, and so is `Arc`).
-#[derive(Clone)]
-pub struct PrefillGrpc(pub Arc<PrefillService>);
-
-impl std::ops::Deref for PrefillGrpc {
-    type Target = PrefillService;
-    fn deref(&self) -> &PrefillService {
-        &self.0
-    }
-}
+crate::grpc_face!(PrefillGrpc => PrefillService);
 
 #[tonic::async_trait]
 impl PrefillWorker for PrefillGrpc {
@@ -388,11 +405,7 @@ impl PrefillWorker for PrefillGrpc {
     ) -> Result<Response<v1::PrefillReply>, Status> {
         let _guard = self.drain.admit(&self.info.worker_id)?;
         let req = request.into_inner();
-        tessera_proto::check_incarnation(
-            req.target_incarnation,
-            self.info.incarnation_id,
-            &self.info.worker_id,
-        )?;
+        runtime::check_target(&self.info, req.target_incarnation)?;
         if !req.images.is_empty() {
             return Err(err(
                 v1::ErrorCode::InvalidArgument,
@@ -461,14 +474,27 @@ impl PrefillWorker for PrefillGrpc {
             let pairs = transfer_pairs(&h, &resv);
             let sent = match pairs {
                 Ok(pairs) if !cancelled.load(Ordering::Acquire) => {
-                    let (mla, kda) = (resv.mla_pages.len() as u32, resv.kda_pages.len() as u32);
-                    self.send_pages(&peer, reservation_id, pairs, timeout)
+                    let (mla, kda) = (resv.mla_pages.len(), resv.kda_pages.len());
+                    let pairs = self.withhold(pairs, mla);
+                    let sent = self
+                        .send_pages(&peer, reservation_id, pairs, timeout)
                         .await
                         .map(|mut s| {
-                            s.mla_pages_sent = mla;
-                            s.state_pages_sent = kda;
+                            s.mla_pages_sent = mla as u32;
+                            s.state_pages_sent = kda as u32;
                             s
-                        })
+                        });
+                    if let Err(s) = &sent {
+                        if v1::ErrorDetail::from_status(s)
+                            .is_some_and(|d| d.code == v1::ErrorCode::TransferTimeout as i32)
+                        {
+                            // TRANSFER_TIMEOUT means both sides freed their pages: free the
+                            // reservation on decode now rather than when its TTL runs out.
+                            self.release_reservation(&peer, &req.request_id, &dest)
+                                .await;
+                        }
+                    }
+                    sent
                 }
                 Ok(_) => Err(err(v1::ErrorCode::Cancelled, "prefill cancelled")),
                 Err(e) => Err(err(v1::ErrorCode::InvalidArgument, e.to_string())),
@@ -529,13 +555,7 @@ impl PrefillWorker for PrefillGrpc {
 }
 
 /// A running prefill daemon (in-process handle, for `main` and tests).
-pub struct RunningPrefill {
-    pub grpc: SocketAddr,
-    pub transfer_endpoint: String,
-    pub metrics: Option<SocketAddr>,
-    pub service: Arc<PrefillService>,
-    pub server: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
+pub type RunningPrefill = runtime::Running<PrefillService>;
 
 /// Starts the daemon: engine, transport, gRPC (+ health), `/metrics`; stops gracefully when
 /// `shutdown` resolves.
@@ -543,51 +563,31 @@ pub async fn start(
     args: WorkerArgs,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<RunningPrefill> {
-    let runtime::Foundation {
-        engine,
-        transport,
-        drain,
-        worker_id,
-        listener,
-        grpc,
-    } = runtime::foundation(&args, "prefill").await?;
-    let mut svc = PrefillService::new(
-        engine,
-        transport.clone(),
-        worker_id.clone(),
-        args.model_id(),
-        args.max_running,
-        drain.clone(),
-    )
-    .await?;
-    svc.info.grpc_address = grpc.to_string();
-    let service = Arc::new(svc);
-    let s = service.clone();
-    let metrics = runtime::metrics_if_asked(&args, Arc::new(move || s.metrics_text())).await?;
-    let (health, health_svc) = tessera_proto::health::server::health_reporter();
-    health
-        .set_serving::<PrefillWorkerServer<PrefillGrpc>>()
-        .await;
-    let stop = runtime::drain_on::<PrefillWorkerServer<PrefillGrpc>>(
-        shutdown,
-        drain,
-        health,
-        Duration::from_secs(args.drain_timeout),
-    );
-    let incoming = tonic::transport::server::TcpIncoming::from(listener);
-    let router = tonic::transport::Server::builder()
-        .add_service(health_svc)
-        .add_service(PrefillWorkerServer::new(PrefillGrpc(service.clone())));
-    let server = tokio::spawn(async move {
-        router.serve_with_incoming_shutdown(incoming, stop).await?;
-        Ok(())
+    let f = runtime::foundation(&args, v1::Role::Prefill).await?;
+    let service = Arc::new(PrefillService {
+        engine: f.engine,
+        transport: f.transport,
+        info: f.info.clone(),
+        slot_bytes: f.slots.0,
+        drain: f.drain.clone(),
+        max_running: args.max_running,
+        token: ClusterToken::new(&args.daemon.auth_secret)?,
+        hooks: args.daemon.test_hooks.clone(),
+        inflight: Mutex::default(),
+        peers: Default::default(),
+        bytes_sent: AtomicU64::new(0),
+        transfers: AtomicU64::new(0),
     });
-    runtime::ready(&args, service.info(), metrics, &service.drain).await?;
-    Ok(RunningPrefill {
-        grpc,
-        transfer_endpoint: transport.endpoint(),
-        metrics,
+    let grpc = PrefillWorkerServer::new(PrefillGrpc(service.clone()));
+    runtime::serve(
+        &args.daemon,
+        f.listener,
+        &f.info,
+        f.drain,
         service,
-        server,
-    })
+        grpc,
+        PrefillService::metrics_text,
+        shutdown,
+    )
+    .await
 }

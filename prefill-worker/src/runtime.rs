@@ -1,11 +1,18 @@
 //! The worker runtime every Tessera daemon shares (DESIGN §1: "one worker runtime instead of three
 //! copies"): common flags (each also from `TESSERA_*` env), tracing, loading the model into an
 //! [`EngineHandle`], binding the TCP transport, the `grpc.health.v1` service, `/metrics`, the
-//! start-up "ready" line, registration, and graceful drain on SIGTERM / Ctrl-C.
+//! start-up "ready" line, registration, and graceful drain on SIGTERM / Ctrl-C. A daemon builds
+//! its service on a [`Foundation`] (engine daemons) or on [`start_transport`] (the encoder) and
+//! hands it to [`serve`], which does the rest.
+//!
+//! Authentication: every role's service sits behind [`RequireToken`] — a call without
+//! `authorization: Bearer <cluster secret>` metadata is refused with UNAUTHENTICATED — while
+//! `grpc.health.v1` stays open to probes. The secret is the one the transfer handshake proves
+//! (`--auth-secret`, `TESSERA_AUTH_SECRET`); the router sends it on every call.
 //!
 //! It lives here, in `tessera-prefill`, because DESIGN's crate table has no runtime crate and the
-//! runtime must not pull tonic into the engine or engine into the router; `tessera-decode` (and
-//! later `tessera-encoder`) depend on `tessera-prefill` for this module only.
+//! runtime must not pull tonic into the engine or engine into the router; `tessera-decode` and
+//! `tessera-encoder` depend on `tessera-prefill` for this module only.
 //!
 //! Registration: the ready line (and a `tracing` event) always carries the worker's record (role,
 //! id, gRPC address, transfer endpoint); with `--etcd`, [`ready`] also writes it to etcd under a
@@ -22,13 +29,17 @@ use tessera_engine::kv::GroupKind;
 use tessera_engine::serving::{EngineHandle, SchedulerConfig};
 use tessera_engine::{Model, SamplingParams};
 use tessera_proto::health::server::HealthReporter;
+use tessera_proto::tonic;
+use tessera_proto::tonic::metadata::{Ascii, MetadataValue};
+use tessera_proto::tonic::service::interceptor::{InterceptedService, Interceptor};
 use tessera_proto::v1;
-use tessera_transfer::{Secret, TcpTransport, Transport, TransportConfig};
+use tessera_transfer::{FaultInjection, Secret, TcpTransport, Transport, TransportConfig};
 use tokio::sync::Notify;
 
-/// Flags common to every worker daemon.
+/// Flags every daemon shares (encoder, prefill, decode): where it listens, who it is, the
+/// cluster secret, drain and etcd registration.
 #[derive(clap::Args, Clone, Debug)]
-pub struct WorkerArgs {
+pub struct DaemonArgs {
     /// Model directory (Hugging Face layout: config.json, *.safetensors).
     #[arg(long, env = "TESSERA_MODEL")]
     pub model: PathBuf,
@@ -47,6 +58,46 @@ pub struct WorkerArgs {
     /// This worker's id in the cluster (default: `<role>-<pid>`).
     #[arg(long, env = "TESSERA_WORKER_ID")]
     pub worker_id: Option<String>,
+    /// Cluster secret (set it from the environment in production). Peers prove it in the
+    /// transfer handshake, and every gRPC call but `grpc.health.v1` must carry it as
+    /// `authorization: Bearer <secret>` metadata (the router sends it), or it is refused with
+    /// UNAUTHENTICATED.
+    #[arg(
+        long,
+        env = "TESSERA_AUTH_SECRET",
+        hide_env_values = true,
+        default_value = DEV_SECRET
+    )]
+    pub auth_secret: String,
+    /// Longest a graceful drain waits for in-flight requests after SIGTERM, in seconds.
+    #[arg(long, env = "TESSERA_DRAIN_TIMEOUT", default_value_t = 30)]
+    pub drain_timeout: u64,
+    /// etcd endpoints (comma-separated `host:port`); when set, the worker registers itself under
+    /// `/tessera/<cluster>/workers/<role>/<id>` once ready (DESIGN §6).
+    #[arg(long, env = "TESSERA_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Cluster name: the etcd key prefix is `/tessera/<cluster>/`.
+    #[arg(long, env = "TESSERA_CLUSTER", default_value = "default")]
+    pub cluster: String,
+    /// TTL of the etcd registration lease, in seconds (a dead worker leaves routing within it).
+    #[arg(long, env = "TESSERA_ETCD_TTL", default_value_t = 5)]
+    pub etcd_ttl: u64,
+    /// Fault hooks for tests; never set from the command line or the environment, and inert
+    /// unless a test arms them.
+    #[doc(hidden)]
+    #[arg(skip)]
+    pub test_hooks: Arc<TestHooks>,
+}
+
+/// The cluster secret a daemon uses when none is given (the router's default too).
+pub const DEV_SECRET: &str = "tessera-insecure-dev-secret";
+
+/// Flags of the daemons that run the engine (prefill, decode): [`DaemonArgs`] plus the page
+/// pool and the scheduler.
+#[derive(clap::Args, Clone, Debug)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub daemon: DaemonArgs,
     /// Tokens per KV page (the grain of prefix matching, snapshots and transfer).
     #[arg(long, env = "TESSERA_PAGE_TOKENS", default_value_t = 16)]
     pub page_tokens: usize,
@@ -65,27 +116,35 @@ pub struct WorkerArgs {
     /// Disable the prefix cache.
     #[arg(long, env = "TESSERA_NO_PREFIX_CACHE")]
     pub no_prefix_cache: bool,
-    /// Cluster secret for the transfer handshake (set it from the environment in production).
-    #[arg(
-        long,
-        env = "TESSERA_AUTH_SECRET",
-        hide_env_values = true,
-        default_value = "tessera-insecure-dev-secret"
-    )]
-    pub auth_secret: String,
-    /// Longest a graceful drain waits for in-flight requests after SIGTERM, in seconds.
-    #[arg(long, env = "TESSERA_DRAIN_TIMEOUT", default_value_t = 30)]
-    pub drain_timeout: u64,
-    /// etcd endpoints (comma-separated `host:port`); when set, the worker registers itself under
-    /// `/tessera/<cluster>/workers/<role>/<id>` once ready (DESIGN §6).
-    #[arg(long, env = "TESSERA_ETCD", value_delimiter = ',')]
-    pub etcd: Vec<String>,
-    /// Cluster name: the etcd key prefix is `/tessera/<cluster>/`.
-    #[arg(long, env = "TESSERA_CLUSTER", default_value = "default")]
-    pub cluster: String,
-    /// TTL of the etcd registration lease, in seconds (a dead worker leaves routing within it).
-    #[arg(long, env = "TESSERA_ETCD_TTL", default_value_t = 5)]
-    pub etcd_ttl: u64,
+}
+
+/// Test-only fault hooks of one daemon, shared with the test that armed them (see
+/// [`DaemonArgs::test_hooks`]). Every hook is off by default.
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct TestHooks {
+    /// Given to this daemon's page transport: faults on the receiving side.
+    pub transfer: Arc<FaultInjection>,
+    /// Prefill: leave this part of the prompt's state out of every page transfer, as if the
+    /// transfer lost it (the pages on decode then keep whatever they held).
+    pub withhold: std::sync::Mutex<Option<Withhold>>,
+}
+
+/// One part of a prompt's handed-over state (see [`TestHooks::withhold`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Withhold {
+    /// The `n`-th MLA page of the prompt.
+    MlaPage(usize),
+    /// The KDA snapshot of group `g` (the `g`-th KDA group of the layout).
+    KdaGroup(usize),
+}
+
+impl TestHooks {
+    /// The armed [`Withhold`], if any.
+    pub fn withheld(&self) -> Option<Withhold> {
+        *self.withhold.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 fn parse_bytes(s: &str) -> Result<usize, String> {
@@ -113,7 +172,9 @@ impl WorkerArgs {
             prefix_cache: !self.no_prefix_cache,
         }
     }
+}
 
+impl DaemonArgs {
     pub fn worker_id(&self, role: &str) -> String {
         self.worker_id
             .clone()
@@ -142,21 +203,23 @@ pub fn init_tracing() {
 /// Loads the model and starts the engine thread (blocking: call from `spawn_blocking` or before
 /// the runtime is busy).
 pub fn start_engine(args: &WorkerArgs) -> anyhow::Result<Arc<EngineHandle>> {
-    let model = Model::load(&args.model)
-        .with_context(|| format!("loading the model from {}", args.model.display()))?;
+    let dir = &args.daemon.model;
+    let model =
+        Model::load(dir).with_context(|| format!("loading the model from {}", dir.display()))?;
     let engine = EngineHandle::spawn(model, args.scheduler_config())?;
     tracing::info!(layout = %engine.layout_report(), "page pool");
     Ok(Arc::new(engine))
 }
 
 /// Binds the TCP page transport on `--transfer-listen`.
-pub async fn start_transport(args: &WorkerArgs) -> anyhow::Result<Arc<TcpTransport>> {
-    if args.auth_secret == "tessera-insecure-dev-secret" {
+pub async fn start_transport(args: &DaemonArgs) -> anyhow::Result<Arc<TcpTransport>> {
+    if args.auth_secret == DEV_SECRET {
         tracing::warn!("TESSERA_AUTH_SECRET is not set: using the insecure development secret");
     }
     let mut cfg = TransportConfig::new(Secret::new(args.auth_secret.as_bytes()));
     cfg.bind = args.transfer_listen;
     cfg.advertise_host = args.transfer_advertise_host.clone();
+    cfg.faults = args.test_hooks.transfer.clone();
     let t = TcpTransport::bind(cfg)
         .await
         .context("binding the transfer listener")?;
@@ -228,14 +291,13 @@ pub fn pages_compatible(
 /// Pool and load figures for `Stats` and `/metrics`, read on the engine thread.
 pub fn worker_stats(
     engine: &EngineHandle,
-    draining: bool,
+    drain: &Drain,
     reservations: usize,
     max_running: usize,
 ) -> anyhow::Result<(v1::PoolStats, v1::LoadStats)> {
+    let (draining, inflight) = (drain.is_draining(), drain.inflight());
     Ok(engine.with_scheduler(move |s| {
         let st = s.stats();
-        let live = s.live_pages();
-        let cached = s.cached_pages();
         let pool = s.pool();
         let l = pool.layout();
         let usage = pool.usage();
@@ -253,16 +315,16 @@ pub fn worker_stats(
             })
             .collect();
         let used: usize = usage.iter().map(|u| u.bytes).sum();
-        let _ = live;
         (
             v1::PoolStats {
                 total_parents: l.parents() as u32,
                 free_parents: pool.free_parents() as u32,
                 groups,
-                cached_pages: cached as u64,
+                cached_pages: s.evictable_pages() as u64,
                 reserved_pages: 0,
                 arena_bytes: l.arena_bytes() as u64,
                 used_bytes: used as u64,
+                request_parents: s.request_parents() as u32,
             },
             v1::LoadStats {
                 waiting: st.waiting as u32,
@@ -274,54 +336,190 @@ pub fn worker_stats(
                 prefix_hit_tokens: st.prefix_hit_tokens,
                 preemptions: st.preemptions,
                 draining,
+                queued_prompt_tokens: st.queued_prompt_tokens as u64,
+                inflight: inflight as u32,
             },
         )
     })?)
 }
 
-/// Prometheus text for the figures of [`worker_stats`] plus the worker's own counters.
+/// One metric family with a single sample: (name, Prometheus type, help, value).
+pub type Family<'a> = (&'a str, &'a str, &'a str, f64);
+
+/// Help of `tessera_draining`, which every role exports.
+pub const DRAINING_HELP: &str =
+    "1 from SIGTERM on: the worker finishes what it has and accepts nothing new.";
+
+/// A gauge [`Family`].
+pub fn gauge<'a>(name: &'a str, help: &'a str, value: f64) -> Family<'a> {
+    (name, "gauge", help, value)
+}
+
+/// A counter [`Family`].
+pub fn counter<'a>(name: &'a str, help: &'a str, value: u64) -> Family<'a> {
+    (name, "counter", help, value as f64)
+}
+
+/// Appends one metric family to Prometheus text: its `# HELP` and `# TYPE` lines, then one
+/// sample per `(labels, value)` (`labels` without braces).
+pub fn write_family(
+    out: &mut String,
+    name: &str,
+    kind: &str,
+    help: &str,
+    samples: impl IntoIterator<Item = (String, f64)>,
+) {
+    use std::fmt::Write;
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+    for (labels, value) in samples {
+        let _ = writeln!(out, "{name}{{{labels}}} {value}");
+    }
+}
+
+/// Appends `families`, each sample labelled `role="<role>"`.
+pub fn write_role_families(out: &mut String, role: &str, families: &[Family<'_>]) {
+    for &(name, kind, help, value) in families {
+        write_family(out, name, kind, help, [(format!("role=\"{role}\""), value)]);
+    }
+}
+
+/// `/metrics` of an engine worker: [`render_metrics`] of its `stats`, or why they are missing.
+pub fn engine_metrics(
+    role: &str,
+    stats: anyhow::Result<(v1::PoolStats, v1::LoadStats)>,
+    extra: &[Family<'_>],
+) -> String {
+    match stats {
+        Ok((pool, load)) => render_metrics(role, &pool, &load, extra),
+        Err(e) => format!("# error: {e}\n"),
+    }
+}
+
+/// Prometheus text for the figures of [`worker_stats`] plus the worker's own `extra` families.
 pub fn render_metrics(
     role: &str,
     pool: &v1::PoolStats,
     load: &v1::LoadStats,
-    extra: &[(&str, u64)],
+    extra: &[Family<'_>],
 ) -> String {
-    use std::fmt::Write;
+    let ratio = match pool.total_parents {
+        0 => 0.0,
+        n => pool.request_parents as f64 / n as f64,
+    };
     let mut s = String::new();
-    let r = format!("role=\"{role}\"");
-    let _ = writeln!(s, "tessera_queue_depth{{{r}}} {}", load.waiting);
-    let _ = writeln!(s, "tessera_running_batch{{{r}}} {}", load.running);
-    let _ = writeln!(s, "tessera_reservations{{{r}}} {}", load.reservations);
-    let _ = writeln!(
-        s,
-        "tessera_prefix_lookups_total{{{r}}} {}",
-        load.prefix_lookups
+    write_role_families(
+        &mut s,
+        role,
+        &[
+            gauge(
+                "tessera_queue_depth",
+                "Requests waiting for admission to the running batch.",
+                load.waiting.into(),
+            ),
+            gauge(
+                "tessera_running_batch",
+                "Requests in the running batch.",
+                load.running.into(),
+            ),
+            gauge(
+                "tessera_queued_prompt_tokens",
+                "Prompt tokens waiting or being prefilled: whole prompts of waiting requests, \
+                 the rest of those being prefilled.",
+                load.queued_prompt_tokens as f64,
+            ),
+            gauge(
+                "tessera_inflight_requests",
+                "Requests admitted and not finished (on decode, open reservations too): what a \
+                 drain waits for.",
+                load.inflight.into(),
+            ),
+            gauge(
+                "tessera_reservations",
+                "Page reservations waiting for their transfer and decode (decode).",
+                load.reservations.into(),
+            ),
+            counter(
+                "tessera_preemptions_total",
+                "Requests preempted (pages freed, recomputed later) because the pool was full.",
+                load.preemptions,
+            ),
+            counter(
+                "tessera_prefix_lookups_total",
+                "Prefix-cache lookups.",
+                load.prefix_lookups,
+            ),
+            counter(
+                "tessera_prefix_hits_total",
+                "Prefix-cache lookups that hit.",
+                load.prefix_hits,
+            ),
+            counter(
+                "tessera_prefix_hit_tokens_total",
+                "Prompt tokens served from the prefix cache.",
+                load.prefix_hit_tokens,
+            ),
+            gauge(
+                "tessera_draining",
+                DRAINING_HELP,
+                u8::from(load.draining).into(),
+            ),
+            gauge(
+                "tessera_pool_arena_bytes",
+                "Bytes of the KV page pool.",
+                pool.arena_bytes as f64,
+            ),
+            gauge(
+                "tessera_pool_used_bytes",
+                "Bytes of the parents bound to a cache group, prefix-cache pages included.",
+                pool.used_bytes as f64,
+            ),
+            gauge(
+                "tessera_pool_cached_pages",
+                "Pages only the prefix cache holds (evicted on demand).",
+                pool.cached_pages as f64,
+            ),
+            gauge(
+                "tessera_pool_parents",
+                "Parents of the page pool (each holds pages of one cache group at a time).",
+                pool.total_parents.into(),
+            ),
+            gauge(
+                "tessera_pool_free_parents",
+                "Parents bound to no cache group.",
+                pool.free_parents.into(),
+            ),
+            gauge(
+                "tessera_pool_request_parents",
+                "Parents holding a page of a request, reservation or handoff: what stays bound \
+                 however much of the prefix cache is evicted.",
+                pool.request_parents.into(),
+            ),
+            gauge(
+                "tessera_pool_request_use_ratio",
+                "tessera_pool_request_parents / tessera_pool_parents: the page pool's use \
+                 without reclaimable prefix-cache pages, 0 to 1.",
+                ratio,
+            ),
+        ],
     );
-    let _ = writeln!(s, "tessera_prefix_hits_total{{{r}}} {}", load.prefix_hits);
-    let _ = writeln!(
-        s,
-        "tessera_prefix_hit_tokens_total{{{r}}} {}",
-        load.prefix_hit_tokens
-    );
-    let _ = writeln!(s, "tessera_draining{{{r}}} {}", load.draining as u8);
-    let _ = writeln!(s, "tessera_pool_arena_bytes{{{r}}} {}", pool.arena_bytes);
-    let _ = writeln!(s, "tessera_pool_used_bytes{{{r}}} {}", pool.used_bytes);
-    let _ = writeln!(s, "tessera_pool_cached_pages{{{r}}} {}", pool.cached_pages);
-    for g in &pool.groups {
+    let live = pool.groups.iter().map(|g| {
         let fam = if g.kind == v1::CacheGroupKind::Mla as i32 {
             "mla"
         } else {
             "kda"
         };
-        let _ = writeln!(
-            s,
-            "tessera_pool_live_pages{{{r},group=\"{}\",family=\"{fam}\"}} {}",
-            g.group, g.live_pages
-        );
-    }
-    for (k, v) in extra {
-        let _ = writeln!(s, "tessera_{k}{{{r}}} {v}");
-    }
+        let labels = format!("role=\"{role}\",group=\"{}\",family=\"{fam}\"", g.group);
+        (labels, g.live_pages as f64)
+    });
+    write_family(
+        &mut s,
+        "tessera_pool_live_pages",
+        "gauge",
+        "Live pages per cache group (requests, reservations, handoffs and the prefix cache).",
+        live,
+    );
+    write_role_families(&mut s, role, extra);
     s
 }
 
@@ -428,8 +626,6 @@ impl Drain {
     }
 }
 
-use tessera_proto::tonic;
-
 /// Resolves on SIGTERM or Ctrl-C.
 pub async fn shutdown_signal() {
     #[cfg(unix)]
@@ -453,21 +649,23 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// What runs the shutdown sequence: on `signal`, health goes NOT_SERVING for `service`, new
-/// requests are refused, in-flight ones finish (up to the drain timeout), then the returned
+/// The shutdown sequence: on `signal`, health goes NOT_SERVING for `service` (and the server as a
+/// whole), new requests are refused, in-flight ones finish (up to the drain timeout), then the
 /// future resolves and the gRPC server stops.
-pub async fn drain_on<S: tonic::server::NamedService>(
+async fn drain_on(
     signal: impl std::future::Future<Output = ()>,
     drain: Arc<Drain>,
     health: HealthReporter,
+    service: &'static str,
     timeout: Duration,
 ) {
     signal.await;
     tracing::info!("draining");
-    health.set_not_serving::<S>().await;
-    health
-        .set_service_status("", tessera_proto::health::ServingStatus::NotServing)
-        .await;
+    for name in [service, ""] {
+        health
+            .set_service_status(name, tessera_proto::health::ServingStatus::NotServing)
+            .await;
+    }
     drain.drain(timeout).await;
     tracing::info!("drained; stopping");
 }
@@ -506,7 +704,7 @@ pub async fn serve_metrics(
 /// The one "worker is ready" step of every daemon: with `--etcd`, registers `info` (under a
 /// lease kept alive until the drain revokes it), then prints the ready line.
 pub async fn ready(
-    args: &WorkerArgs,
+    args: &DaemonArgs,
     info: &v1::WorkerInfo,
     metrics: Option<SocketAddr>,
     drain: &Drain,
@@ -538,37 +736,218 @@ pub async fn ready(
     Ok(())
 }
 
-/// What every worker daemon starts from before its own service exists: the engine, the page
-/// transport, the drain state and the bound gRPC listener.
+/// The cluster secret as gRPC metadata, `authorization: Bearer <secret>`: the router sends it on
+/// every call to a worker, a prefill worker on its calls to decode, and every worker service
+/// requires it ([`RequireToken`]).
+#[derive(Clone)]
+pub struct ClusterToken(MetadataValue<Ascii>);
+
+impl ClusterToken {
+    pub fn new(secret: &str) -> anyhow::Result<Self> {
+        format!("Bearer {secret}")
+            .parse()
+            .map(ClusterToken)
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "the cluster secret (TESSERA_AUTH_SECRET) is not valid in a gRPC header"
+                )
+            })
+    }
+
+    /// Refuses `metadata` unless it carries this token (compared in constant time).
+    #[allow(clippy::result_large_err)] // tonic's Status is what interceptors return anyway
+    pub fn check(&self, metadata: &tonic::metadata::MetadataMap) -> Result<(), tonic::Status> {
+        let refuse = |why: &str| {
+            Err(v1::ErrorDetail::new(v1::ErrorCode::Unauthenticated, why).into_status())
+        };
+        match metadata.get(AUTHORIZATION) {
+            None => refuse("no `authorization` metadata: this worker requires the cluster secret"),
+            Some(got) if constant_time_eq(got.as_bytes(), self.0.as_bytes()) => Ok(()),
+            Some(_) => refuse("wrong cluster secret in `authorization`"),
+        }
+    }
+}
+
+const AUTHORIZATION: &str = "authorization";
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Client side: adds the token to every request (`XClient::with_interceptor(channel, token)`).
+impl Interceptor for ClusterToken {
+    fn call(&mut self, mut r: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        r.metadata_mut().insert(AUTHORIZATION, self.0.clone());
+        Ok(r)
+    }
+}
+
+/// Server side: refuses every request without the cluster token, UNAUTHENTICATED.
+#[derive(Clone)]
+pub struct RequireToken(pub ClusterToken);
+
+impl Interceptor for RequireToken {
+    fn call(&mut self, r: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        self.0.check(r.metadata())?;
+        Ok(r)
+    }
+}
+
+/// Refuses a request whose `target_incarnation` names another life of the worker `info`
+/// describes (0 accepts any).
+#[allow(clippy::result_large_err)] // tonic's Status is what the handlers return anyway
+pub fn check_target(info: &v1::WorkerInfo, target: u64) -> Result<(), tonic::Status> {
+    tessera_proto::check_incarnation(target, info.incarnation_id, &info.worker_id)
+}
+
+/// Declares `$grpc`, the gRPC face of the service `$service`: a newtype over `Arc<$service>`
+/// (the generated service traits are foreign, and so is `Arc`) that derefs to the service.
+#[macro_export]
+macro_rules! grpc_face {
+    ($grpc:ident => $service:ty) => {
+        #[doc = concat!("The gRPC face of [`", stringify!($service), "`].")]
+        #[derive(Clone)]
+        pub struct $grpc(pub std::sync::Arc<$service>);
+
+        impl std::ops::Deref for $grpc {
+            type Target = $service;
+            fn deref(&self) -> &$service {
+                &self.0
+            }
+        }
+    };
+}
+
+/// The identity every daemon publishes (its `WorkerInfo` before role-specific fields).
+pub fn daemon_info(
+    args: &DaemonArgs,
+    role: v1::Role,
+    transport: &TcpTransport,
+    grpc: SocketAddr,
+) -> v1::WorkerInfo {
+    v1::WorkerInfo {
+        worker_id: args.worker_id(role.name()),
+        incarnation_id: transport.incarnation().0,
+        role: role as i32,
+        model_id: args.model_id(),
+        grpc_address: grpc.to_string(),
+        transfer_endpoint: transport.endpoint(),
+        transfer_backend: v1::TransferBackend::Tcp as i32,
+        version: env!("CARGO_PKG_VERSION").into(),
+        ..Default::default()
+    }
+}
+
+/// What an engine daemon (prefill, decode) starts from before its own service exists.
 pub struct Foundation {
     pub engine: Arc<EngineHandle>,
     pub transport: Arc<TcpTransport>,
     pub drain: Arc<Drain>,
-    pub worker_id: String,
     pub listener: tokio::net::TcpListener,
-    pub grpc: SocketAddr,
+    /// The worker as peers and routers see it: identity, addresses, page layout, capacity.
+    pub info: v1::WorkerInfo,
+    /// `(bytes per slot, slots)` of a transfer staging region (see [`slot_bytes`]).
+    pub slots: (usize, usize),
 }
 
-/// Starts the parts of a worker that do not depend on its role.
-pub async fn foundation(args: &WorkerArgs, role: &str) -> anyhow::Result<Foundation> {
+/// Starts the parts of an engine daemon that do not depend on its role: the engine, the page
+/// transport and the gRPC listener.
+pub async fn foundation(args: &WorkerArgs, role: v1::Role) -> anyhow::Result<Foundation> {
     let a = args.clone();
     let engine = tokio::task::spawn_blocking(move || start_engine(&a)).await??;
-    let transport = start_transport(args).await?;
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
-    let grpc = listener.local_addr()?;
+    let transport = start_transport(&args.daemon).await?;
+    let listener = tokio::net::TcpListener::bind(args.daemon.listen).await?;
+    let e = engine.clone();
+    let (slots, layout) =
+        tokio::task::spawn_blocking(move || anyhow::Ok((slot_bytes(&e)?, layout_descriptor(&e)?)))
+            .await??;
+    let info = v1::WorkerInfo {
+        layout: Some(layout),
+        max_running: args.max_running as u32,
+        ..daemon_info(&args.daemon, role, &transport, listener.local_addr()?)
+    };
     Ok(Foundation {
         engine,
         transport,
         drain: Drain::new(),
-        worker_id: args.worker_id(role),
         listener,
-        grpc,
+        info,
+        slots,
+    })
+}
+
+/// A running daemon (in-process handle, for `main` and tests).
+pub struct Running<S> {
+    pub grpc: SocketAddr,
+    pub transfer_endpoint: String,
+    pub metrics: Option<SocketAddr>,
+    pub service: Arc<S>,
+    pub server: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+/// The rest of every daemon's start-up once its service exists: `/metrics` (when asked), the
+/// gRPC server on `listener` with `grpc` behind the cluster-token check and `grpc.health.v1`
+/// open, the drain on `shutdown`, and registration (the ready line, etcd).
+#[allow(clippy::too_many_arguments)]
+pub async fn serve<T, S>(
+    args: &DaemonArgs,
+    listener: tokio::net::TcpListener,
+    info: &v1::WorkerInfo,
+    drain: Arc<Drain>,
+    service: Arc<T>,
+    grpc: S,
+    metrics: fn(&T) -> String,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Running<T>>
+where
+    T: Send + Sync + 'static,
+    S: tonic::codegen::Service<
+            tonic::codegen::http::Request<tonic::body::Body>,
+            Response = tonic::codegen::http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let token = RequireToken(ClusterToken::new(&args.auth_secret)?);
+    let s = service.clone();
+    let metrics_addr = metrics_if_asked(args, Arc::new(move || metrics(&s))).await?;
+    let (health, health_svc) = tessera_proto::health::server::health_reporter();
+    health
+        .set_service_status(S::NAME, tessera_proto::health::ServingStatus::Serving)
+        .await;
+    let stop = drain_on(
+        shutdown,
+        drain.clone(),
+        health,
+        S::NAME,
+        Duration::from_secs(args.drain_timeout),
+    );
+    let grpc_addr = listener.local_addr()?;
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let router = tonic::transport::Server::builder()
+        .add_service(health_svc)
+        .add_service(InterceptedService::new(grpc, token));
+    let server = tokio::spawn(async move {
+        router.serve_with_incoming_shutdown(incoming, stop).await?;
+        Ok(())
+    });
+    ready(args, info, metrics_addr, &drain).await?;
+    Ok(Running {
+        grpc: grpc_addr,
+        transfer_endpoint: info.transfer_endpoint.clone(),
+        metrics: metrics_addr,
+        service,
+        server,
     })
 }
 
 /// Serves `/metrics` when `--metrics-listen` is set; returns the bound address.
 pub async fn metrics_if_asked(
-    args: &WorkerArgs,
+    args: &DaemonArgs,
     render: Arc<dyn Fn() -> String + Send + Sync>,
 ) -> anyhow::Result<Option<SocketAddr>> {
     match args.metrics_listen {

@@ -12,9 +12,10 @@ use serde_json::Value;
 use tessera_tokenizer::{ChatTemplate, Tokenizer};
 
 use crate::cluster::{ClusterBackend, ClusterConfig, PoolOptions};
+use crate::http::args::FrontArgs;
 use crate::http::{FrontOptions, HttpFront};
 
-/// The default secret of the worker daemons (`tessera_prefill::runtime::WorkerArgs`).
+/// The default secret of the worker daemons (`tessera_prefill::runtime::DEV_SECRET`).
 const DEV_SECRET: &str = "tessera-insecure-dev-secret";
 
 /// Flags of `tessera-router` (each also from `TESSERA_*` env).
@@ -64,9 +65,9 @@ pub struct RouterArgs {
     /// Prompt plus generated tokens per request at most.
     #[arg(long, env = "TESSERA_MAX_MODEL_LEN", default_value_t = 32768)]
     pub max_model_len: usize,
-    /// Largest request body accepted (bytes).
-    #[arg(long, env = "TESSERA_MAX_BODY_BYTES", default_value_t = 8 << 20)]
-    pub max_body_bytes: usize,
+    /// API keys, rate limit and request limits of the HTTP and gRPC fronts.
+    #[command(flatten)]
+    pub front: FrontArgs,
     /// Tokens per KV page on the workers (the prefix-affinity grain).
     #[arg(long, env = "TESSERA_PAGE_TOKENS", default_value_t = 16)]
     pub page_tokens: usize,
@@ -170,6 +171,7 @@ pub async fn start(
         .with_context(|| format!("loading the tokenizer from {}", dir.display()))?;
     let template = ChatTemplate::from_dir(&dir).context("loading the chat template")?;
     let info = read_model_info(&dir)?;
+    let front_options = args.front.options()?;
     let model_id = args.served_model_name.clone().unwrap_or_else(|| {
         dir.file_name().map_or_else(
             || "tessera".to_string(),
@@ -201,9 +203,8 @@ pub async fn start(
         info.eos_ids,
         FrontOptions {
             served_model_name: Some(model_id.clone()),
-            max_body_bytes: args.max_body_bytes,
             vocab_size: info.vocab_size,
-            ..FrontOptions::default()
+            ..front_options
         },
     );
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
@@ -302,6 +303,34 @@ mod tests {
         }
         assert_eq!(parse(&["--port", "0", "--grpc-port", "9001"]), 9001);
         assert_eq!(parse(&["--grpc-port", "0"]), 0);
+    }
+
+    #[test]
+    fn the_front_flags_are_router_flags() {
+        #[derive(clap::Parser)]
+        struct A {
+            #[command(flatten)]
+            r: RouterArgs,
+        }
+        let argv = [
+            "r",
+            "--model",
+            "m",
+            "--prefill",
+            "p:1",
+            "--decode",
+            "d:1",
+            "--api-key-file",
+            "/run/keys",
+            "--rate-limit-rps",
+            "3",
+            "--max-prompt-tokens",
+            "100",
+        ];
+        let front = <A as clap::Parser>::parse_from(argv).r.front;
+        assert_eq!(front.api_key_file.as_deref(), Some(Path::new("/run/keys")));
+        assert_eq!(front.rate_limit_rps, Some(3.0));
+        assert_eq!(front.max_prompt_tokens, Some(100));
     }
 
     #[test]

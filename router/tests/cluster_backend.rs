@@ -10,8 +10,12 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use serde_json::Value;
-use tessera_prefill::runtime::WorkerArgs;
+use tessera_prefill::runtime::{ClusterToken, TestHooks, WorkerArgs};
+use tessera_proto::tonic::service::interceptor::InterceptedService;
+use tessera_proto::tonic::transport::Channel;
 use tessera_proto::v1;
+use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
+use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
 use tessera_router::cluster::Role;
 use tessera_router::{
     BackendError, ClusterBackend, ClusterConfig, FinishReason, GenerationBackend,
@@ -91,10 +95,15 @@ fn stopper() -> (
 }
 
 async fn start_decode() -> Worker {
+    start_decode_with(Default::default()).await
+}
+
+/// A decode worker whose test hooks (its transport's faults) the caller holds.
+async fn start_decode_with(hooks: Arc<TestHooks>) -> Worker {
     let (tx, stop) = stopper();
-    let d = tessera_decode::start(worker_args("24M"), stop)
-        .await
-        .unwrap();
+    let mut args = worker_args("24M");
+    args.daemon.test_hooks = hooks;
+    let d = tessera_decode::start(args, stop).await.unwrap();
     Worker {
         grpc: d.grpc.to_string(),
         stop: Some(tx),
@@ -115,6 +124,15 @@ async fn start_prefill() -> Worker {
 }
 
 async fn backend(prefill: &[&Worker], decode: &[&Worker]) -> Arc<ClusterBackend> {
+    backend_with_ttl(prefill, decode, 0).await
+}
+
+/// A backend whose decode reservations (and so page transfers) last `reserve_ttl_ms`.
+async fn backend_with_ttl(
+    prefill: &[&Worker],
+    decode: &[&Worker],
+    reserve_ttl_ms: u32,
+) -> Arc<ClusterBackend> {
     let b = ClusterBackend::new(ClusterConfig {
         model_id: "kl_mixed".into(),
         max_model_len: 4096,
@@ -125,7 +143,7 @@ async fn backend(prefill: &[&Worker], decode: &[&Worker]) -> Arc<ClusterBackend>
             health_interval: Duration::from_millis(300),
             ..PoolOptions::default()
         },
-        reserve_ttl_ms: 0,
+        reserve_ttl_ms,
     })
     .unwrap();
     b.pool().probe_all().await;
@@ -189,20 +207,26 @@ fn assert_reference(o: &Outcome, prompt: &[u32], want: &[u32], what: &str) {
     assert_eq!(usage.completion_tokens, want.len(), "{what}");
 }
 
+type Authed = InterceptedService<Channel, ClusterToken>;
+
+async fn authed(addr: &str) -> Authed {
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    InterceptedService::new(channel, ClusterToken::new(SECRET).unwrap())
+}
+
 /// Pages held by requests and reservations (not the prefix cache) on a worker, from `Stats`.
 async fn live_pages(addr: &str, role: Role) -> u64 {
-    let uri = format!("http://{addr}");
     let stats = match role {
-        Role::Decode => v1::decode_worker_client::DecodeWorkerClient::connect(uri)
-            .await
-            .unwrap()
+        Role::Decode => DecodeWorkerClient::new(authed(addr).await)
             .stats(v1::StatsRequest {})
             .await
             .unwrap()
             .into_inner(),
-        Role::Prefill => v1::prefill_worker_client::PrefillWorkerClient::connect(uri)
-            .await
-            .unwrap()
+        Role::Prefill => PrefillWorkerClient::new(authed(addr).await)
             .stats(v1::StatsRequest {})
             .await
             .unwrap()
@@ -519,4 +543,103 @@ async fn two_by_two_spreads_load_and_survives_a_dead_prefill_worker() {
         }
     }
     p0.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_that_misses_its_deadline_fails_the_request_and_frees_both_sides() {
+    use std::sync::atomic::Ordering;
+    let hooks = Arc::new(TestHooks::default());
+    let decode = start_decode_with(hooks.clone()).await;
+    let prefill = start_prefill().await;
+    // Reservations (and so transfers) routed by this backend last 1.5 s.
+    let b = backend_with_ttl(&[&prefill], &[&decode], 1500).await;
+    let workers = [(&prefill, Role::Prefill), (&decode, Role::Decode)];
+    let (prompt, want) = reference()[2].clone();
+    // From now on decode's transport accepts transfers and never completes one.
+    hooks.transfer.stall_receive.store(true, Ordering::Relaxed);
+
+    // Worker to worker: a reservation held for a minute, a transfer allowed 300 ms.
+    let mut d = DecodeWorkerClient::new(authed(&decode.grpc).await);
+    let r = d
+        .reserve_pages(v1::ReserveRequest {
+            request_id: "late".into(),
+            prompt_token_ids: prompt.clone(),
+            ttl_ms: 60_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let started = Instant::now();
+    let e = PrefillWorkerClient::new(authed(&prefill.grpc).await)
+        .prefill(v1::PrefillRequest {
+            request_id: "late".into(),
+            prompt_token_ids: prompt.clone(),
+            destination: Some(v1::KvDestination {
+                decode_grpc_address: decode.grpc.clone(),
+                decode_incarnation_id: r.incarnation_id,
+                reservation_id: r.reservation_id.clone(),
+                mla_page_ids: r.mla_page_ids.clone(),
+                kda_state_page_ids: r.kda_state_page_ids.clone(),
+                transfer_timeout_ms: 300,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect_err("the transfer cannot complete");
+    assert_eq!(
+        v1::ErrorDetail::from_status(&e).map(|d| d.code),
+        Some(v1::ErrorCode::TransferTimeout as i32),
+        "{e:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the deadline ended the call ({:?})",
+        started.elapsed()
+    );
+    // Both sides free the pages now, not when the reservation's minute is up.
+    wait_baseline(&workers, &b, "after a missed transfer deadline").await;
+    let Err(gone) = d
+        .start_decode(v1::StartDecodeRequest {
+            request_id: "late".into(),
+            reservation_id: r.reservation_id,
+            prompt_token_ids: prompt.clone(),
+            max_tokens: 4,
+            ..Default::default()
+        })
+        .await
+    else {
+        panic!("the freed reservation started decoding");
+    };
+    assert_eq!(
+        v1::ErrorDetail::from_status(&gone).map(|d| d.code),
+        Some(v1::ErrorCode::ReservationExpired as i32)
+    );
+
+    // Through the router: the client gets an error naming the transfer, not a hang.
+    let started = Instant::now();
+    let o = generate(&b, greedy("late-routed", &prompt, want.len())).await;
+    let err = o.error.expect("the request fails");
+    assert!(o.tokens.is_empty(), "no token was sent: {:?}", o.tokens);
+    assert!(err.to_string().contains("page transfer"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "the request ended by the reservation's deadline ({:?})",
+        started.elapsed()
+    );
+    wait_baseline(
+        &workers,
+        &b,
+        "after a routed request missed its transfer deadline",
+    )
+    .await;
+
+    // Once transfers complete again, the same workers serve the request exactly.
+    hooks.transfer.stall_receive.store(false, Ordering::Relaxed);
+    let o = generate(&b, greedy("on-time", &prompt, want.len())).await;
+    assert_reference(&o, &prompt, &want, "after the fault cleared");
+    wait_baseline(&workers, &b, "after the fault cleared").await;
+    prefill.shut_down().await;
+    decode.shut_down().await;
 }

@@ -5,17 +5,18 @@
 //! drained (at once), and a steady trickle of requests never fails while ≥ 2 decode workers
 //! are registered.
 
-use std::net::TcpListener;
+#[path = "../../tests/common/etcd.rs"]
+mod etcd;
+
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use etcd::start_etcd;
 use serde_json::Value;
 use tessera_prefill::runtime::WorkerArgs;
-use tessera_proto::etcd::EtcdClient;
 use tessera_router::cluster::Role;
 use tessera_router::{
     ClusterBackend, ClusterConfig, GenerationBackend, GenerationRequest, PoolOptions, Sampling,
@@ -47,84 +48,6 @@ fn reference() -> (Vec<u32>, Vec<u32>) {
     };
     let p = &v["prompts"][0];
     (ids(&p["prompt_ids"]), ids(&p["greedy_ids"]))
-}
-
-/// The `etcd` binary, or a failure that says how to get it (never a skip).
-fn etcd_binary() -> PathBuf {
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("etcd"))
-            .find(|p| p.is_file())
-    });
-    found
-        .or_else(|| {
-            let p = PathBuf::from("/usr/bin/etcd");
-            p.is_file().then_some(p)
-        })
-        .expect(
-            "`etcd` is not installed: run scripts/test.sh (it installs the Debian package \
-             `etcd-server`), or `apt-get install -y etcd-server`",
-        )
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A throwaway single-member etcd on loopback, killed on drop.
-struct Etcd {
-    child: Child,
-    endpoint: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-async fn start_etcd() -> Etcd {
-    let bin = etcd_binary();
-    let dir = tempfile::tempdir().unwrap();
-    let (client, peer) = (free_port(), free_port());
-    let curl = format!("http://127.0.0.1:{client}");
-    let purl = format!("http://127.0.0.1:{peer}");
-    let log = std::fs::File::create(dir.path().join("etcd.log")).unwrap();
-    let child = Command::new(&bin)
-        .args(["--name", "t", "--data-dir"])
-        .arg(dir.path().join("data"))
-        .args(["--listen-client-urls", &curl])
-        .args(["--advertise-client-urls", &curl])
-        .args(["--listen-peer-urls", &purl])
-        .args(["--initial-advertise-peer-urls", &purl])
-        .args(["--initial-cluster", &format!("t={purl}")])
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
-    let etcd = Etcd {
-        child,
-        endpoint: format!("127.0.0.1:{client}"),
-        _dir: dir,
-    };
-    let c = EtcdClient::connect_lazy(std::slice::from_ref(&etcd.endpoint), Duration::from_secs(1))
-        .unwrap();
-    let t0 = Instant::now();
-    while c.get_prefix("/").await.is_err() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "etcd did not answer within 20 s; log: {}",
-            std::fs::read_to_string(etcd._dir.path().join("etcd.log")).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    etcd
 }
 
 #[derive(Parser)]

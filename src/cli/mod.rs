@@ -46,6 +46,9 @@ pub enum Command {
     PrefillWorker(workers::WorkerCmd),
     /// Run a decode worker daemon (what `tessera up` starts; also the `tessera-decode` binary).
     DecodeWorker(workers::WorkerCmd),
+    /// Run a vision-encoder worker daemon (what `tessera up` starts for a model with a vision
+    /// tower; also the `tessera-encoder` binary). Refuses a text-only model.
+    EncoderWorker(workers::EncoderCmd),
     /// Run the router daemon: OpenAI HTTP API in front of prefill and decode worker pools (what
     /// `tessera up` starts; also the `tessera-router` binary).
     Router(workers::RouterCmd),
@@ -62,6 +65,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
         Command::Up(a) => up::run(a),
         Command::PrefillWorker(a) => workers::run_prefill(a),
         Command::DecodeWorker(a) => workers::run_decode(a),
+        Command::EncoderWorker(a) => workers::run_encoder(a),
         Command::Router(a) => workers::run_router(a),
     }
 }

@@ -1,5 +1,8 @@
 //! `tessera up`: a real multi-process cluster on loopback — decode workers, prefill workers and
-//! the router, each its own process, wired with static discovery and TCP page transfer.
+//! the router (plus an encoder worker when the model has a vision tower), each its own process,
+//! wired with static discovery and TCP page transfer. Every child gets the same cluster secret
+//! (`TESSERA_AUTH_SECRET`, a random one when it is not set): workers refuse gRPC calls without
+//! it, and the router sends it.
 //!
 //! Children are this same binary run with a worker subcommand. Each prints a `TESSERA_READY`
 //! line with its bound addresses; `up` waits for it, passes the addresses on, forwards the
@@ -45,6 +48,9 @@ pub struct UpArgs {
     /// Seconds to wait for each process to report ready.
     #[arg(long, default_value_t = 120)]
     pub ready_timeout: u64,
+    /// API keys, rate limit and request limits, passed on to the router.
+    #[command(flatten)]
+    pub front: tessera_router::FrontArgs,
 }
 
 struct Proc {
@@ -165,6 +171,13 @@ fn stop_all(procs: &mut [Proc]) {
     }
 }
 
+/// Encoder processes to start: one when the model has a vision tower (images need an encoder
+/// pool, DESIGN §4 step 2); none for a text-only model, which an encoder refuses anyway. Every
+/// model the engine runs today is text-only.
+fn encoder_workers(model: &Path) -> anyhow::Result<usize> {
+    Ok(usize::from(tessera_encoder::vision_tower(model)?.is_some()))
+}
+
 fn random_secret() -> String {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -188,47 +201,46 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating the tessera binary")?;
     let secret = std::env::var("TESSERA_AUTH_SECRET").unwrap_or_else(|_| random_secret());
     let timeout = Duration::from_secs(a.ready_timeout);
-    let worker_args = |kind: &str, i: usize| -> Vec<String> {
-        vec![
+    // `<kind> --model M --worker-id <role>-<i>`, and the page-pool flags for engine workers.
+    let daemon_args = |kind: &str, i: usize| -> Vec<String> {
+        let mut v = vec![
             kind.into(),
             "--model".into(),
             model.display().to_string(),
             "--worker-id".into(),
             format!("{}-{i}", kind.trim_end_matches("-worker")),
-            "--page-tokens".into(),
-            a.page_tokens.to_string(),
-            "--snapshot-interval".into(),
-            a.snapshot_interval.to_string(),
-            "--kv-memory".into(),
-            a.kv_memory.clone(),
-        ]
+        ];
+        if kind != "encoder-worker" {
+            v.extend([
+                "--page-tokens".into(),
+                a.page_tokens.to_string(),
+                "--snapshot-interval".into(),
+                a.snapshot_interval.to_string(),
+                "--kv-memory".into(),
+                a.kv_memory.clone(),
+            ]);
+        }
+        v
     };
     let mut procs: Vec<Proc> = Vec::new();
     let result = (|| -> anyhow::Result<String> {
-        let mut decode_addrs = Vec::new();
-        for i in 0..a.decode {
-            let (p, f) = spawn_ready(
-                &exe,
-                &format!("decode-{i}"),
-                &worker_args("decode-worker", i),
-                &secret,
-                timeout,
-            )?;
-            decode_addrs.push(field(&f, "grpc")?.to_string());
-            procs.push(p);
-        }
-        let mut prefill_addrs = Vec::new();
-        for i in 0..a.prefill {
-            let (p, f) = spawn_ready(
-                &exe,
-                &format!("prefill-{i}"),
-                &worker_args("prefill-worker", i),
-                &secret,
-                timeout,
-            )?;
-            prefill_addrs.push(field(&f, "grpc")?.to_string());
-            procs.push(p);
-        }
+        // Starts `count` workers of `kind`; returns their gRPC addresses.
+        let mut start = |kind: &str, count: usize| -> anyhow::Result<Vec<String>> {
+            let mut addrs = Vec::new();
+            for i in 0..count {
+                let role = format!("{}-{i}", kind.trim_end_matches("-worker"));
+                let (p, f) = spawn_ready(&exe, &role, &daemon_args(kind, i), &secret, timeout)?;
+                procs.push(p);
+                let grpc = field(&f, "grpc")?.to_string();
+                println!("tessera up: {role} ready, gRPC at {grpc}");
+                addrs.push(grpc);
+            }
+            Ok(addrs)
+        };
+        // The router routes no images yet, so it is not told where an encoder is.
+        start("encoder-worker", encoder_workers(&model)?)?;
+        let decode_addrs = start("decode-worker", a.decode)?;
+        let prefill_addrs = start("prefill-worker", a.prefill)?;
         let mut router = vec![
             "router".to_string(),
             "--model".into(),
@@ -238,6 +250,7 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
             "--port".into(),
             a.port.to_string(),
         ];
+        router.extend(a.front.to_args());
         for d in &decode_addrs {
             router.extend(["--decode".to_string(), d.clone()]);
         }
@@ -292,5 +305,23 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
     match died {
         Some(why) => bail!("{why}; the cluster was stopped"),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_encoder_only_for_a_model_with_a_vision_tower() {
+        let text_only = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kl_mixed");
+        assert_eq!(encoder_workers(&text_only).unwrap(), 0);
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"model_type": "kimi_k25", "vision_config": {"hidden_size": 32}}"#,
+        )
+        .unwrap();
+        assert_eq!(encoder_workers(dir.path()).unwrap(), 1);
     }
 }

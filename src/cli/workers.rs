@@ -1,9 +1,9 @@
 //! The worker daemons as subcommands of `tessera`, so one binary (`cargo run -- up`) can start a
-//! whole cluster of separate processes. `tessera-prefill` and `tessera-decode` are the same
-//! daemons as stand-alone binaries for deployments.
+//! whole cluster of separate processes. `tessera-prefill`, `tessera-decode` and
+//! `tessera-encoder` are the same daemons as stand-alone binaries for deployments.
 
 use clap::Args;
-use tessera_prefill::runtime::{self, WorkerArgs};
+use tessera_prefill::runtime::{self, DaemonArgs, WorkerArgs};
 
 #[derive(Args, Debug)]
 pub struct WorkerCmd {
@@ -18,20 +18,29 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
+/// Runs a daemon until its server stops (SIGTERM or Ctrl-C drain it first).
+fn run_daemon<S>(
+    start: impl std::future::Future<Output = anyhow::Result<runtime::Running<S>>>,
+) -> anyhow::Result<()> {
+    runtime()?.block_on(async move { start.await?.server.await? })
+}
+
 pub fn run_prefill(a: WorkerCmd) -> anyhow::Result<()> {
-    runtime()?.block_on(async move {
-        let running = tessera_prefill::start(a.worker, runtime::shutdown_signal()).await?;
-        running.server.await??;
-        anyhow::Ok(())
-    })
+    run_daemon(tessera_prefill::start(a.worker, runtime::shutdown_signal()))
 }
 
 pub fn run_decode(a: WorkerCmd) -> anyhow::Result<()> {
-    runtime()?.block_on(async move {
-        let running = tessera_decode::start(a.worker, runtime::shutdown_signal()).await?;
-        running.server.await??;
-        anyhow::Ok(())
-    })
+    run_daemon(tessera_decode::start(a.worker, runtime::shutdown_signal()))
+}
+
+#[derive(Args, Debug)]
+pub struct EncoderCmd {
+    #[command(flatten)]
+    pub daemon: DaemonArgs,
+}
+
+pub fn run_encoder(a: EncoderCmd) -> anyhow::Result<()> {
+    run_daemon(tessera_encoder::start(a.daemon, runtime::shutdown_signal()))
 }
 
 #[derive(Args, Debug)]

@@ -12,11 +12,13 @@ use std::time::Duration;
 pub struct Server {
     child: Child,
     pub addr: String,
+    /// What the process printed before its address.
+    pub banner: Vec<String>,
     _model_copy: tempfile::TempDir,
 }
 
 /// The reference fixtures carry no tokenizer: serve a copy with the tiny Kimi-style one added.
-fn with_tokenizer(model: &Path) -> tempfile::TempDir {
+pub fn with_tokenizer(model: &Path) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     for e in std::fs::read_dir(model).unwrap() {
         let e = e.unwrap();
@@ -45,24 +47,29 @@ impl Server {
             .arg("--model")
             .arg(copy.path())
             .env("TESSERA_LOG", "warn")
+            // Hermetic: `tessera up` generates its own cluster secret.
+            .env_remove("TESSERA_AUTH_SECRET")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("tessera starts");
         let stdout = child.stdout.take().unwrap();
         let mut lines = BufReader::new(stdout).lines();
+        let mut banner = Vec::new();
         let addr = loop {
             let line = lines.next().expect("tessera printed its address").unwrap();
             if let Some(rest) = line.split("http://").nth(1) {
                 let url = rest.split_whitespace().next().unwrap();
                 break url.trim_end_matches("/v1").to_string();
             }
+            banner.push(line);
         };
         // Keep draining stdout so the child never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
         Server {
             child,
             addr,
+            banner,
             _model_copy: copy,
         }
     }
@@ -79,30 +86,26 @@ impl Server {
 
     /// Sends one request; returns (status, body).
     pub fn request(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-        let mut s = TcpStream::connect(&self.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-        let body = body.unwrap_or("");
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            self.addr,
-            body.len()
-        )
-        .unwrap();
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).unwrap();
-        let text = String::from_utf8_lossy(&raw).into_owned();
-        let (head, rest) = text.split_once("\r\n\r\n").expect("an HTTP response");
-        let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-        let body = if head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked")
-        {
-            dechunk(rest)
-        } else {
-            rest.to_string()
-        };
-        (status, body)
+        http_request(&self.addr, method, path, body)
+    }
+
+    /// Sends one request with `Authorization: Bearer <key>` when `key` is given; returns
+    /// (status, response head, body).
+    pub fn request_as(
+        &self,
+        key: Option<&str>,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> (u16, String, String) {
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let headers: Vec<(&str, &str)> = auth
+            .as_deref()
+            .map(|a| ("Authorization", a))
+            .into_iter()
+            .collect();
+        http_exchange(&self.addr, method, path, &headers, body)
+            .unwrap_or_else(|e| panic!("{method} http://{}{path}: {e}", self.addr))
     }
 
     pub fn post_json(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
@@ -132,21 +135,124 @@ impl Server {
         }
     }
 
-    /// A Prometheus sample from `/metrics` (the first line starting with `name`).
+    /// A Prometheus sample from `/metrics` (summed over its label sets).
     pub fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.request("GET", "/metrics", None);
-        text.lines()
-            .filter(|l| l.starts_with(name))
-            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-            .sum()
+        metric_sum(&text, name)
     }
 }
 
 impl Drop for Server {
+    /// SIGTERM first, so `tessera up` stops its children too (a test that panicked never called
+    /// [`Server::terminate`]); SIGKILL if it is still running after 15 s.
     fn drop(&mut self) {
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return; // exited (and reaped) already
+        }
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        while std::time::Instant::now() < deadline {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// An API key file holding `text`, in a temporary directory removed on drop.
+pub struct KeyFile {
+    _dir: tempfile::TempDir,
+    pub path: String,
+}
+
+impl KeyFile {
+    pub fn new(text: &str) -> KeyFile {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys");
+        std::fs::write(&path, text).unwrap();
+        KeyFile {
+            path: path.to_str().unwrap().to_string(),
+            _dir: dir,
+        }
+    }
+}
+
+/// One HTTP/1.1 request to `addr` (`host:port`), `Connection: close`; returns (status, body).
+pub fn http_request(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    try_http_request(addr, method, path, body)
+        .unwrap_or_else(|e| panic!("{method} http://{addr}{path}: {e}"))
+}
+
+/// [`http_request`], with connection errors returned rather than raised.
+pub fn try_http_request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> std::io::Result<(u16, String)> {
+    http_exchange(addr, method, path, &[], body).map(|(status, _, body)| (status, body))
+}
+
+/// One HTTP/1.1 request with extra `headers`; returns (status, response head, body).
+pub fn http_exchange(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> std::io::Result<(u16, String, String)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(120)))?;
+    let body = body.unwrap_or("");
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let bad = || {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not an HTTP response: {text:?}"),
+        )
+    };
+    let (head, rest) = text.split_once("\r\n\r\n").ok_or_else(bad)?;
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(bad)?;
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(rest)
+    } else {
+        rest.to_string()
+    };
+    Ok((status, head.to_string(), body))
+}
+
+/// The sum of every sample of metric `name` (any labels) in Prometheus text; 0 when absent.
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
 }
 
 fn dechunk(mut s: &str) -> String {

@@ -347,6 +347,21 @@ impl<A: KvArena> PagePool<A> {
         self.free_parents.len()
     }
 
+    /// Bound parents with at least one live page for which `counts` holds.
+    pub fn parents_holding(&self, mut counts: impl FnMut(PageId) -> bool) -> usize {
+        let k_max = self.layout.max_pages_per_parent();
+        (1..self.parents.len())
+            .filter(|&p| {
+                let Some(g) = self.parents[p].group else {
+                    return false;
+                };
+                let k = self.layout.group(g).map_or(0, |g| g.pages_per_parent);
+                let first = 1 + (p - 1) * k_max;
+                (first..first + k).any(|id| self.refcount[id] > 0 && counts(PageId(id as u32)))
+            })
+            .count()
+    }
+
     pub fn usage(&self) -> Vec<GroupUsage> {
         let mut bound = vec![0usize; self.live.len()];
         for p in &self.parents {

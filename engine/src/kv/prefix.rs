@@ -146,6 +146,16 @@ impl PrefixIndex {
         self.lru.iter().map(|k| self.page_of(k))
     }
 
+    /// The pages only the index holds (its own reference is their only one): what
+    /// [`Self::evict`] can free.
+    pub fn evictable<'a, A: KvArena>(
+        &'a self,
+        pool: &'a PagePool<A>,
+    ) -> impl Iterator<Item = PageId> + 'a {
+        self.pages()
+            .filter(move |&p| pool.refcount(p).is_ok_and(|rc| rc == 1))
+    }
+
     /// Tokens a lookup would hit now, without taking references or touching the LRU.
     pub fn probe(&self, tokens: &[u32], extra: Option<&[u8]>) -> usize {
         self.best(&self.hashes(tokens, extra))

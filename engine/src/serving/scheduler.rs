@@ -10,7 +10,7 @@
 //! `snapshot_interval` tokens, so that the state at each chunk end can be published as a snapshot:
 //! a prefix hit needs the MLA pages *and* a KDA snapshot exactly at the hit boundary.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -155,6 +155,9 @@ pub struct SchedulerStats {
     pub prefix_hit_tokens: u64,
     pub prefix_lookups: u64,
     pub prefix_hits: u64,
+    /// Prompt tokens still to be prefilled: whole prompts of waiting requests, the rest of
+    /// those whose prefill is under way.
+    pub queued_prompt_tokens: usize,
     /// Per group: (name, live pages, total pages).
     pub pool: Vec<(String, usize, usize)>,
 }
@@ -406,6 +409,12 @@ impl Scheduler {
             prefix_hit_tokens: p.hit_tokens,
             prefix_lookups: p.lookups,
             prefix_hits: p.hits,
+            queued_prompt_tokens: self
+                .waiting
+                .iter()
+                .chain(&self.running)
+                .map(|s| s.req.prompt.len().saturating_sub(s.paged.len))
+                .sum(),
             pool: self
                 .pool
                 .usage()
@@ -434,6 +443,19 @@ impl Scheduler {
     /// Pages referenced by the prefix cache alone.
     pub fn cached_pages(&self) -> usize {
         self.index.len()
+    }
+
+    /// Pages no one but the prefix cache holds: what eviction can give back.
+    pub fn evictable_pages(&self) -> usize {
+        self.index.evictable(&self.pool).count()
+    }
+
+    /// Parents holding a page that something besides the prefix cache holds (a running or
+    /// waiting request, a reservation, a handoff): the parents that stay bound however much of
+    /// the cache is evicted.
+    pub fn request_parents(&self) -> usize {
+        let cache_only: HashSet<PageId> = self.index.evictable(&self.pool).collect();
+        self.pool.parents_holding(|p| !cache_only.contains(&p))
     }
 
     /// A fingerprint of every page the prefix cache holds (all planes, all fields): tests use it

@@ -63,6 +63,7 @@ impl Flow {
 
     async fn serve(&self) -> Step<()> {
         let mut tried_prefill = Vec::new();
+        let mut first_failure = None;
         let (placed, first) = loop {
             let placed = self.reserve().await?;
             match self.prefill(&placed, &tried_prefill).await {
@@ -74,6 +75,12 @@ impl Flow {
                             tracing::info!(request_id = %self.req.request_id, prefill = %addr, "retrying prefill on another worker");
                             self.pool.count_retry(Role::Prefill);
                             tried_prefill.push(addr);
+                            first_failure = Some(f.stop);
+                        }
+                        // No other prefill worker to retry on: the client learns why the first
+                        // attempt failed, not that the retry found nobody.
+                        (false, None) if matches!(f.stop, Stop::Failed(_)) => {
+                            return Err(first_failure.unwrap_or(f.stop))
                         }
                         _ => return Err(f.stop),
                     }
@@ -163,6 +170,8 @@ impl Flow {
                 cached_tokens: r.cached_tokens,
                 mla_page_ids: r.mla_page_ids.clone(),
                 kda_state_page_ids: r.kda_state_page_ids.clone(),
+                // Pages that arrive after the reservation expired are refused anyway.
+                transfer_timeout_ms: r.ttl_ms,
                 ..Default::default()
             }),
             ..Default::default()

@@ -372,6 +372,27 @@ impl World {
         for g in self.pool.layout().group_ids() {
             assert!(self.pool.free_pages(g).unwrap() <= self.pool.total_pages(g).unwrap());
         }
+        // Every bound parent holds a live page; the parents of the held pages are those holding
+        // a page the test holds.
+        let layout = self.pool.layout();
+        assert_eq!(
+            self.pool.parents_holding(|_| true),
+            layout.parents() - self.pool.free_parents()
+        );
+        let held_parents: HashSet<usize> = self
+            .held
+            .iter()
+            .map(|&p| layout.parent_slot(p).unwrap().0)
+            .collect();
+        assert_eq!(
+            self.pool.parents_holding(|p| self.held.contains(&p)),
+            held_parents.len()
+        );
+        let only_index = in_index
+            .iter()
+            .filter(|&&p| self.pool.refcount(p) == Ok(1))
+            .count();
+        assert_eq!(self.ix.evictable(&self.pool).count(), only_index);
     }
 }
 

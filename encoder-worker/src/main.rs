@@ -1,0 +1,33 @@
+//! `tessera-encoder`: the vision-encoder daemon. See the crate docs; `--help` lists the flags
+//! (each also from `TESSERA_*` env).
+
+use clap::Parser;
+use tessera_prefill::runtime::{self, DaemonArgs};
+
+/// Tessera encoder worker: runs a vision model's image tower for the router's encoder pool.
+/// Refuses to start for a text-only model (one without a vision tower). Stops gracefully on
+/// SIGTERM (drain).
+#[derive(Parser, Debug)]
+#[command(name = "tessera-encoder", version)]
+struct Cli {
+    #[command(flatten)]
+    daemon: DaemonArgs,
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    runtime::init_tracing();
+    let cli = Cli::parse();
+    let served = async {
+        let running = tessera_encoder::start(cli.daemon, runtime::shutdown_signal()).await?;
+        running.server.await?
+    };
+    match served.await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        // A refusal to start (a text-only model) is an operator's error: one line, no backtrace.
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
