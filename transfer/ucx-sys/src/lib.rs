@@ -12,7 +12,12 @@
 #![cfg(feature = "link")]
 
 /// The generated items, in C's naming.
-#[allow(non_upper_case_globals, non_camel_case_types, non_snake_case, clippy::all)]
+#[allow(
+    non_upper_case_globals,
+    non_camel_case_types,
+    non_snake_case,
+    clippy::all
+)]
 mod bindings {
     include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 }
