@@ -1,6 +1,9 @@
 //! Subcommands. Each file holds one command's flags (clap derive, every flag also from a
 //! `TESSERA_*` environment variable) and its run function.
 
+mod bench;
+mod bench_http;
+mod bench_plot;
 mod generate;
 mod init_model;
 mod logits;
@@ -54,6 +57,9 @@ pub enum Command {
     Router(workers::RouterCmd),
     /// Write a random-weight Kimi Linear model in the Hugging Face layout (output is meaningless).
     InitModel(init_model::InitModelArgs),
+    /// Load-test a running server's completions API (`tessera serve`, `tessera up` or a router):
+    /// TTFT, TPOT, end-to-end latency percentiles and throughput.
+    Bench(bench::BenchArgs),
 }
 
 pub fn run(cmd: Command) -> anyhow::Result<()> {
@@ -67,6 +73,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
         Command::DecodeWorker(a) => workers::run_decode(a),
         Command::EncoderWorker(a) => workers::run_encoder(a),
         Command::Router(a) => workers::run_router(a),
+        Command::Bench(a) => bench::run(a),
     }
 }
 
