@@ -35,31 +35,9 @@ async fn local_random_extents_land_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_concurrent_batches_to_one_peer() {
     let (a, b, peer) = tcp_pair(config(), config()).await;
-    let (a, b) = (Arc::new(a), Arc::new(b));
-    let len = 256 << 10;
-    let src = random_region(16 * len as usize, 3);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(16 * len as usize);
-    let desc = b.register(&dst).unwrap();
-    let mut tasks = Vec::new();
-    for t in 0..8u64 {
-        let (a, src, desc) = (a.clone(), src.clone(), desc.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut batch = contiguous_batch(1000 + t, &src, &desc, 2, len);
-            for e in &mut batch.extents {
-                e.src_offset += 2 * t * len;
-                e.dst_offset += 2 * t * len;
-            }
-            a.write(peer, batch, in_ms(10_000)).await
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap().unwrap();
-    }
-    for t in 0..8u64 {
-        b.wait_incoming(TransferId(1000 + t), in_ms(1_000))
-            .await
-            .unwrap();
+    let ConcurrentBatches { src, dst, .. } = write_concurrent_batches(Arc::new(a), &b, peer).await;
+    for id in concurrent_batch_ids() {
+        b.wait_incoming(id, in_ms(1_000)).await.unwrap();
     }
     assert!(read_all(&dst) == read_all(&src));
 }

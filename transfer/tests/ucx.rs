@@ -73,31 +73,15 @@ async fn ucx_with_peer_failure_handling() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucx_concurrent_batches_and_reregistered_regions() {
     let (a, b, peer) = ucx_pair(checked(), checked()).await;
-    let (a, b) = (Arc::new(a), Arc::new(b));
-    let len = 256 << 10;
-    let src = random_region(16 * len as usize, 3);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(16 * len as usize);
-    let desc = b.register(&dst).unwrap();
-    let mut tasks = Vec::new();
-    for t in 0..8u64 {
-        let (a, src, desc) = (a.clone(), src.clone(), desc.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut batch = contiguous_batch(1000 + t, &src, &desc, 2, len);
-            for e in &mut batch.extents {
-                e.src_offset += 2 * t * len;
-                e.dst_offset += 2 * t * len;
-            }
-            a.write(peer, batch, in_ms(10_000)).await
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap().unwrap();
-    }
-    for t in 0..8u64 {
-        b.wait_incoming(TransferId(1000 + t), in_ms(1_000))
-            .await
-            .unwrap();
+    let a: Arc<dyn Transport> = Arc::new(a);
+    let ConcurrentBatches {
+        src,
+        dst,
+        desc,
+        len,
+    } = write_concurrent_batches(a.clone(), &b, peer).await;
+    for id in concurrent_batch_ids() {
+        b.wait_incoming(id, in_ms(1_000)).await.unwrap();
     }
     assert!(read_all(&dst) == read_all(&src));
 

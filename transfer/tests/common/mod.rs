@@ -1,6 +1,7 @@
 //! Helpers shared by the transfer integration tests.
 #![allow(dead_code)]
 
+use std::sync::Arc;
 use std::time::Duration;
 
 #[cfg(feature = "ucx")]
@@ -232,4 +233,54 @@ pub async fn random_round_trips_in(
             .bytes,
         0
     );
+}
+
+/// What [`write_concurrent_batches`] set up: the source, the destination and its descriptor,
+/// and the bytes of one extent.
+pub struct ConcurrentBatches {
+    pub src: RegionHandle,
+    pub dst: RegionHandle,
+    pub desc: RegionDescriptor,
+    pub len: u64,
+}
+
+/// The transfer ids [`write_concurrent_batches`] uses, for the destination to wait on.
+pub fn concurrent_batch_ids() -> impl Iterator<Item = TransferId> {
+    (0..8u64).map(|t| TransferId(1000 + t))
+}
+
+/// Eight batches of two 256 KiB extents each, written concurrently from `src_t` to one peer
+/// into disjoint parts of a region `dst_t` registered; returns once every write returned Ok.
+pub async fn write_concurrent_batches(
+    src_t: Arc<dyn Transport>,
+    dst_t: &dyn Transport,
+    peer: PeerId,
+) -> ConcurrentBatches {
+    let len = 256 << 10;
+    let src = random_region(16 * len as usize, 3);
+    src_t.register(&src).unwrap();
+    let dst = RegionHandle::new(16 * len as usize);
+    let desc = dst_t.register(&dst).unwrap();
+    let mut tasks = Vec::new();
+    for (t, id) in concurrent_batch_ids().enumerate() {
+        let (a, src, desc) = (src_t.clone(), src.clone(), desc.clone());
+        let t = t as u64;
+        tasks.push(tokio::spawn(async move {
+            let mut batch = contiguous_batch(id.0, &src, &desc, 2, len);
+            for e in &mut batch.extents {
+                e.src_offset += 2 * t * len;
+                e.dst_offset += 2 * t * len;
+            }
+            a.write(peer, batch, in_ms(10_000)).await
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    ConcurrentBatches {
+        src,
+        dst,
+        desc,
+        len,
+    }
 }
