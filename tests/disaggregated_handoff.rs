@@ -43,6 +43,7 @@ fn req(
         stop_ids: vec![],
         cache_salt: None,
         prefill_only,
+        resumed_tokens: 0,
     }
 }
 
@@ -72,11 +73,28 @@ fn disaggregated(
     sampling: SamplingParams,
     keep: impl Fn(usize, &(PageId, PageId)) -> bool,
 ) -> Vec<u32> {
+    migrated(m, p, d, prompt, max_new, sampling, keep, 0)
+}
+
+/// [`disaggregated`] for a request whose last `resumed` prompt tokens an earlier attempt
+/// generated (the router re-prefills prompt + generated tokens after a decode failure).
+#[allow(clippy::too_many_arguments)]
+fn migrated(
+    m: &Model,
+    p: &mut Scheduler,
+    d: &mut Scheduler,
+    prompt: &[u32],
+    max_new: usize,
+    sampling: SamplingParams,
+    keep: impl Fn(usize, &(PageId, PageId)) -> bool,
+    resumed: usize,
+) -> Vec<u32> {
+    let resumed_req = |prefill_only| EngineRequest {
+        resumed_tokens: resumed,
+        ..req(prompt, max_new, sampling.clone(), prefill_only)
+    };
     let pev: Events = Default::default();
-    p.submit(
-        req(prompt, max_new, sampling.clone(), true),
-        Box::new(sink(&pev)),
-    );
+    p.submit(resumed_req(true), Box::new(sink(&pev)));
     drain(p, m);
     let h: Handoff = pev
         .lock()
@@ -103,7 +121,7 @@ fn disaggregated(
     let dev: Events = Default::default();
     d.submit_resumed(
         r.id,
-        req(prompt, max_new, sampling, false),
+        resumed_req(false),
         h.first_token,
         h.cached_tokens,
         Box::new(sink(&dev)),
@@ -271,4 +289,40 @@ fn abandoned_reservations_and_handoffs_free_their_pages() {
     assert!(p.release_handoff(id).unwrap());
     p.clear_prefix_cache().unwrap();
     assert_eq!(p.live_pages(), 0);
+}
+
+/// A request migrated mid-stream (its generated tokens re-prefilled as prompt on other workers)
+/// continues exactly where it stopped: same greedy tokens, and the same seeded random stream.
+#[test]
+fn migrated_request_continues_the_same_tokens() {
+    let m = model("kl_mixed");
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 31 % 370) as u32 + 5).collect();
+    let n = 24;
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 0,
+        seed: 11,
+    };
+    for sampling in [SamplingParams::default(), sampled] {
+        let want = solo(&m, &prompt, n, sampling.clone());
+        for k in [1, 5, n - 1] {
+            let mut p = Scheduler::new(&m, cfg(8 << 20)).unwrap();
+            let mut d = Scheduler::new(&m, cfg(8 << 20)).unwrap();
+            let mut resumed_prompt = prompt.clone();
+            resumed_prompt.extend(&want[..k]);
+            let mut got = want[..k].to_vec();
+            got.extend(migrated(
+                &m,
+                &mut p,
+                &mut d,
+                &resumed_prompt,
+                n - k,
+                sampling.clone(),
+                |_, _| true,
+                k,
+            ));
+            assert_eq!(got, want, "migrated after {k} tokens ({sampling:?})");
+        }
+    }
 }

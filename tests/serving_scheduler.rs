@@ -63,6 +63,7 @@ fn submit(
         stop_ids: vec![],
         cache_salt: None,
         prefill_only: false,
+        resumed_tokens: 0,
     };
     s.submit(
         req,

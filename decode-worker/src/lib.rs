@@ -66,12 +66,17 @@ pub struct DecodeService {
     running: Mutex<HashMap<String, Arc<AtomicBool>>>,
     tokens_out: AtomicU64,
     expired: AtomicU64,
+    hooks: Arc<runtime::TestHooks>,
 }
 
 impl DecodeService {
     /// The service over an engine daemon's foundation: registers the transfer staging region
     /// (`slots × slot_bytes`) that prefill workers write into.
-    fn new(f: &runtime::Foundation, max_running: usize) -> anyhow::Result<Self> {
+    fn new(
+        f: &runtime::Foundation,
+        max_running: usize,
+        hooks: Arc<runtime::TestHooks>,
+    ) -> anyhow::Result<Self> {
         let (slot_bytes, slots) = f.slots;
         let staging = RegionHandle::new(slot_bytes * slots);
         let staging_desc = f.transport.register(&staging)?;
@@ -93,6 +98,7 @@ impl DecodeService {
             running: Mutex::default(),
             tokens_out: AtomicU64::new(0),
             expired: AtomicU64::new(0),
+            hooks,
         })
     }
 
@@ -266,6 +272,14 @@ impl DecodeWorker for DecodeGrpc {
         // No admission check: the reservation was admitted, and a drain lets it finish.
         let req = request.into_inner();
         runtime::check_target(&self.info, req.target_incarnation)?;
+        if req.resumed_tokens as usize >= req.prompt_token_ids.len().max(1)
+            || req.resumed_tokens >= req.max_tokens.max(1)
+        {
+            return Err(err(
+                v1::ErrorCode::InvalidArgument,
+                "resumed_tokens must be smaller than the prompt and than max_tokens",
+            ));
+        }
         let id: u64 = req
             .reservation_id
             .parse()
@@ -322,14 +336,18 @@ impl DecodeWorker for DecodeGrpc {
             let _ = free(&self.0).await;
             return Err(err(v1::ErrorCode::Internal, m));
         }
-        let prompt_tokens = req.prompt_token_ids.len() as u32;
+        // A migrated request: its last `resumed` prompt tokens are completion tokens streamed by
+        // an earlier attempt; offsets and usage count them as completion.
+        let resumed = req.resumed_tokens;
+        let prompt_tokens = req.prompt_token_ids.len() as u32 - resumed;
         let ereq = EngineRequest {
             prompt: req.prompt_token_ids,
-            max_new_tokens: req.max_tokens.max(1) as usize,
+            max_new_tokens: req.max_tokens.saturating_sub(resumed).max(1) as usize,
             sampling: runtime::sampling_from_wire(req.sampling.as_ref()),
             stop_ids: req.stop_token_ids,
             cache_salt: (!req.cache_salt.is_empty()).then_some(req.cache_salt),
             prefill_only: false,
+            resumed_tokens: resumed as usize,
         };
         let cancelled = Arc::new(AtomicBool::new(false));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -357,14 +375,19 @@ impl DecodeWorker for DecodeGrpc {
             _inflight: inflight,
         };
         let me = self.clone();
-        // Token offsets count the first token (sent by prefill) as 0.
+        // Token offsets count the first token of the request (sent by prefill) as 0.
         let stream = futures_util::stream::unfold(
-            (guard, rx, 1u32, false),
+            (guard, rx, resumed + 1, false),
             move |(guard, mut rx, offset, done)| {
                 let me = me.clone();
                 async move {
                     if done {
                         return None;
+                    }
+                    let limit = me.hooks.break_streams_after.load(Ordering::Relaxed);
+                    if limit > 0 && offset - (resumed + 1) >= limit {
+                        let gone = Status::unavailable("test hook: the decode worker went away");
+                        return Some((Err(gone), (guard, rx, offset, true)));
                     }
                     match rx.recv().await {
                         Some(EngineEvent::Token(t)) => {
@@ -391,7 +414,7 @@ impl DecodeWorker for DecodeGrpc {
                                 } as i32,
                                 usage: Some(v1::Usage {
                                     prompt_tokens,
-                                    completion_tokens: completion_tokens as u32,
+                                    completion_tokens: completion_tokens as u32 + resumed,
                                     cached_tokens: cached_tokens as u32,
                                 }),
                             };
@@ -500,7 +523,11 @@ pub async fn start(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<RunningDecode> {
     let f = runtime::foundation(&args, v1::Role::Decode).await?;
-    let service = Arc::new(DecodeService::new(&f, args.max_running)?);
+    let service = Arc::new(DecodeService::new(
+        &f,
+        args.max_running,
+        args.daemon.test_hooks.clone(),
+    )?);
     let grpc = DecodeWorkerServer::new(DecodeGrpc(service.clone()));
     runtime::serve(
         &args.daemon,

@@ -412,6 +412,12 @@ impl PrefillWorker for PrefillGrpc {
                 "images are not supported yet",
             ));
         }
+        if req.resumed_tokens as usize >= req.prompt_token_ids.len().max(1) {
+            return Err(err(
+                v1::ErrorCode::InvalidArgument,
+                "resumed_tokens must be smaller than the prompt",
+            ));
+        }
         let dest = req
             .destination
             .clone()
@@ -448,6 +454,7 @@ impl PrefillWorker for PrefillGrpc {
             stop_ids: vec![],
             cache_salt: (!req.cache_salt.is_empty()).then(|| req.cache_salt.clone()),
             prefill_only: true,
+            resumed_tokens: req.resumed_tokens as usize,
         };
         let sink = HandoffSink {
             tx: Some(tx),

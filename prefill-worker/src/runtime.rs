@@ -128,6 +128,9 @@ pub struct TestHooks {
     /// Prefill: leave this part of the prompt's state out of every page transfer, as if the
     /// transfer lost it (the pages on decode then keep whatever they held).
     pub withhold: std::sync::Mutex<Option<Withhold>>,
+    /// Decode: every decode stream fails like a worker that died (UNAVAILABLE, no detail) once
+    /// it has streamed this many tokens; 0 leaves streams alone.
+    pub break_streams_after: std::sync::atomic::AtomicU32,
 }
 
 /// One part of a prompt's handed-over state (see [`TestHooks::withhold`]).

@@ -643,3 +643,86 @@ async fn a_transfer_that_misses_its_deadline_fails_the_request_and_frees_both_si
     prefill.shut_down().await;
     decode.shut_down().await;
 }
+
+/// The router's migration counter.
+fn migrations(b: &ClusterBackend) -> u64 {
+    b.metrics_text()
+        .lines()
+        .find_map(|l| l.strip_prefix("tessera_router_migrations_total "))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_failing_mid_stream_migrates_the_request_without_a_seam() {
+    use std::sync::atomic::Ordering;
+    let hooks = Arc::new(TestHooks::default());
+    let (flaky, sound) = (start_decode_with(hooks.clone()).await, start_decode().await);
+    let prefill = start_prefill().await;
+    let b = backend(&[&prefill], &[&flaky, &sound]).await;
+    let only_sound = backend(&[&prefill], &[&sound]).await;
+    let workers = [
+        (&prefill, Role::Prefill),
+        (&flaky, Role::Decode),
+        (&sound, Role::Decode),
+    ];
+    let refs = reference();
+    let sampled = |id: &str, prompt: &[u32], n: usize| GenerationRequest {
+        sampling: Sampling {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: Some(1234),
+            ..Sampling::default()
+        },
+        ..greedy(id, prompt, n)
+    };
+    // Seeded sampling through healthy workers only: what a migrated request must reproduce.
+    let (prompt, want) = refs[1].clone();
+    let sampled_want = generate(&only_sound, sampled("s-ref", &prompt, want.len())).await;
+    assert!(sampled_want.error.is_none(), "{:?}", sampled_want.error);
+
+    // Every stream on the flaky worker dies after 3 tokens (4 counting the first one).
+    hooks.break_streams_after.store(3, Ordering::Relaxed);
+    let mut i = 0;
+    while migrations(&b) < 2 {
+        assert!(i < 12, "no request was routed to the flaky decode worker");
+        // A failed worker is out of routing until its next probe.
+        b.pool().probe_all().await;
+        let (prompt, want) = &refs[i % refs.len()];
+        let o = generate(&b, greedy(&format!("m{i}"), prompt, want.len())).await;
+        assert_reference(&o, prompt, want, &format!("request {i}"));
+        i += 1;
+    }
+    // A sampled request continues the same random stream on the other worker.
+    let mut j = 0;
+    let before = migrations(&b);
+    while migrations(&b) == before {
+        assert!(
+            j < 12,
+            "no sampled request was routed to the flaky decode worker"
+        );
+        b.pool().probe_all().await;
+        let o = generate(&b, sampled(&format!("s{j}"), &prompt, want.len())).await;
+        assert!(o.error.is_none(), "{:?}", o.error);
+        assert_eq!(o.tokens, sampled_want.tokens, "sampled request {j}");
+        let (_, usage) = o.finish.unwrap();
+        assert_eq!(
+            (usage.prompt_tokens, usage.completion_tokens),
+            (prompt.len(), want.len())
+        );
+        j += 1;
+    }
+    wait_baseline(&workers, &b, "after migrations").await;
+
+    // When every decode worker fails, the request fails with a clear error after its attempts,
+    // having sent each token at most once.
+    let bad = backend(&[&prefill], &[&flaky]).await;
+    let o = generate(&bad, greedy("doomed", &refs[2].0, refs[2].1.len())).await;
+    assert!(o.error.is_some(), "the request cannot finish");
+    assert!(o.tokens.len() <= 4 && o.tokens[..] == refs[2].1[..o.tokens.len()]);
+    wait_baseline(&workers, &b, "after a failed request").await;
+    for w in [prefill, flaky, sound] {
+        w.shut_down().await;
+    }
+}

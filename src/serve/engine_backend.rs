@@ -118,6 +118,7 @@ impl GenerationBackend for EngineBackend {
             stop_ids: req.stop_token_ids,
             cache_salt: None,
             prefill_only: false,
+            resumed_tokens: 0,
         };
         self.engine
             .submit(engine_req, Box::new(ChannelSink { tx }))

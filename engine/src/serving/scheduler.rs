@@ -61,6 +61,10 @@ pub struct EngineRequest {
     /// Stop after the prompt and the first token, and hand the state over
     /// ([`EngineEvent::Handoff`]) instead of decoding: what a prefill worker does.
     pub prefill_only: bool,
+    /// Trailing prompt tokens that an earlier attempt of this request generated (a request
+    /// migrated after a worker failure): sampling continues the seeded random stream as though
+    /// it had drawn those tokens itself.
+    pub resumed_tokens: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -248,7 +252,10 @@ impl Scheduler {
         } else {
             None
         };
-        let sampler = Sampler::new(req.sampling.clone());
+        let sampler = Sampler::new(req.sampling.clone()).map(|mut s| {
+            s.skip(req.resumed_tokens);
+            s
+        });
         match (problem, sampler) {
             (Some(p), _) => {
                 sink.send(EngineEvent::Failed(p));
@@ -342,7 +349,8 @@ impl Scheduler {
             ));
         }
         let mut sampler = Sampler::new(req.sampling.clone())?;
-        sampler.skip(1);
+        // The first token (and any resumed ones) were drawn elsewhere.
+        sampler.skip(1 + req.resumed_tokens);
         let mut tokens = req.prompt.clone();
         tokens.push(first_token);
         let done = req.stop_ids.contains(&first_token) || req.max_new_tokens <= 1;

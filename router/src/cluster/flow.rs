@@ -1,6 +1,12 @@
-//! One request's trip through the cluster, as named stages:
-//! select + reserve (decode) → prefill → respond (first token) → decode (stream) — with the
-//! retries of DESIGN §4 and cancellation when the HTTP side drops its receiver.
+//! One request's trip through the cluster, as attempts of named stages:
+//! select + reserve (decode) → prefill → respond (first token) → decode (stream).
+//!
+//! An attempt that fails because a worker failed is retried on other workers (DESIGN §4): a
+//! prefill failure before any token reached the client simply runs again; a decode failure
+//! mid-stream migrates the request — prompt + the tokens streamed so far are prefilled again
+//! (`resumed_tokens`) into another decode worker, which continues the same seeded stream, and
+//! the client sees one stream with no token missing or repeated. Cancellation (the HTTP side
+//! dropping its receiver) stops every hop.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +16,7 @@ use tessera_proto::v1;
 use tokio::sync::mpsc;
 
 use super::error::{retryable, to_backend, worker_down};
-use super::pool::{Lease, Role, WorkerPool};
+use super::pool::{Lease, Role, Worker, WorkerPool};
 use crate::backend::{BackendError, FinishReason, GenerationRequest, TokenEvent, Usage};
 
 /// Why a request stopped early.
@@ -20,7 +26,45 @@ pub(crate) enum Stop {
     Cancelled,
 }
 
-type Step<T> = Result<T, Stop>;
+/// Why one attempt failed, and which worker the next attempt avoids.
+struct Fault {
+    stop: Stop,
+    /// The worker that failed; `None` when no worker is to blame (none left to pick, or the
+    /// client went away).
+    culprit: Option<(Role, String)>,
+    /// Whether another worker may succeed where this one failed.
+    retry: bool,
+}
+
+impl From<Stop> for Fault {
+    fn from(stop: Stop) -> Self {
+        Fault {
+            stop,
+            culprit: None,
+            retry: false,
+        }
+    }
+}
+
+type Step<T> = Result<T, Fault>;
+
+/// What the client has been sent so far; kept across attempts, so a migrated request continues
+/// its stream instead of starting it again.
+#[derive(Default)]
+struct Progress {
+    /// Completion tokens streamed (the first one came from prefill).
+    tokens: Vec<u32>,
+    /// Whether `Prefilled` was sent (by the first attempt that reached its first token).
+    prefilled: bool,
+    /// Prompt tokens that attempt's prefill took from its cache (reported in the usage).
+    cached: usize,
+}
+
+/// The prompt one attempt runs: the request's prompt, then the tokens already streamed.
+struct Attempt {
+    prompt: Vec<u32>,
+    resumed: usize,
+}
 
 /// A decode reservation: the worker (its in-flight slot held) and its reply.
 struct Placed {
@@ -28,15 +72,21 @@ struct Placed {
     reply: v1::ReserveReply,
 }
 
-/// A failed prefill attempt.
-struct PrefillFailure {
-    addr: Option<String>,
-    stop: Stop,
-    retry: bool,
-}
+/// Attempts per request: the first and up to two more on other workers.
+const MAX_ATTEMPTS: usize = 3;
 
 /// Bound on the clean-up RPCs (release, cancel) so a dead worker cannot hold a request task.
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Prefill errors that say the transfer into the decode worker failed: the next attempt avoids
+/// that decode worker (the prefill worker answered, so it is alive).
+const DECODE_SIDE_CODES: [v1::ErrorCode; 5] = [
+    v1::ErrorCode::TransferFailed,
+    v1::ErrorCode::TransferTimeout,
+    v1::ErrorCode::ReservationExpired,
+    v1::ErrorCode::StaleIncarnation,
+    v1::ErrorCode::ChecksumMismatch,
+];
 
 pub(crate) struct Flow {
     pub pool: Arc<WorkerPool>,
@@ -61,56 +111,92 @@ impl Flow {
         }
     }
 
-    async fn serve(&self) -> Step<()> {
-        let mut tried_prefill = Vec::new();
-        let mut first_failure = None;
-        let (placed, first) = loop {
-            let placed = self.reserve().await?;
-            match self.prefill(&placed, &tried_prefill).await {
-                Ok(reply) => break (placed, reply),
-                Err(f) => {
-                    self.release(&placed).await;
-                    match (f.retry, f.addr) {
-                        (true, Some(addr)) if tried_prefill.is_empty() => {
-                            tracing::info!(request_id = %self.req.request_id, prefill = %addr, "retrying prefill on another worker");
-                            self.pool.count_retry(Role::Prefill);
-                            tried_prefill.push(addr);
-                            first_failure = Some(f.stop);
-                        }
-                        // No other prefill worker to retry on: the client learns why the first
-                        // attempt failed, not that the retry found nobody.
-                        (false, None) if matches!(f.stop, Stop::Failed(_)) => {
-                            return Err(first_failure.unwrap_or(f.stop))
-                        }
-                        _ => return Err(f.stop),
-                    }
-                }
+    async fn serve(&self) -> Result<(), Stop> {
+        let mut progress = Progress::default();
+        let (mut avoid_prefill, mut avoid_decode) = (Vec::new(), Vec::new());
+        let mut first_error = None;
+        for attempt in 1.. {
+            let fault = match self
+                .attempt(&mut progress, &avoid_prefill, &avoid_decode)
+                .await
+            {
+                Ok(()) => return Ok(()),
+                Err(f) => f,
+            };
+            let e = match fault.stop {
+                Stop::Cancelled => return Err(Stop::Cancelled),
+                Stop::Failed(e) => e,
+            };
+            let culprit = match fault.culprit {
+                Some(c) if fault.retry && attempt < MAX_ATTEMPTS => c,
+                // Nobody left to try: the client learns why the first attempt failed, not
+                // that a retry found no worker.
+                None => return Err(Stop::Failed(first_error.unwrap_or(e))),
+                Some(_) => return Err(Stop::Failed(e)),
+            };
+            let (role, addr) = culprit;
+            if progress.tokens.is_empty() {
+                tracing::info!(request_id = %self.req.request_id, role = role.name(), worker = %addr, "retrying on another worker");
+                self.pool.count_retry(role);
+            } else {
+                tracing::info!(request_id = %self.req.request_id, role = role.name(), worker = %addr, streamed = progress.tokens.len(), "migrating the request to other workers");
+                self.pool.count_migration();
+            }
+            match role {
+                Role::Prefill => avoid_prefill.push(addr),
+                Role::Decode => avoid_decode.push(addr),
+            }
+            first_error.get_or_insert(e);
+        }
+        unreachable!("the attempt loop returns")
+    }
+
+    /// One attempt from where `progress` stands.
+    async fn attempt(
+        &self,
+        progress: &mut Progress,
+        avoid_prefill: &[String],
+        avoid_decode: &[String],
+    ) -> Step<()> {
+        let mut prompt = self.req.prompt_ids.clone();
+        prompt.extend(&progress.tokens);
+        let run = Attempt {
+            prompt,
+            resumed: progress.tokens.len(),
+        };
+        let placed = self.reserve(&run, avoid_decode).await?;
+        let first = match self.prefill(&run, &placed, avoid_prefill).await {
+            Ok(reply) => reply,
+            Err(f) => {
+                self.release_in_background(&placed);
+                return Err(f);
             }
         };
-        if self.respond(&placed, &first).await? {
+        if self.respond(&placed, &first, progress).await? {
             return Ok(());
         }
-        self.decode(&placed, &first).await
+        self.decode(&run, &placed, &first, progress).await
     }
 
     // ---- stage 1+2: select a decode worker and reserve pages (another decode on failure) ----
 
-    async fn reserve(&self) -> Step<Placed> {
-        let mut tried: Vec<String> = Vec::new();
+    async fn reserve(&self, run: &Attempt, avoid: &[String]) -> Step<Placed> {
+        let mut tried: Vec<String> = avoid.to_vec();
         let mut last = None;
         loop {
             let Some(decode) = self.pool.pick_decode(&tried) else {
-                return Err(Stop::Failed(last.unwrap_or_else(|| {
+                let e = last.unwrap_or_else(|| {
                     BackendError::Unavailable("no healthy decode worker".into())
-                })));
+                });
+                return Err(Stop::Failed(e).into());
             };
-            if !tried.is_empty() {
+            if tried.len() > avoid.len() {
                 self.pool.count_retry(Role::Decode);
             }
             let msg = v1::ReserveRequest {
                 request_id: self.req.request_id.clone(),
-                prompt_token_ids: self.req.prompt_ids.clone(),
-                max_tokens: self.req.max_tokens as u32,
+                prompt_token_ids: run.prompt.clone(),
+                max_tokens: (self.req.max_tokens - run.resumed) as u32,
                 ttl_ms: self.reserve_ttl_ms,
                 ..Default::default()
             };
@@ -126,14 +212,14 @@ impl Flow {
                     };
                     if self.tx.is_closed() {
                         self.release(&placed).await;
-                        return Err(Stop::Cancelled);
+                        return Err(Stop::Cancelled.into());
                     }
                     return Ok(placed);
                 }
                 Err(s) => {
                     let e = self.worker_failed(&decode, "reserve pages", &s);
                     if !retryable(&s) {
-                        return Err(Stop::Failed(e));
+                        return Err(Stop::Failed(e).into());
                     }
                     tried.push(decode.addr.clone());
                     last = Some(e);
@@ -146,22 +232,18 @@ impl Flow {
 
     async fn prefill(
         &self,
+        run: &Attempt,
         placed: &Placed,
-        exclude: &[String],
-    ) -> Result<v1::PrefillReply, PrefillFailure> {
-        let Some(prefill) = self.pool.pick_prefill(&self.req.prompt_ids, exclude) else {
-            return Err(PrefillFailure {
-                addr: None,
-                stop: Stop::Failed(BackendError::Unavailable(
-                    "no healthy prefill worker".into(),
-                )),
-                retry: false,
-            });
+        avoid: &[String],
+    ) -> Step<v1::PrefillReply> {
+        let Some(prefill) = self.pool.pick_prefill(&run.prompt, avoid) else {
+            let e = BackendError::Unavailable("no healthy prefill worker".into());
+            return Err(Stop::Failed(e).into());
         };
         let r = &placed.reply;
         let msg = v1::PrefillRequest {
             request_id: self.req.request_id.clone(),
-            prompt_token_ids: self.req.prompt_ids.clone(),
+            prompt_token_ids: run.prompt.clone(),
             sampling: Some(self.sampling),
             destination: Some(v1::KvDestination {
                 decode_incarnation_id: r.incarnation_id,
@@ -174,39 +256,58 @@ impl Flow {
                 transfer_timeout_ms: r.ttl_ms,
                 ..Default::default()
             }),
+            resumed_tokens: run.resumed as u32,
             ..Default::default()
         };
         let mut client = prefill.prefill_client();
         let result = tokio::select! {
             r = client.prefill(prefill.request(msg)) => r,
             _ = self.tx.closed() => {
-                self.cancel_on(&prefill).await;
-                return Err(PrefillFailure { addr: None, stop: Stop::Cancelled, retry: false });
+                cancel_on(&prefill, &self.req.request_id).await;
+                return Err(Stop::Cancelled.into());
             }
         };
-        result.map(|r| r.into_inner()).map_err(|s| PrefillFailure {
-            stop: Stop::Failed(self.worker_failed(&prefill, "prefill", &s)),
-            retry: retryable(&s),
-            addr: Some(prefill.addr.clone()),
+        result.map(|r| r.into_inner()).map_err(|s| {
+            let decode_side = v1::ErrorDetail::from_status(&s)
+                .is_some_and(|d| DECODE_SIDE_CODES.iter().any(|&c| c as i32 == d.code));
+            let culprit: &Worker = if decode_side {
+                &placed.decode
+            } else {
+                &prefill
+            };
+            Fault {
+                stop: Stop::Failed(self.worker_failed(culprit, "prefill", &s)),
+                culprit: Some((culprit.role, culprit.addr.clone())),
+                retry: retryable(&s),
+            }
         })
     }
 
     // ---- stage 4: respond with the first token; true when that already finished the request ----
 
-    async fn respond(&self, placed: &Placed, first: &v1::PrefillReply) -> Step<bool> {
-        let cached = first.cached_tokens as usize;
-        let emitted = match self
-            .emit(TokenEvent::Prefilled {
-                cached_tokens: cached,
-            })
-            .await
-        {
-            Ok(()) => self.emit(TokenEvent::Token(first.first_token)).await,
-            Err(e) => Err(e),
-        };
+    async fn respond(
+        &self,
+        placed: &Placed,
+        first: &v1::PrefillReply,
+        progress: &mut Progress,
+    ) -> Step<bool> {
+        let mut emitted = Ok(());
+        if !progress.prefilled {
+            progress.prefilled = true;
+            progress.cached = first.cached_tokens as usize;
+            emitted = self
+                .emit(TokenEvent::Prefilled {
+                    cached_tokens: progress.cached,
+                })
+                .await;
+        }
+        if emitted.is_ok() {
+            emitted = self.emit(TokenEvent::Token(first.first_token)).await;
+            progress.tokens.push(first.first_token);
+        }
         let reason = if self.req.stop_token_ids.contains(&first.first_token) {
             Some(FinishReason::Stop)
-        } else if self.req.max_tokens <= 1 {
+        } else if progress.tokens.len() >= self.req.max_tokens {
             Some(FinishReason::Length)
         } else {
             None
@@ -221,8 +322,8 @@ impl Flow {
         };
         let usage = Usage {
             prompt_tokens: self.req.prompt_ids.len(),
-            completion_tokens: 1,
-            cached_tokens: cached,
+            completion_tokens: progress.tokens.len(),
+            cached_tokens: progress.cached,
         };
         self.emit(TokenEvent::Finished { reason, usage }).await?;
         Ok(true)
@@ -230,18 +331,25 @@ impl Flow {
 
     // ---- stage 5: decode on the reservation and forward its stream ----
 
-    async fn decode(&self, placed: &Placed, first: &v1::PrefillReply) -> Step<()> {
+    async fn decode(
+        &self,
+        run: &Attempt,
+        placed: &Placed,
+        first: &v1::PrefillReply,
+        progress: &mut Progress,
+    ) -> Step<()> {
         let msg = v1::StartDecodeRequest {
             request_id: self.req.request_id.clone(),
             target_incarnation: placed.reply.incarnation_id,
             reservation_id: placed.reply.reservation_id.clone(),
-            prompt_token_ids: self.req.prompt_ids.clone(),
+            prompt_token_ids: run.prompt.clone(),
             first_token: first.first_token,
             sampling: Some(self.sampling),
             max_tokens: self.req.max_tokens as u32,
             stop_token_ids: self.req.stop_token_ids.clone(),
             ignore_eos: self.req.ignore_eos,
-            cached_tokens: first.cached_tokens,
+            resumed_tokens: run.resumed as u32,
+            cached_tokens: progress.cached as u32,
             ..Default::default()
         };
         let decode = &placed.decode;
@@ -250,57 +358,68 @@ impl Flow {
             r = client.start_decode(decode.request(msg)) => r,
             _ = self.tx.closed() => {
                 self.release(placed).await;
-                return Err(Stop::Cancelled);
+                return Err(Stop::Cancelled.into());
             }
         };
         let stream = match started {
             Ok(s) => s.into_inner(),
             Err(s) => {
-                self.release(placed).await;
-                return Err(Stop::Failed(self.worker_failed(decode, "start decode", &s)));
+                self.release_in_background(placed);
+                return Err(self.decode_fault(decode, "start decode", &s));
             }
         };
-        let r = self.forward(decode, stream).await;
-        if matches!(r, Err(Stop::Cancelled)) {
+        let r = self.forward(decode, stream, progress).await;
+        match &r {
             // The stream is dropped already (which cancels on decode); say so explicitly too.
-            self.cancel_on(decode).await;
+            Err(f) if matches!(f.stop, Stop::Cancelled) => {
+                cancel_on(decode, &self.req.request_id).await
+            }
+            // Whatever the failed worker still holds for this request, free it.
+            Err(_) => self.release_in_background(placed),
+            Ok(()) => {}
         }
         r
     }
 
     /// Forwards decode's chunks as events until the chunk with a finish reason.
-    async fn forward(&self, decode: &Lease, mut stream: Streaming<v1::TokenChunk>) -> Step<()> {
-        // Completion index of the next token we expect (the first token was index 0).
-        let mut next = 1u32;
+    async fn forward(
+        &self,
+        decode: &Lease,
+        mut stream: Streaming<v1::TokenChunk>,
+        progress: &mut Progress,
+    ) -> Step<()> {
         loop {
             let item = tokio::select! {
                 m = stream.message() => m,
-                _ = self.tx.closed() => return Err(Stop::Cancelled),
+                _ = self.tx.closed() => return Err(Stop::Cancelled.into()),
             };
             let chunk = match item {
                 Ok(Some(c)) => c,
-                Ok(None) => {
-                    decode.record_failure();
-                    return Err(Stop::Failed(BackendError::Internal(
-                        "the decode stream ended without a finish reason".into(),
-                    )));
-                }
-                Err(s) => return Err(Stop::Failed(self.worker_failed(decode, "decode", &s))),
+                Ok(None) => return Err(self.broken_stream(decode, "ended without a finish reason")),
+                Err(s) => return Err(self.decode_fault(decode, "decode", &s)),
             };
             for (i, &t) in chunk.token_ids.iter().enumerate() {
-                // Skip duplicates (offsets let a resumed stream overlap).
-                if chunk.offset + i as u32 >= next {
-                    next = chunk.offset + i as u32 + 1;
-                    self.emit(TokenEvent::Token(t)).await?;
+                // Completion index of `t`; the stream may repeat tokens already sent, never
+                // skip one.
+                let index = chunk.offset as usize + i;
+                match index.cmp(&progress.tokens.len()) {
+                    std::cmp::Ordering::Less => {}
+                    std::cmp::Ordering::Equal => {
+                        self.emit(TokenEvent::Token(t)).await?;
+                        progress.tokens.push(t);
+                    }
+                    std::cmp::Ordering::Greater => {
+                        return Err(self.broken_stream(decode, "skipped a token"))
+                    }
                 }
             }
             if chunk.finish_reason != v1::FinishReason::Unspecified as i32 {
-                return self.finish(&chunk, next as usize).await;
+                return self.finish(&chunk, progress).await;
             }
         }
     }
 
-    async fn finish(&self, chunk: &v1::TokenChunk, completion: usize) -> Step<()> {
+    async fn finish(&self, chunk: &v1::TokenChunk, progress: &Progress) -> Step<()> {
         let reason = match v1::FinishReason::try_from(chunk.finish_reason) {
             Ok(v1::FinishReason::Stop) => FinishReason::Stop,
             Ok(v1::FinishReason::Length) => FinishReason::Length,
@@ -308,7 +427,8 @@ impl Flow {
             _ => {
                 return Err(Stop::Failed(BackendError::Internal(
                     "the decode worker failed the request".into(),
-                )))
+                ))
+                .into())
             }
         };
         let usage = match chunk.usage {
@@ -319,21 +439,23 @@ impl Flow {
             },
             None => Usage {
                 prompt_tokens: self.req.prompt_ids.len(),
-                completion_tokens: completion,
-                cached_tokens: 0,
+                completion_tokens: progress.tokens.len(),
+                cached_tokens: progress.cached,
             },
         };
-        self.emit(TokenEvent::Finished { reason, usage }).await
+        self.emit(TokenEvent::Finished { reason, usage })
+            .await
+            .map_err(Fault::from)
     }
 
     // ---- helpers ----
 
-    async fn emit(&self, e: TokenEvent) -> Step<()> {
+    async fn emit(&self, e: TokenEvent) -> Result<(), Stop> {
         self.tx.send(e).await.map_err(|_| Stop::Cancelled)
     }
 
     /// Counts a worker's failure, takes it out of routing when it looks gone, and maps the error.
-    fn worker_failed(&self, w: &Lease, what: &str, s: &Status) -> BackendError {
+    fn worker_failed(&self, w: &Worker, what: &str, s: &Status) -> BackendError {
         w.record_failure();
         if worker_down(s) {
             w.mark_unhealthy();
@@ -342,33 +464,64 @@ impl Flow {
         to_backend(what, s)
     }
 
-    /// Frees a reservation that will not (or no longer) decode: `ReleaseReservation`, then
-    /// `Cancel` by request id (which also stops a decode that did start).
-    async fn release(&self, placed: &Placed) {
-        let d = &placed.decode;
-        let msg = v1::ReleaseReservationRequest {
-            request_id: self.req.request_id.clone(),
-            target_incarnation: placed.reply.incarnation_id,
-            reservation_id: placed.reply.reservation_id.clone(),
-        };
-        let mut c = d.decode_client();
-        let _ = tokio::time::timeout(CLEANUP_TIMEOUT, c.release_reservation(d.request(msg))).await;
-        self.cancel_on(d).await;
+    /// A decode worker's failure: the next attempt migrates the request elsewhere.
+    fn decode_fault(&self, decode: &Worker, what: &str, s: &Status) -> Fault {
+        Fault {
+            stop: Stop::Failed(self.worker_failed(decode, what, s)),
+            culprit: Some((Role::Decode, decode.addr.clone())),
+            retry: retryable(s),
+        }
     }
 
-    /// `Cancel` on one worker (idempotent; errors ignored).
-    async fn cancel_on(&self, w: &Lease) {
-        let msg = v1::CancelRequest {
-            request_id: self.req.request_id.clone(),
-            target_incarnation: 0,
-            reason: "cancelled by the router".into(),
-        };
-        let call = async {
-            match w.role {
-                Role::Decode => w.decode_client().cancel(w.request(msg)).await.map(drop),
-                Role::Prefill => w.prefill_client().cancel(w.request(msg)).await.map(drop),
-            }
-        };
-        let _ = tokio::time::timeout(CLEANUP_TIMEOUT, call).await;
+    /// A decode stream that broke its contract (ended early, skipped a token).
+    fn broken_stream(&self, decode: &Worker, what: &str) -> Fault {
+        decode.record_failure();
+        tracing::warn!(request_id = %self.req.request_id, worker = %decode.addr, "the decode stream {what}");
+        Fault {
+            stop: Stop::Failed(BackendError::Internal(format!("the decode stream {what}"))),
+            culprit: Some((Role::Decode, decode.addr.clone())),
+            retry: true,
+        }
     }
+
+    async fn release(&self, placed: &Placed) {
+        release_on(&placed.decode, &self.req.request_id, &placed.reply).await;
+    }
+
+    /// [`Self::release`] without waiting: after a failure the worker may answer slowly or never,
+    /// and the request moves on to other workers meanwhile.
+    fn release_in_background(&self, placed: &Placed) {
+        let decode = placed.decode.0.clone();
+        let (id, reply) = (self.req.request_id.clone(), placed.reply.clone());
+        tokio::spawn(async move { release_on(&decode, &id, &reply).await });
+    }
+}
+
+/// Frees a reservation that will not (or no longer) decode: `ReleaseReservation`, then
+/// `Cancel` by request id (which also stops a decode that did start).
+async fn release_on(decode: &Worker, request_id: &str, reply: &v1::ReserveReply) {
+    let msg = v1::ReleaseReservationRequest {
+        request_id: request_id.to_string(),
+        target_incarnation: reply.incarnation_id,
+        reservation_id: reply.reservation_id.clone(),
+    };
+    let mut c = decode.decode_client();
+    let _ = tokio::time::timeout(CLEANUP_TIMEOUT, c.release_reservation(decode.request(msg))).await;
+    cancel_on(decode, request_id).await;
+}
+
+/// `Cancel` on one worker (idempotent; errors ignored).
+async fn cancel_on(w: &Worker, request_id: &str) {
+    let msg = v1::CancelRequest {
+        request_id: request_id.to_string(),
+        target_incarnation: 0,
+        reason: "cancelled by the router".into(),
+    };
+    let call = async {
+        match w.role {
+            Role::Decode => w.decode_client().cancel(w.request(msg)).await.map(drop),
+            Role::Prefill => w.prefill_client().cancel(w.request(msg)).await.map(drop),
+        }
+    };
+    let _ = tokio::time::timeout(CLEANUP_TIMEOUT, call).await;
 }

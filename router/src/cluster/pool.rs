@@ -215,6 +215,7 @@ pub struct WorkerPool {
     rr: [AtomicUsize; 2],
     retries_reserve: AtomicU64,
     retries_prefill: AtomicU64,
+    migrations: AtomicU64,
 }
 
 impl WorkerPool {
@@ -256,6 +257,7 @@ impl WorkerPool {
             rr: [AtomicUsize::new(0), AtomicUsize::new(0)],
             retries_reserve: AtomicU64::new(0),
             retries_prefill: AtomicU64::new(0),
+            migrations: AtomicU64::new(0),
         });
         tokio::spawn(health_loop(Arc::downgrade(&pool)));
         Ok(pool)
@@ -385,6 +387,11 @@ impl WorkerPool {
         .fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts a request moved to other workers after it had streamed tokens.
+    pub fn count_migration(&self) {
+        self.migrations.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Prometheus exposition of the router's view of its workers.
     pub fn metrics_text(&self) -> String {
         let mut s = String::new();
@@ -425,6 +432,13 @@ impl WorkerPool {
             s,
             "tessera_router_retries_total{{stage=\"prefill\"}} {}",
             self.retries_prefill.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(s, "# HELP tessera_router_migrations_total Requests re-prefilled on other workers after their decode worker failed mid-stream.");
+        let _ = writeln!(s, "# TYPE tessera_router_migrations_total counter");
+        let _ = writeln!(
+            s,
+            "tessera_router_migrations_total {}",
+            self.migrations.load(Ordering::Relaxed)
         );
         s
     }
