@@ -106,6 +106,7 @@ fn workers_refuse_calls_without_the_secret_up_gave_its_children() {
         s.banner
             .iter()
             .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|rest| rest.split_whitespace().next())
             .unwrap_or_else(|| panic!("no {role} in {:?}", s.banner))
             .to_string()
     };

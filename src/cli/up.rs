@@ -8,6 +8,11 @@
 //! line with its bound addresses; `up` waits for it, passes the addresses on, forwards the
 //! children's output with a role prefix, and on Ctrl-C or SIGTERM stops them all (SIGTERM, a
 //! drain, then SIGKILL for any still running after 10 s).
+//!
+//! A worker that dies is started again at the same gRPC address (a new incarnation, so nothing
+//! meant for its previous life reaches it), as a Kubernetes Deployment would; the router keeps
+//! serving on the others meanwhile and routes to it again once it is healthy. The cluster stops
+//! when the router dies or a worker cannot be restarted.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -48,6 +53,10 @@ pub struct UpArgs {
     /// Seconds to wait for each process to report ready.
     #[arg(long, default_value_t = 120)]
     pub ready_timeout: u64,
+    /// Restart a worker that exits (at most `MAX_RESTARTS` times each); `false` stops the whole
+    /// cluster instead.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "TESSERA_RESTART_WORKERS")]
+    pub restart_workers: bool,
     /// API keys, rate limit and request limits, passed on to the router.
     #[command(flatten)]
     pub front: tessera_router::FrontArgs,
@@ -56,7 +65,13 @@ pub struct UpArgs {
 struct Proc {
     role: String,
     child: Child,
+    /// The arguments that start it again where it was (workers only).
+    restart: Option<Vec<String>>,
+    restarts: u32,
 }
+
+/// Restarts per worker before `up` gives up and stops the cluster.
+const MAX_RESTARTS: u32 = 5;
 
 /// Starts `tessera <args>`, forwards its output prefixed with `role`, and returns once it prints
 /// its ready line (the line's `key=value` fields).
@@ -100,6 +115,8 @@ fn spawn_ready(
     let mut proc = Proc {
         role: role.to_string(),
         child,
+        restart: None,
+        restarts: 0,
     };
     let deadline = Instant::now() + timeout;
     loop {
@@ -171,6 +188,49 @@ fn stop_all(procs: &mut [Proc]) {
     }
 }
 
+/// Restarts `p` if it exited and may be restarted; `Err` says why the cluster must stop.
+fn supervise(
+    p: &mut Proc,
+    exe: &Path,
+    secret: &str,
+    timeout: Duration,
+    restart: bool,
+) -> Result<(), String> {
+    let status = match p.child.try_wait() {
+        Ok(Some(status)) => status,
+        _ => return Ok(()),
+    };
+    let args = match &p.restart {
+        Some(args) if restart && p.restarts < MAX_RESTARTS => args.clone(),
+        Some(_) if restart => {
+            return Err(format!(
+                "the {} exited ({status}) after {MAX_RESTARTS} restarts",
+                p.role
+            ))
+        }
+        _ => return Err(format!("the {} exited ({status})", p.role)),
+    };
+    eprintln!(
+        "tessera up: the {} exited ({status}); starting it again at the same address",
+        p.role
+    );
+    let (mut fresh, _) = spawn_ready(exe, &p.role, &args, secret, timeout).map_err(|e| {
+        format!(
+            "the {} exited ({status}) and did not restart: {e:#}",
+            p.role
+        )
+    })?;
+    fresh.restart = Some(args);
+    fresh.restarts = p.restarts + 1;
+    println!(
+        "tessera up: {} restarted (pid {})",
+        p.role,
+        fresh.child.id()
+    );
+    *p = fresh;
+    Ok(())
+}
+
 /// Encoder processes to start: one when the model has a vision tower (images need an encoder
 /// pool, DESIGN §4 step 2); none for a text-only model, which an encoder refuses anyway. Every
 /// model the engine runs today is text-only.
@@ -229,10 +289,25 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
             let mut addrs = Vec::new();
             for i in 0..count {
                 let role = format!("{}-{i}", kind.trim_end_matches("-worker"));
-                let (p, f) = spawn_ready(&exe, &role, &daemon_args(kind, i), &secret, timeout)?;
-                procs.push(p);
+                let mut args = daemon_args(kind, i);
+                let mut first = args.clone();
+                first.extend(["--metrics-listen".into(), format!("{}:0", a.host)]);
+                let (mut p, f) = spawn_ready(&exe, &role, &first, &secret, timeout)?;
                 let grpc = field(&f, "grpc")?.to_string();
-                println!("tessera up: {role} ready, gRPC at {grpc}");
+                let metrics = field(&f, "metrics")?.to_string();
+                println!(
+                    "tessera up: {role} ready, gRPC at {grpc} (pid {}, metrics at {metrics})",
+                    p.child.id()
+                );
+                // Started again, it binds the same addresses (the router knows them).
+                args.extend([
+                    "--listen".into(),
+                    grpc.clone(),
+                    "--metrics-listen".into(),
+                    metrics,
+                ]);
+                p.restart = Some(args);
+                procs.push(p);
                 addrs.push(grpc);
             }
             Ok(addrs)
@@ -290,10 +365,10 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         loop {
             tokio::select! {
                 _ = &mut signal => return None,
-                _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {
                     for p in procs.iter_mut() {
-                        if let Ok(Some(status)) = p.child.try_wait() {
-                            return Some(format!("the {} exited ({status})", p.role));
+                        if let Err(why) = supervise(p, &exe, &secret, timeout, a.restart_workers) {
+                            return Some(why);
                         }
                     }
                 }

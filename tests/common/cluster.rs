@@ -222,6 +222,50 @@ pub fn complete(
     Ok((ids, c["text"].as_str().unwrap_or_default().to_string()))
 }
 
+/// [`complete`], streamed: the token ids of every SSE chunk in order, and the text; an error
+/// event, a stream without a finish reason or without `[DONE]` is an `Err`.
+pub fn complete_streamed(
+    router: &str,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> Result<(Vec<u32>, String), String> {
+    let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": true, "return_token_ids": true, "stream": true});
+    let (status, text) =
+        try_http_request(router, "POST", "/v1/completions", Some(&body.to_string()))
+            .map_err(|e| e.to_string())?;
+    if status != 200 {
+        return Err(format!("HTTP {status}: {text}"));
+    }
+    if !text.contains("data: [DONE]") {
+        return Err(format!("the stream did not end with [DONE]: {text}"));
+    }
+    let events: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).map_err(|e| format!("{e}: {d}")))
+        .collect::<Result<_, _>>()?;
+    let (mut ids, mut out, mut finished) = (Vec::new(), String::new(), false);
+    for e in &events {
+        if e.get("error").is_some() {
+            return Err(format!("error event: {e}"));
+        }
+        let Some(c) = e["choices"].get(0) else {
+            continue;
+        };
+        if let Some(t) = c.get("token_ids") {
+            ids.extend(serde_json::from_value::<Vec<u32>>(t.clone()).map_err(|e| e.to_string())?);
+        }
+        out.push_str(c["text"].as_str().unwrap_or_default());
+        finished |= c["finish_reason"].is_string();
+    }
+    if !finished {
+        return Err(format!("no finish reason in the stream: {text}"));
+    }
+    Ok((ids, out))
+}
+
 /// A request of the steady load and the answer it must get.
 #[derive(Clone, Debug)]
 pub struct Job {

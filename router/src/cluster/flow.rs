@@ -62,18 +62,23 @@ struct Progress {
 
 /// The prompt one attempt runs: the request's prompt, then the tokens already streamed.
 struct Attempt {
+    /// The request id on the wire: the request's id for the first attempt, `<id>.<n>` for the
+    /// n-th, so that clean-up of a failed attempt (`Cancel` by id) never hits the next one.
+    wire_id: String,
     prompt: Vec<u32>,
     resumed: usize,
 }
 
-/// A decode reservation: the worker (its in-flight slot held) and its reply.
+/// A decode reservation: the worker (its in-flight slot held), its reply, and the wire id of
+/// the attempt that made it.
 struct Placed {
     decode: Lease,
     reply: v1::ReserveReply,
+    wire_id: String,
 }
 
-/// Attempts per request: the first and up to two more on other workers.
-const MAX_ATTEMPTS: usize = 3;
+/// Attempts per request: the first and up to three more, each avoiding the workers that failed.
+const MAX_ATTEMPTS: usize = 4;
 
 /// Bound on the clean-up RPCs (release, cancel) so a dead worker cannot hold a request task.
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(2);
@@ -117,7 +122,7 @@ impl Flow {
         let mut first_error = None;
         for attempt in 1.. {
             let fault = match self
-                .attempt(&mut progress, &avoid_prefill, &avoid_decode)
+                .attempt(attempt, &mut progress, &avoid_prefill, &avoid_decode)
                 .await
             {
                 Ok(()) => return Ok(()),
@@ -151,9 +156,10 @@ impl Flow {
         unreachable!("the attempt loop returns")
     }
 
-    /// One attempt from where `progress` stands.
+    /// Attempt number `n` (from 1), from where `progress` stands.
     async fn attempt(
         &self,
+        n: usize,
         progress: &mut Progress,
         avoid_prefill: &[String],
         avoid_decode: &[String],
@@ -161,6 +167,10 @@ impl Flow {
         let mut prompt = self.req.prompt_ids.clone();
         prompt.extend(&progress.tokens);
         let run = Attempt {
+            wire_id: match n {
+                1 => self.req.request_id.clone(),
+                n => format!("{}.{n}", self.req.request_id),
+            },
             prompt,
             resumed: progress.tokens.len(),
         };
@@ -194,7 +204,7 @@ impl Flow {
                 self.pool.count_retry(Role::Decode);
             }
             let msg = v1::ReserveRequest {
-                request_id: self.req.request_id.clone(),
+                request_id: run.wire_id.clone(),
                 prompt_token_ids: run.prompt.clone(),
                 max_tokens: (self.req.max_tokens - run.resumed) as u32,
                 ttl_ms: self.reserve_ttl_ms,
@@ -209,6 +219,7 @@ impl Flow {
                     let placed = Placed {
                         decode,
                         reply: reply.into_inner(),
+                        wire_id: run.wire_id.clone(),
                     };
                     if self.tx.is_closed() {
                         self.release(&placed).await;
@@ -242,7 +253,7 @@ impl Flow {
         };
         let r = &placed.reply;
         let msg = v1::PrefillRequest {
-            request_id: self.req.request_id.clone(),
+            request_id: run.wire_id.clone(),
             prompt_token_ids: run.prompt.clone(),
             sampling: Some(self.sampling),
             destination: Some(v1::KvDestination {
@@ -263,7 +274,7 @@ impl Flow {
         let result = tokio::select! {
             r = client.prefill(prefill.request(msg)) => r,
             _ = self.tx.closed() => {
-                cancel_on(&prefill, &self.req.request_id).await;
+                cancel_on(&prefill, &run.wire_id).await;
                 return Err(Stop::Cancelled.into());
             }
         };
@@ -339,7 +350,7 @@ impl Flow {
         progress: &mut Progress,
     ) -> Step<()> {
         let msg = v1::StartDecodeRequest {
-            request_id: self.req.request_id.clone(),
+            request_id: run.wire_id.clone(),
             target_incarnation: placed.reply.incarnation_id,
             reservation_id: placed.reply.reservation_id.clone(),
             prompt_token_ids: run.prompt.clone(),
@@ -371,9 +382,7 @@ impl Flow {
         let r = self.forward(decode, stream, progress).await;
         match &r {
             // The stream is dropped already (which cancels on decode); say so explicitly too.
-            Err(f) if matches!(f.stop, Stop::Cancelled) => {
-                cancel_on(decode, &self.req.request_id).await
-            }
+            Err(f) if matches!(f.stop, Stop::Cancelled) => cancel_on(decode, &run.wire_id).await,
             // Whatever the failed worker still holds for this request, free it.
             Err(_) => self.release_in_background(placed),
             Ok(()) => {}
@@ -485,14 +494,14 @@ impl Flow {
     }
 
     async fn release(&self, placed: &Placed) {
-        release_on(&placed.decode, &self.req.request_id, &placed.reply).await;
+        release_on(&placed.decode, &placed.wire_id, &placed.reply).await;
     }
 
     /// [`Self::release`] without waiting: after a failure the worker may answer slowly or never,
     /// and the request moves on to other workers meanwhile.
     fn release_in_background(&self, placed: &Placed) {
         let decode = placed.decode.0.clone();
-        let (id, reply) = (self.req.request_id.clone(), placed.reply.clone());
+        let (id, reply) = (placed.wire_id.clone(), placed.reply.clone());
         tokio::spawn(async move { release_on(&decode, &id, &reply).await });
     }
 }
