@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tessera_proto::tonic::{Status, Streaming};
+use tessera_proto::tonic::{Code, Status, Streaming};
 use tessera_proto::v1;
 use tokio::sync::mpsc;
 
@@ -216,6 +216,7 @@ impl Flow {
                 .await;
             match r {
                 Ok(reply) => {
+                    decode.record_success();
                     let placed = Placed {
                         decode,
                         reply: reply.into_inner(),
@@ -278,6 +279,9 @@ impl Flow {
                 return Err(Stop::Cancelled.into());
             }
         };
+        if result.is_ok() {
+            prefill.record_success();
+        }
         result.map(|r| r.into_inner()).map_err(|s| {
             let decode_side = v1::ErrorDetail::from_status(&s)
                 .is_some_and(|d| DECODE_SIDE_CODES.iter().any(|&c| c as i32 == d.code));
@@ -423,6 +427,7 @@ impl Flow {
                 }
             }
             if chunk.finish_reason != v1::FinishReason::Unspecified as i32 {
+                decode.record_success();
                 return self.finish(&chunk, progress).await;
             }
         }
@@ -465,7 +470,12 @@ impl Flow {
 
     /// Counts a worker's failure, takes it out of routing when it looks gone, and maps the error.
     fn worker_failed(&self, w: &Worker, what: &str, s: &Status) -> BackendError {
-        w.record_failure();
+        // Full, or the request's fault: no reason to think the worker broken.
+        let broken = !matches!(
+            s.code(),
+            Code::ResourceExhausted | Code::InvalidArgument | Code::OutOfRange | Code::Cancelled
+        );
+        w.record_failure(broken);
         if worker_down(s) {
             w.mark_unhealthy();
         }
@@ -484,7 +494,7 @@ impl Flow {
 
     /// A decode stream that broke its contract (ended early, skipped a token).
     fn broken_stream(&self, decode: &Worker, what: &str) -> Fault {
-        decode.record_failure();
+        decode.record_failure(true);
         tracing::warn!(request_id = %self.req.request_id, worker = %decode.addr, "the decode stream {what}");
         Fault {
             stop: Stop::Failed(BackendError::Internal(format!("the decode stream {what}"))),

@@ -1,11 +1,18 @@
 //! Worker membership: one [`Worker`] per gRPC address (static flags, plus any that discovery adds
 //! or removes at run time), with a lazily connected tonic channel, a health flag kept fresh by a
-//! `grpc.health.v1` probe (and the worker's `Stats` for its load), and the router's own counters.
+//! `grpc.health.v1` probe (and the worker's `Stats` for its load and incarnation), a circuit
+//! breaker, and the router's own counters.
+//!
+//! The breaker covers what a health probe cannot see: a worker that answers its probes but fails
+//! the requests it gets. After [`BREAKER_THRESHOLD`] failures in a row it takes the worker out of
+//! routing for a cool-down (doubling up to [`BREAKER_MAX_COOLDOWN`] while failures go on); after
+//! the cool-down requests reach it again (half-open): one success closes the breaker, one more
+//! failure opens it again. A new incarnation (the process restarted) starts with a closed one.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock, Weak};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use tessera_proto::health::pb::health_check_response::ServingStatus;
 use tessera_proto::health::pb::health_client::HealthClient;
@@ -35,6 +42,20 @@ impl Role {
     }
 }
 
+/// Failures in a row that open a worker's circuit breaker.
+pub const BREAKER_THRESHOLD: u32 = 5;
+/// The first cool-down of an opened breaker; it doubles while failures go on.
+pub const BREAKER_COOLDOWN: Duration = Duration::from_secs(1);
+pub const BREAKER_MAX_COOLDOWN: Duration = Duration::from_secs(30);
+
+/// A worker's circuit breaker (see the module docs).
+#[derive(Debug)]
+struct Breaker {
+    /// Out of routing until then; `None` while closed.
+    open_until: Option<Instant>,
+    cooldown: Duration,
+}
+
 /// One worker as the router sees it.
 pub struct Worker {
     /// `host:port` as configured (also what prefill uses to reach a decode worker).
@@ -47,6 +68,12 @@ pub struct Worker {
     remote_load: AtomicUsize,
     routed: AtomicU64,
     failures: AtomicU64,
+    /// Failures since the last success.
+    failures_in_a_row: AtomicU32,
+    breaker: Mutex<Breaker>,
+    /// The process's incarnation as its last `Stats` (or its registration) gave it; 0 unknown.
+    incarnation: AtomicU64,
+    restarts: AtomicU64,
 }
 
 impl Worker {
@@ -75,6 +102,13 @@ impl Worker {
             remote_load: AtomicUsize::new(0),
             routed: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            failures_in_a_row: AtomicU32::new(0),
+            breaker: Mutex::new(Breaker {
+                open_until: None,
+                cooldown: BREAKER_COOLDOWN,
+            }),
+            incarnation: AtomicU64::new(0),
+            restarts: AtomicU64::new(0),
         })
     }
 
@@ -110,8 +144,73 @@ impl Worker {
         self.inflight.load(Ordering::Acquire)
     }
 
-    pub fn record_failure(&self) {
+    /// Whether requests may go to the worker: healthy, and its breaker not open.
+    pub fn is_routable(&self) -> bool {
+        self.is_healthy() && !self.breaker_open()
+    }
+
+    /// Whether the breaker holds the worker out of routing now.
+    pub fn breaker_open(&self) -> bool {
+        let b = self.breaker.lock().unwrap_or_else(|e| e.into_inner());
+        b.open_until.is_some_and(|t| Instant::now() < t)
+    }
+
+    /// Counts a failed call. `broken` says whether it speaks of the worker (a transport error,
+    /// an internal error) rather than of its load or the request (out of pages, bad input);
+    /// only those move the breaker.
+    pub fn record_failure(&self, broken: bool) {
         self.failures.fetch_add(1, Ordering::Relaxed);
+        if !broken {
+            return;
+        }
+        let n = self.failures_in_a_row.fetch_add(1, Ordering::AcqRel) + 1;
+        if n < BREAKER_THRESHOLD {
+            return;
+        }
+        let mut b = self.breaker.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if b.open_until.is_some_and(|t| now < t) {
+            return; // already open: calls that were in flight when it opened
+        }
+        b.open_until = Some(now + b.cooldown);
+        tracing::warn!(role = self.role.name(), addr = %self.addr, failures_in_a_row = n, cooldown_ms = b.cooldown.as_millis() as u64, "circuit breaker opened");
+        b.cooldown = (b.cooldown * 2).min(BREAKER_MAX_COOLDOWN);
+    }
+
+    /// Counts a successful call: closes the breaker.
+    pub fn record_success(&self) {
+        if self.failures_in_a_row.swap(0, Ordering::AcqRel) == 0 {
+            return;
+        }
+        self.close_breaker();
+    }
+
+    fn close_breaker(&self) {
+        let mut b = self.breaker.lock().unwrap_or_else(|e| e.into_inner());
+        if b.open_until.take().is_some() {
+            tracing::info!(role = self.role.name(), addr = %self.addr, "circuit breaker closed");
+        }
+        b.cooldown = BREAKER_COOLDOWN;
+    }
+
+    /// The incarnation the worker last reported (0 before its first `Stats`).
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation.load(Ordering::Acquire)
+    }
+
+    /// Records the incarnation the worker reports; a new one (the process restarted at this
+    /// address) forgets what the breaker held against the previous life.
+    pub(crate) fn observe_incarnation(&self, incarnation: u64) {
+        if incarnation == 0 {
+            return;
+        }
+        let old = self.incarnation.swap(incarnation, Ordering::AcqRel);
+        if old != 0 && old != incarnation {
+            self.restarts.fetch_add(1, Ordering::Relaxed);
+            self.failures_in_a_row.store(0, Ordering::Release);
+            self.close_breaker();
+            tracing::info!(role = self.role.name(), addr = %self.addr, old, new = incarnation, "worker restarted (new incarnation)");
+        }
     }
 
     /// One probe: health, then (for load) `Stats`. Sets the health flag.
@@ -142,7 +241,11 @@ impl Worker {
             }
         };
         if let Ok(Ok(s)) = stats {
-            if let Some(l) = s.into_inner().load {
+            let s = s.into_inner();
+            if let Some(info) = &s.info {
+                self.observe_incarnation(info.incarnation_id);
+            }
+            if let Some(l) = s.load {
                 self.remote_load
                     .store((l.running + l.waiting) as usize, Ordering::Release);
             }
@@ -365,7 +468,7 @@ impl WorkerPool {
         let members = self.workers(role);
         let ws: Vec<&Arc<Worker>> = members
             .iter()
-            .filter(|w| w.is_healthy() && !exclude.contains(&w.addr))
+            .filter(|w| w.is_routable() && !exclude.contains(&w.addr))
             .collect();
         let cands: Vec<Candidate<'_>> = ws
             .iter()
@@ -395,7 +498,7 @@ impl WorkerPool {
     /// Prometheus exposition of the router's view of its workers.
     pub fn metrics_text(&self) -> String {
         let mut s = String::new();
-        let series: [Series; 4] = [
+        let series: [Series; 6] = [
             ("tessera_router_worker_healthy", "gauge", |w| {
                 w.is_healthy() as u64
             }),
@@ -407,6 +510,12 @@ impl WorkerPool {
             }),
             ("tessera_router_worker_failures_total", "counter", |w| {
                 w.failures.load(Ordering::Relaxed)
+            }),
+            ("tessera_router_worker_breaker_open", "gauge", |w| {
+                w.breaker_open() as u64
+            }),
+            ("tessera_router_worker_restarts_total", "counter", |w| {
+                w.restarts.load(Ordering::Relaxed)
             }),
         ];
         let all = self.all_workers();
@@ -451,5 +560,74 @@ async fn health_loop(pool: Weak<WorkerPool>) {
         p.probe_all().await;
         drop(p);
         tokio::time::sleep(interval).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker() -> Worker {
+        Worker::new("127.0.0.1:1", Role::Decode, None, Duration::from_secs(1)).unwrap()
+    }
+
+    #[tokio::test]
+    async fn breaker_opens_after_failures_in_a_row_and_a_success_closes_it() {
+        let w = worker();
+        for _ in 0..BREAKER_THRESHOLD - 1 {
+            w.record_failure(true);
+        }
+        // Load and bad requests say nothing about the worker.
+        for _ in 0..10 {
+            w.record_failure(false);
+        }
+        assert!(
+            w.is_routable(),
+            "not yet {BREAKER_THRESHOLD} breakages in a row"
+        );
+        w.record_success();
+        for _ in 0..BREAKER_THRESHOLD - 1 {
+            w.record_failure(true);
+        }
+        assert!(w.is_routable(), "a success reset the count");
+        w.record_failure(true);
+        assert!(w.breaker_open() && !w.is_routable());
+        assert!(w.is_healthy(), "the breaker is not the health flag");
+        w.record_success();
+        assert!(w.is_routable(), "a success closes it");
+    }
+
+    #[tokio::test]
+    async fn an_open_breaker_half_opens_after_its_cooldown_and_backs_off() {
+        let w = worker();
+        for _ in 0..BREAKER_THRESHOLD {
+            w.record_failure(true);
+        }
+        let first = w.breaker.lock().unwrap().open_until.unwrap();
+        assert!(first <= Instant::now() + BREAKER_COOLDOWN);
+        // The cool-down passes: requests reach it again (half-open) …
+        w.breaker.lock().unwrap().open_until = Some(Instant::now());
+        assert!(w.is_routable());
+        // … and one more failure opens it for twice as long.
+        w.record_failure(true);
+        let second = w.breaker.lock().unwrap().open_until.unwrap();
+        assert!(second > Instant::now() + BREAKER_COOLDOWN + Duration::from_millis(500));
+        assert!(!w.is_routable());
+    }
+
+    #[tokio::test]
+    async fn a_new_incarnation_closes_the_breaker() {
+        let w = worker();
+        w.observe_incarnation(7);
+        for _ in 0..BREAKER_THRESHOLD {
+            w.record_failure(true);
+        }
+        assert!(!w.is_routable());
+        w.observe_incarnation(7);
+        assert!(!w.is_routable(), "the same life keeps its breaker");
+        w.observe_incarnation(8);
+        assert!(w.is_routable(), "a restarted worker starts afresh");
+        assert_eq!(w.restarts.load(Ordering::Relaxed), 1);
+        assert_eq!(w.incarnation(), 8);
     }
 }

@@ -29,6 +29,9 @@ pub fn workers_prefix(cluster: &str) -> String {
 pub struct Member {
     pub role: Role,
     pub grpc: String,
+    /// The registering process's incarnation (0 when the record has none). A new one under the
+    /// same key is a restarted worker: it replaces the old member, breaker and counters included.
+    pub incarnation: u64,
 }
 
 /// Parses a worker's key (relative to `prefix`) and JSON value; `None` for keys this router
@@ -51,6 +54,7 @@ pub fn parse_member(prefix: &str, key: &[u8], value: &[u8]) -> Option<Member> {
         Some(g) if !g.is_empty() => Some(Member {
             role,
             grpc: g.to_string(),
+            incarnation: v.get("incarnation").and_then(|i| i.as_u64()).unwrap_or(0),
         }),
         _ => {
             tracing::warn!(key, "ignoring a worker record without a `grpc` address");
@@ -134,7 +138,8 @@ fn on_put(pool: &WorkerPool, prefix: &str, known: &mut Known, kv: &pb::KeyValue)
     // A new address under a known key: the worker restarted elsewhere.
     on_delete(pool, known, &kv.key);
     match pool.add_worker(m.role, &m.grpc) {
-        Ok(Some(_)) => {
+        Ok(Some(w)) => {
+            w.observe_incarnation(m.incarnation);
             known.insert(kv.key.clone(), m);
         }
         // Already a member (a static flag names it): static membership owns it.
@@ -231,13 +236,14 @@ mod tests {
         let m = parse_member(
             &p,
             b"/tessera/c/workers/decode/d0",
-            br#"{"grpc":"127.0.0.1:5","role":"decode"}"#,
+            br#"{"grpc":"127.0.0.1:5","role":"decode","incarnation":99}"#,
         );
         assert_eq!(
             m,
             Some(Member {
                 role: Role::Decode,
-                grpc: "127.0.0.1:5".into()
+                grpc: "127.0.0.1:5".into(),
+                incarnation: 99,
             })
         );
         assert_eq!(
