@@ -18,6 +18,8 @@ DEB_NEEDS=(
   "/usr/include/ucp/api/ucp.h:libucx-dev"
   "/usr/lib/llvm-*/lib/libclang.so:libclang-dev"
   "pkg-config:pkg-config"
+  "/usr/include/hip/hiprtc.h:libamdhip64-dev"
+  "/usr/lib/*/libamd_comgr.so.2:libamd-comgr2"
 )
 missing=()
 for entry in "${DEB_NEEDS[@]}"; do
@@ -75,6 +77,13 @@ LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" TESSERA_REQUIR
 say "ucx transport (tessera-transfer --features ucx, over the system libucx)"
 cargo clippy -p tessera-transfer --features ucx --all-targets --locked -- -D warnings
 cargo test -p tessera-transfer --features ucx --locked -- ${filter:+"$filter"}
+
+say "hip kernels (tessera-kernels --features hip: host code over Debian's ROCm, the kernel sources through hiprtc for gfx90a/gfx908; no AMD GPU here)"
+# hip-runtime-sys looks for hip/hip_runtime_api.h under $HIP_PATH: /usr with libamdhip64-dev.
+# hiprtc (inside libamdhip64.so.5 on Debian 12, compiling through libamd-comgr) needs no GPU.
+HIP_PATH="${HIP_PATH:-/usr}" cargo clippy -p tessera-kernels --features hip --all-targets --locked -- -D warnings
+HIP_PATH="${HIP_PATH:-/usr}" TESSERA_REQUIRE_HIPRTC=1 \
+  cargo test -p tessera-kernels --features hip --locked -- ${filter:+"$filter"}
 
 if [ -z "$filter" ]; then
   say "the official openai client against tessera serve"

@@ -1,7 +1,10 @@
 //! Checks every CUDA kernel against the CPU backend on fresh random inputs, then times them.
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_check_bench
-//!   target/release/examples/cuda_check_bench [--quick] [--prefill-only]
+//!   target/release/examples/cuda_check_bench [--quick] [--prefill-only] [--plain-helpers]
+//!
+//! `--plain-helpers` builds the kernels with TESSERA_PLAIN_HELPERS=1 (the helpers the HIP backend
+//! compiles: no tensor cores, no cp.async) and only checks them.
 //!
 //! Output: `check <name> rel_err=<e> <ok|FAIL>` lines, then `time <name> <shape> us=<median>
 //! floor_us=<bytes / 4.8 TB/s> gbps=<achieved>` lines. Exits non-zero when a check fails.
@@ -404,10 +407,16 @@ fn stage_costs(dev: &CudaDevice, s: KdaShape) -> Result<(), CudaError> {
 fn run() -> Result<usize, CudaError> {
     let quick = std::env::args().any(|a| a == "--quick");
     let prefill_only = std::env::args().any(|a| a == "--prefill-only");
+    let plain = std::env::args().any(|a| a == "--plain-helpers");
+    let base: Vec<(&str, String)> = if plain {
+        vec![("TESSERA_PLAIN_HELPERS", "1".to_string())]
+    } else {
+        Vec::new()
+    };
     let dev = CudaDevice::open(0, default_cache_dir())?;
     println!("device {} ({})", dev.name(), dev.arch());
     let t = Instant::now();
-    let kernels = KdaKernels::load(&dev, 128, 128, 32)?;
+    let kernels = KdaKernels::load_with(&dev, 128, 128, 32, &base)?;
     println!("compiled kda kernels in {:.2}s", t.elapsed().as_secs_f64());
     let mut checks = Checks { failed: 0 };
     let mut rng = Rng(42);
@@ -443,7 +452,9 @@ fn run() -> Result<usize, CudaError> {
     let mut variants = Vec::new();
     for (vt, stages) in [(32usize, 2usize), (64, 2)] {
         let label = format!("vt{vt}.s{stages}");
-        match KdaKernels::load_with(&dev, 128, 128, vt, &[("SCAN_STAGES", stages.to_string())]) {
+        let mut defines = base.clone();
+        defines.push(("SCAN_STAGES", stages.to_string()));
+        match KdaKernels::load_with(&dev, 128, 128, vt, &defines) {
             Ok(k) => variants.push((label, k)),
             Err(e) => println!("variant {label} unavailable: {e}"),
         }
@@ -475,6 +486,9 @@ fn run() -> Result<usize, CudaError> {
         }
     }
     let variants = checked;
+    if plain {
+        return Ok(variant_failures);
+    }
     if !prefill_only {
         stage_costs(&dev, shape(1, if quick { 8192 } else { 32768 }, 32))?;
     }

@@ -8,7 +8,10 @@
 //!   the numerical ground truth the accelerator backends are tested against.
 //! * [`cuda`] (feature `cuda`) — NVRTC-compiled kernels on NVIDIA GPUs, bf16 activations with
 //!   f32 accumulation; checked against `cpu` by `examples/cuda_check_bench.rs` on a GPU.
-//! * `hip` — planned; it will mirror the `cuda` kernels.
+//! * [`hip`] (feature `hip`) — the same kernel sources compiled by hiprtc for AMD GPUs, with the
+//!   op API of `cuda`; built and compiled for CDNA targets here, not yet run on AMD hardware.
+//!
+//! [`device::parse_device`] names a device (`cpu`, `cuda[:N]`, `hip[:N]`) in every build.
 //!
 //! Determinism: `cpu::linear` and `cpu::matmul` give bitwise identical results
 //! for a row regardless of batch size, row position and thread count, which
@@ -17,3 +20,10 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
+#[cfg(any(feature = "cuda", feature = "hip"))]
+pub mod gpu;
+#[cfg(feature = "hip")]
+pub mod hip;
+
+pub use device::{parse_device, Device, DeviceError};

@@ -47,3 +47,23 @@ fn a_broken_source_reports_the_compiler_log() {
         other => panic!("expected a compile error, got {:?}", other.map(|_| ())),
     }
 }
+
+#[test]
+fn the_plain_helpers_of_the_hip_backend_compile_for_cuda_too() {
+    // TESSERA_PLAIN_HELPERS runs the HIP code paths on an NVIDIA GPU (cuda_check_bench
+    // --plain-helpers): no tensor-core or asynchronous-copy instructions may be left.
+    let mut defines = kda_defines(128, 128, 32).to_vec();
+    defines.push(("TESSERA_PLAIN_HELPERS", "1".to_string()));
+    match compile("sm_90", "kda", KDA_SOURCE, &defines) {
+        Ok(ptx) => {
+            let text = ptx.to_src();
+            assert!(text.contains(".entry kda_chunk_scan"));
+            assert!(!text.contains("mma.sync"), "tensor-core path left in");
+            assert!(!text.contains("cp.async"), "asynchronous copies left in");
+        }
+        Err(CudaError::NoNvrtc) if !nvrtc_required() => {
+            eprintln!("NVRTC not found: set TESSERA_REQUIRE_NVRTC=1 to make this fatal");
+        }
+        Err(e) => panic!("{e}"),
+    }
+}

@@ -1,17 +1,32 @@
-// Shared device helpers for every Tessera CUDA kernel. Header-free: NVRTC compiles this with
-// no CUDA include directory, so bf16 is handled as raw 16-bit words and tensor-core and
-// async-copy instructions are written as inline PTX.
+// Shared device helpers for every Tessera GPU kernel, compiled after ../gpu/port.cuh. Header-free:
+// NVRTC compiles this with no CUDA include directory, so bf16 is handled as raw 16-bit words and
+// tensor-core and async-copy instructions are written as inline PTX. Under hiprtc (and on CUDA
+// with TESSERA_PLAIN_HELPERS, see port.cuh) the same helpers are plain device code: bf16
+// rounding in integer arithmetic, the m16n8k16 product assembled from cross-lane shuffles and
+// scalar FMAs (exact operands, f32 accumulation), and the asynchronous copies done synchronously
+// (their commit/wait become no-ops; every reader is behind a __syncthreads() already).
 
 typedef unsigned short bf16_t;
 
 __device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((unsigned)x) << 16); }
 
 // Round-to-nearest-even f32 -> bf16 for two values packed into one 32-bit word (lo first).
+#ifndef TESSERA_PLAIN_HELPERS
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+#else
+__device__ __forceinline__ unsigned bf16_rne(float x) {
+    const unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;  // NaN stays NaN
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    return bf16_rne(lo) | (bf16_rne(hi) << 16);
+}
+#endif
 
 __device__ __forceinline__ bf16_t f2bf(float x) { return (bf16_t)(pack_bf16x2(x, 0.0f) & 0xffffu); }
 
@@ -23,6 +38,7 @@ __device__ __forceinline__ float hi_bf(unsigned w) { return __uint_as_float(w & 
 //   a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]
 //   b[0] = B[2t..2t+1][g], b[1] = B[2t+8..2t+9][g]
 //   c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..2t+1]
+#ifndef TESSERA_PLAIN_HELPERS
 __device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], const unsigned b[2]) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -30,10 +46,33 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+#else
+// The same product without matrix instructions: lane (g, t) gathers rows g and g+8 of A from the
+// four lanes of its group g and columns 2t, 2t+1 of B from the lanes of groups 2t and 2t+1.
+__device__ __forceinline__ float dot_bf16x2(unsigned a, unsigned b, float acc) {
+    acc = fmaf(lo_bf(a), lo_bf(b), acc);
+    return fmaf(hi_bf(a), hi_bf(b), acc);
+}
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], const unsigned b[2]) {
+    const int lane = threadIdx.x & LANE_MASK, t = lane & 3;
+#pragma unroll 1
+    for (int s = 0; s < 4; ++s) {
+        const int la = (lane & ~3) | s, l0 = 8 * t + s, l1 = 8 * t + 4 + s;
+        const unsigned a0 = LANE_SHFL(a[0], la), a1 = LANE_SHFL(a[1], la);
+        const unsigned a2 = LANE_SHFL(a[2], la), a3 = LANE_SHFL(a[3], la);
+        const unsigned b00 = LANE_SHFL(b[0], l0), b01 = LANE_SHFL(b[1], l0);
+        const unsigned b10 = LANE_SHFL(b[0], l1), b11 = LANE_SHFL(b[1], l1);
+        c[0] = dot_bf16x2(a2, b01, dot_bf16x2(a0, b00, c[0]));
+        c[1] = dot_bf16x2(a2, b11, dot_bf16x2(a0, b10, c[1]));
+        c[2] = dot_bf16x2(a3, b01, dot_bf16x2(a1, b00, c[2]));
+        c[3] = dot_bf16x2(a3, b11, dot_bf16x2(a1, b10, c[3]));
+    }
+}
+#endif
 
 // A fragment of the 16x16 tile at (row0, k0) of a row-major bf16 matrix with leading dimension ld.
 __device__ __forceinline__ void load_a_frag(unsigned a[4], const bf16_t* m, int ld, int row0, int k0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & LANE_MASK, g = lane >> 2, t = lane & 3;
     const bf16_t* p = m + (row0 + g) * ld + k0 + 2 * t;
     a[0] = *(const unsigned*)(p);
     a[1] = *(const unsigned*)(p + 8 * ld);
@@ -44,12 +83,13 @@ __device__ __forceinline__ void load_a_frag(unsigned a[4], const bf16_t* m, int 
 // B fragment of the 16x8 tile at (k0, n0) of B, where B is stored transposed: bt[n][k], leading
 // dimension ld (so the k pairs a thread needs are adjacent).
 __device__ __forceinline__ void load_b_frag(unsigned b[2], const bf16_t* bt, int ld, int n0, int k0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & LANE_MASK, g = lane >> 2, t = lane & 3;
     const bf16_t* p = bt + (n0 + g) * ld + k0 + 2 * t;
     b[0] = *(const unsigned*)(p);
     b[1] = *(const unsigned*)(p + 8);
 }
 
+#ifndef TESSERA_PLAIN_HELPERS
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -74,3 +114,18 @@ __device__ __forceinline__ float warp_sum(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
 }
+#else
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    *(uint4*)dst = *(const uint4*)src;
+}
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
+    *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
+}
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N> __device__ __forceinline__ void cp_async_wait() {}
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int o = LANES / 2; o > 0; o >>= 1) x += LANE_SHFL_XOR(x, o);
+    return x;
+}
+#endif

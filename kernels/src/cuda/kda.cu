@@ -1,4 +1,4 @@
-// KDA (Kimi Delta Attention) on CUDA: chunked prefill in two launches and a one-token decode step.
+// KDA (Kimi Delta Attention) on the GPU: chunked prefill in two launches and a one-token decode step.
 //
 // Per head, with state S [DK, DV] (f32) and per-channel log decay g (<= 0):
 //   S <- diag(exp(g_t)) S;  delta = beta_t (v_t - S^T k_t);  S <- S + k_t delta^T;  o_t = S^T q_t
@@ -64,7 +64,7 @@
 // rows x cols (bf16, this block's T) times rhs^T, written row-major to dst [CH][ncol];
 // 8 warps = 4 row tiles x 2 column halves.
 __device__ __forceinline__ void t_times(const bf16_t* tb, const bf16_t* rhs_t, int ncol, bf16_t* dst) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+    const int warp = threadIdx.x >> LANE_BITS, lane = threadIdx.x & LANE_MASK, g8 = lane >> 2, t4 = lane & 3;
     const int mt = warp & 3, half = warp >> 2;
     unsigned a[CH / 16][4];
 #pragma unroll
@@ -90,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     bf16_t* __restrict__ qg_out, bf16_t* __restrict__ kgt_out, bf16_t* __restrict__ aqk_out,
     float* __restrict__ egl_out) {
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, NC = gridDim.x;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+    const int tid = threadIdx.x, warp = tid >> LANE_BITS, lane = tid & LANE_MASK, g8 = lane >> 2, t4 = lane & 3;
     const int t0 = c * CH, len = min(CH, T - t0);
     const size_t chunk = ((size_t)b * H + h) * NC + c;
 
@@ -129,7 +129,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     // 2. Norms (a warp per token) and the within-chunk cumulative decay (threads per channel).
     for (int i = warp; i < CH; i += 8) {
         float sq = 0.f, sk = 0.f;
-        for (int d = lane; d < DK; d += 32) {
+        for (int d = lane; d < DK; d += LANES) {
             const float a = bf2f(qs[i * OLD + d]), bk = bf2f(ks[i * OLD + d]);
             sq += a * a;
             sk += bk * bk;
@@ -438,8 +438,8 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS) kda_chunk_scan(
     int H) {
     const int vt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int NC = (T + CH - 1) / CH;
-    const int tid = threadIdx.x, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
-    const int warp = (tid >> 5) & 3, cb = (tid >> 7) * 32;  // row quarter, column base
+    const int tid = threadIdx.x, lane = tid & LANE_MASK, g8 = lane >> 2, t4 = lane & 3;
+    const int warp = (tid >> LANE_BITS) & 3, cb = (tid >> 7) * 32;  // row quarter, column base
     const size_t bh = (size_t)b * H + h;
     extern __shared__ __align__(16) unsigned char smem[];
     bf16_t* sb = (bf16_t*)(smem + S_SB);
@@ -590,7 +590,7 @@ __device__ __forceinline__ void kda_decode_body(
     const float* __restrict__ g, const bf16_t* __restrict__ beta, float* __restrict__ state,
     bf16_t* __restrict__ o, float scale, int l2norm) {
     const size_t bh = blockIdx.x;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, warp = tid >> LANE_BITS, lane = tid & LANE_MASK;
     float* st = state + bh * DK * DV;
     float4 s[RPW];
 #pragma unroll
@@ -607,7 +607,7 @@ __device__ __forceinline__ void kda_decode_body(
     if (warp < 2) {
         const float* xv = warp ? ks : qs;
         float ss = 0.f;
-        for (int d = lane; d < DK; d += 32) ss += xv[d] * xv[d];
+        for (int d = lane; d < DK; d += LANES) ss += xv[d] * xv[d];
         ss = warp_sum(ss);
         if (lane == 0) nrm[warp] = l2norm ? 1.f / sqrtf(ss + 1e-6f) : 1.f;
     }

@@ -5,36 +5,9 @@
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaError};
-
-/// The CUDA source of the KDA kernels (`-D DK/DV/VT` select the configuration).
-pub const KDA_SOURCE: &str = include_str!("kda.cu");
-/// Tokens per chunk of the prefill kernels.
-pub const CHUNK: usize = 64;
-
-/// Shapes of one KDA call: `batch` sequences of `seq_len` tokens, `heads` heads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KdaShape {
-    pub batch: usize,
-    pub seq_len: usize,
-    pub heads: usize,
-    pub dk: usize,
-    pub dv: usize,
-}
-
-impl KdaShape {
-    fn chunks(&self) -> usize {
-        self.seq_len.div_ceil(CHUNK)
-    }
-    fn qk_len(&self) -> usize {
-        self.batch * self.seq_len * self.heads * self.dk
-    }
-    fn v_len(&self) -> usize {
-        self.batch * self.seq_len * self.heads * self.dv
-    }
-    fn state_len(&self) -> usize {
-        self.batch * self.heads * self.dk * self.dv
-    }
-}
+use crate::gpu::{
+    kda_check_config, kda_defines, kda_scan_stages, kda_smem_bytes, KdaShape, CHUNK, KDA_SOURCE,
+};
 
 /// The compiled KDA kernels for one (dk, dv, V-tile) configuration.
 pub struct KdaKernels {
@@ -112,14 +85,7 @@ impl KdaKernels {
         v_tile: usize,
         extra: &[(&str, String)],
     ) -> Result<Self, CudaError> {
-        if !matches!(dk, 64 | 128) || dv != 128 {
-            return Err(shape_err(format!(
-                "head dims dk={dk}, dv={dv} are not supported (dk 64 or 128, dv 128)"
-            )));
-        }
-        if !matches!(v_tile, 32 | 64) || !dv.is_multiple_of(v_tile) {
-            return Err(shape_err(format!("V tile {v_tile} must be 32 or 64")));
-        }
+        kda_check_config(dk, dv, v_tile).map_err(CudaError::Shape)?;
         let mut defines = kda_defines(dk, dv, v_tile).to_vec();
         defines.extend(extra.iter().cloned());
         let module = dev.module("kda", KDA_SOURCE, &defines)?;
@@ -127,12 +93,7 @@ impl KdaKernels {
         let scan = module.load_function("kda_chunk_scan")?;
         let decode = module.load_function("kda_decode")?;
         let decode_occ3 = module.load_function("kda_decode_occ3")?;
-        let stages = extra
-            .iter()
-            .find(|(k, _)| *k == "SCAN_STAGES")
-            .and_then(|(_, v)| v.parse().ok())
-            .unwrap_or(2);
-        let (prep_smem, scan_smem) = smem_bytes(dk, dv, v_tile, stages);
+        let (prep_smem, scan_smem) = kda_smem_bytes(dk, dv, v_tile, kda_scan_stages(extra));
         let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         prep.set_attribute(attr, prep_smem as i32)?;
         scan.set_attribute(attr, scan_smem as i32)?;
@@ -362,31 +323,4 @@ impl KdaKernels {
         }
         Ok(())
     }
-}
-
-/// The `-D` macros of one configuration.
-pub fn kda_defines(dk: usize, dv: usize, v_tile: usize) -> [(&'static str, String); 3] {
-    [
-        ("DK", dk.to_string()),
-        ("DV", dv.to_string()),
-        ("VT", v_tile.to_string()),
-    ]
-}
-
-/// Dynamic shared memory of the two prefill kernels; mirrors the layout macros of `kda.cu`.
-fn smem_bytes(dk: usize, dv: usize, vt: usize, stages: usize) -> (u32, u32) {
-    let (ch, sub) = (CHUNK, 16);
-    let (gld, old, tld, ald, uld) = (dk + 4, dk + 8, ch + 8, ch + 1, vt + 8);
-    let p_x = ch * gld * 4 + 2 * ch * old * 2 + 3 * ch * 4 + 16 + ch * ald * 4;
-    let products = 2 * sub * old * 2 + ch * old * 2;
-    let inverse = ch * ald * 4 + (ch / sub - 1) * sub * sub * 4;
-    let staged = dk * tld * 2;
-    debug_assert!(
-        dv * tld * 2 <= 2 * ch * old * 2,
-        "(beta v)^T must fit where q/k were"
-    );
-    let prep = p_x + products.max(inverse).max(staged);
-    let stage = 2 * ch * old * 2 + dk * tld * 2 + ch * tld * 2 + ch * uld * 2 + dk * 4;
-    let scan = stages * stage + vt * (dk + 8) * 2 + vt * tld * 2;
-    (prep as u32, scan as u32)
 }

@@ -1,5 +1,6 @@
-//! The CUDA backend: kernels written as `.cu` sources, compiled by NVRTC for the device's
-//! architecture at start-up and cached on disk as PTX.
+//! The CUDA backend: kernels written as `.cu` sources (shared with the HIP backend, see
+//! [`crate::gpu`]), compiled by NVRTC for the device's architecture at start-up and cached on
+//! disk as PTX.
 //!
 //! The CUDA driver (`libcuda.so.1`) and NVRTC are loaded dynamically, so building this module
 //! needs no CUDA installation; [`CudaDevice::open`] reports a clear [`CudaError`] when either
@@ -8,8 +9,6 @@
 
 mod kda;
 
-use std::collections::hash_map::DefaultHasher;
-use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -17,10 +16,10 @@ use cudarc::driver::{CudaContext, CudaModule, DriverError};
 pub use cudarc::driver::{CudaSlice, CudaStream};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
-pub use kda::{
-    kda_defines, KdaInputs, KdaKernels, KdaPrefillWorkspace, KdaShape, CHUNK as KDA_CHUNK,
-    KDA_SOURCE,
+pub use crate::gpu::{
+    bf16_bits, bf16_value, kda_defines, KdaShape, CHUNK as KDA_CHUNK, KDA_SOURCE,
 };
+pub use kda::{KdaInputs, KdaKernels, KdaPrefillWorkspace};
 
 /// Everything that can go wrong in the CUDA backend.
 #[derive(Debug, thiserror::Error)]
@@ -110,7 +109,13 @@ impl CudaDevice {
         source: &str,
         defines: &[(&str, String)],
     ) -> Result<Arc<CudaModule>, CudaError> {
-        let key = cache_key(&self.arch, name, source, defines);
+        let key = crate::gpu::cache_file_name(
+            name,
+            &self.arch,
+            source,
+            &nvrtc_options(&self.arch, defines),
+            "ptx",
+        );
         let cached = self.cache_dir.as_ref().map(|d| d.join(&key));
         if let Some(path) = &cached {
             if let Ok(ptx) = std::fs::read_to_string(path) {
@@ -119,15 +124,11 @@ impl CudaDevice {
         }
         let ptx = compile(&self.arch, name, source, defines)?;
         if let Some(path) = &cached {
-            let write = || -> std::io::Result<()> {
-                std::fs::create_dir_all(path.parent().expect("cache file has a parent"))?;
-                let tmp = path.with_extension("tmp");
-                std::fs::write(&tmp, ptx.to_src())?;
-                std::fs::rename(&tmp, path)
-            };
-            write().map_err(|source| CudaError::Cache {
-                path: path.clone(),
-                source,
+            crate::gpu::write_cache_file(path, ptx.to_src().as_bytes()).map_err(|source| {
+                CudaError::Cache {
+                    path: path.clone(),
+                    source,
+                }
             })?;
         }
         Ok(self.ctx.load_module(ptx)?)
@@ -158,15 +159,7 @@ impl CudaDevice {
 /// Where compiled kernels are cached by default: `$TESSERA_CACHE_DIR/cuda`, else
 /// `$XDG_CACHE_HOME/tessera/cuda`, else `~/.cache/tessera/cuda`.
 pub fn default_cache_dir() -> Option<PathBuf> {
-    let env = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    env("TESSERA_CACHE_DIR")
-        .or_else(|| env("XDG_CACHE_HOME").map(|p| p.join("tessera")))
-        .or_else(|| env("HOME").map(|p| p.join(".cache").join("tessera")))
-        .map(|p| p.join("cuda"))
+    crate::gpu::cache_dir_for("cuda")
 }
 
 fn nvrtc_options(arch: &str, defines: &[(&str, String)]) -> Vec<String> {
@@ -178,16 +171,8 @@ fn nvrtc_options(arch: &str, defines: &[(&str, String)]) -> Vec<String> {
     options
 }
 
-fn cache_key(arch: &str, name: &str, source: &str, defines: &[(&str, String)]) -> String {
-    let mut hasher = DefaultHasher::new();
-    COMMON.hash(&mut hasher);
-    source.hash(&mut hasher);
-    nvrtc_options(arch, defines).hash(&mut hasher);
-    format!("{name}-{arch}-{:016x}.ptx", hasher.finish())
-}
-
-/// Compiles a kernel source (with the shared helpers prepended) to PTX for `arch` (e.g.
-/// "sm_90"). Needs NVRTC but no GPU.
+/// Compiles a kernel source (with the portability header and the shared helpers prepended, see
+/// [`crate::gpu::translation_unit`]) to PTX for `arch` (e.g. "sm_90"). Needs NVRTC but no GPU.
 pub fn compile(
     arch: &str,
     name: &str,
@@ -203,7 +188,7 @@ pub fn compile(
         name: Some(format!("{name}.cu")),
         ..Default::default()
     };
-    let full = format!("{COMMON}\n{source}");
+    let full = crate::gpu::translation_unit(source);
     cudarc::nvrtc::compile_ptx_with_opts(&full, opts).map_err(|e| {
         let log = match e {
             cudarc::nvrtc::CompileError::CompileError { log, .. } => {
@@ -219,38 +204,9 @@ pub fn compile(
     })
 }
 
-/// The shared device helpers every kernel source is compiled with.
-const COMMON: &str = include_str!("common.cuh");
-
-/// f32 → bf16 bits, round to nearest even (NaN stays NaN).
-pub fn bf16_bits(x: f32) -> u16 {
-    let u = x.to_bits();
-    if x.is_nan() {
-        return ((u >> 16) | 0x40) as u16;
-    }
-    let round = 0x7fff + ((u >> 16) & 1);
-    (u.wrapping_add(round) >> 16) as u16
-}
-
-/// bf16 bits → f32 (exact).
-pub fn bf16_value(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn bf16_round_trip_and_rounding() {
-        for x in [0.0f32, 1.0, -2.5, 3.0e38, 1.0e-38, 0.1] {
-            let r = bf16_value(bf16_bits(x));
-            assert!((r - x).abs() <= x.abs() * (1.0 / 256.0), "{x} -> {r}");
-        }
-        // Ties go to even: 1 + 2^-8 lies halfway between 1 and 1 + 2^-7.
-        assert_eq!(bf16_value(bf16_bits(1.0 + 1.0 / 256.0)), 1.0);
-        assert!(bf16_value(bf16_bits(f32::NAN)).is_nan());
-    }
 
     #[test]
     fn opening_a_device_without_a_driver_is_a_clear_error() {

@@ -1,0 +1,193 @@
+//! What the GPU backends share: the kernel sources (one set for CUDA and HIP, made portable by
+//! `port.cuh`), the host-side description of the KDA kernels, bf16 conversion and the kernel
+//! cache location.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+
+/// The portability header: platform detection, the hardware warp width (`WARP_SIZE`: 32 on
+/// NVIDIA, the wavefront size on AMD) and the logical warp the kernels map threads onto.
+pub const PORT: &str = include_str!("port.cuh");
+/// The shared device helpers every kernel source is compiled with (after [`PORT`]).
+pub const COMMON: &str = include_str!("../cuda/common.cuh");
+/// The KDA kernels (`-D DK/DV/VT` select the configuration).
+pub const KDA_SOURCE: &str = include_str!("../cuda/kda.cu");
+
+/// Tokens per chunk of the KDA prefill kernels.
+pub const CHUNK: usize = 64;
+
+/// The full translation unit of one kernel source: [`PORT`], [`COMMON`], then `source`.
+pub fn translation_unit(source: &str) -> String {
+    format!("{PORT}\n{COMMON}\n{source}")
+}
+
+/// The file name a compiled kernel is cached under: the sources and every compiler option are
+/// hashed into it, so a change to any of them compiles afresh.
+pub(crate) fn cache_file_name(
+    name: &str,
+    arch: &str,
+    source: &str,
+    options: &[String],
+    ext: &str,
+) -> String {
+    let mut hasher = DefaultHasher::new();
+    PORT.hash(&mut hasher);
+    COMMON.hash(&mut hasher);
+    source.hash(&mut hasher);
+    options.hash(&mut hasher);
+    let arch: String = arch
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    format!("{name}-{arch}-{:016x}.{ext}", hasher.finish())
+}
+
+/// Writes a cache file atomically (temporary file, then rename).
+pub(crate) fn write_cache_file(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    std::fs::create_dir_all(path.parent().expect("cache file has a parent"))?;
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, data)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Where a backend caches its compiled kernels: `$TESSERA_CACHE_DIR/<backend>`, else
+/// `$XDG_CACHE_HOME/tessera/<backend>`, else `~/.cache/tessera/<backend>`.
+pub(crate) fn cache_dir_for(backend: &str) -> Option<PathBuf> {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    env("TESSERA_CACHE_DIR")
+        .or_else(|| env("XDG_CACHE_HOME").map(|p| p.join("tessera")))
+        .or_else(|| env("HOME").map(|p| p.join(".cache").join("tessera")))
+        .map(|p| p.join(backend))
+}
+
+/// Shapes of one KDA call: `batch` sequences of `seq_len` tokens, `heads` heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KdaShape {
+    pub batch: usize,
+    pub seq_len: usize,
+    pub heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+}
+
+impl KdaShape {
+    pub(crate) fn chunks(&self) -> usize {
+        self.seq_len.div_ceil(CHUNK)
+    }
+    pub(crate) fn qk_len(&self) -> usize {
+        self.batch * self.seq_len * self.heads * self.dk
+    }
+    pub(crate) fn v_len(&self) -> usize {
+        self.batch * self.seq_len * self.heads * self.dv
+    }
+    pub(crate) fn state_len(&self) -> usize {
+        self.batch * self.heads * self.dk * self.dv
+    }
+}
+
+/// The `-D` macros of one KDA configuration.
+pub fn kda_defines(dk: usize, dv: usize, v_tile: usize) -> [(&'static str, String); 3] {
+    [
+        ("DK", dk.to_string()),
+        ("DV", dv.to_string()),
+        ("VT", v_tile.to_string()),
+    ]
+}
+
+/// Checks the head dims and V tile a KDA configuration is built for.
+pub(crate) fn kda_check_config(dk: usize, dv: usize, v_tile: usize) -> Result<(), String> {
+    if !matches!(dk, 64 | 128) || dv != 128 {
+        return Err(format!(
+            "kda: head dims dk={dk}, dv={dv} are not supported (dk 64 or 128, dv 128)"
+        ));
+    }
+    if !matches!(v_tile, 32 | 64) || !dv.is_multiple_of(v_tile) {
+        return Err(format!("kda: V tile {v_tile} must be 32 or 64"));
+    }
+    Ok(())
+}
+
+/// Dynamic shared memory of the two KDA prefill kernels; mirrors the layout macros of `kda.cu`.
+pub(crate) fn kda_smem_bytes(dk: usize, dv: usize, vt: usize, stages: usize) -> (u32, u32) {
+    let (ch, sub) = (CHUNK, 16);
+    let (gld, old, tld, ald, uld) = (dk + 4, dk + 8, ch + 8, ch + 1, vt + 8);
+    let p_x = ch * gld * 4 + 2 * ch * old * 2 + 3 * ch * 4 + 16 + ch * ald * 4;
+    let products = 2 * sub * old * 2 + ch * old * 2;
+    let inverse = ch * ald * 4 + (ch / sub - 1) * sub * sub * 4;
+    let staged = dk * tld * 2;
+    debug_assert!(
+        dv * tld * 2 <= 2 * ch * old * 2,
+        "(beta v)^T must fit where q/k were"
+    );
+    let prep = p_x + products.max(inverse).max(staged);
+    let stage = 2 * ch * old * 2 + dk * tld * 2 + ch * tld * 2 + ch * uld * 2 + dk * 4;
+    let scan = stages * stage + vt * (dk + 8) * 2 + vt * tld * 2;
+    (prep as u32, scan as u32)
+}
+
+/// The scan pipeline depth a set of extra `-D` macros selects (`SCAN_STAGES`, default 2).
+pub(crate) fn kda_scan_stages(extra: &[(&str, String)]) -> usize {
+    extra
+        .iter()
+        .find(|(k, _)| *k == "SCAN_STAGES")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(2)
+}
+
+/// f32 → bf16 bits, round to nearest even (NaN stays NaN).
+pub fn bf16_bits(x: f32) -> u16 {
+    let u = x.to_bits();
+    if x.is_nan() {
+        return ((u >> 16) | 0x40) as u16;
+    }
+    let round = 0x7fff + ((u >> 16) & 1);
+    (u.wrapping_add(round) >> 16) as u16
+}
+
+/// bf16 bits → f32 (exact).
+pub fn bf16_value(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_round_trip_and_rounding() {
+        for x in [0.0f32, 1.0, -2.5, 3.0e38, 1.0e-38, 0.1] {
+            let r = bf16_value(bf16_bits(x));
+            assert!((r - x).abs() <= x.abs() * (1.0 / 256.0), "{x} -> {r}");
+        }
+        // Ties go to even: 1 + 2^-8 lies halfway between 1 and 1 + 2^-7.
+        assert_eq!(bf16_value(bf16_bits(1.0 + 1.0 / 256.0)), 1.0);
+        assert!(bf16_value(bf16_bits(f32::NAN)).is_nan());
+    }
+
+    #[test]
+    fn the_portability_header_comes_first_and_no_literal_warp_width_is_shared() {
+        let unit = translation_unit("// body");
+        assert!(unit.starts_with(PORT));
+        assert!(unit.find(COMMON).unwrap() < unit.find("// body").unwrap());
+        // The shared kernel code names the lane constants of port.cuh instead of 31, 32 or >> 5.
+        for pat in ["& 31", "+= 32", ">> 5"] {
+            assert!(!KDA_SOURCE.contains(pat), "kda.cu still has `{pat}`");
+        }
+    }
+
+    #[test]
+    fn cache_names_depend_on_every_input() {
+        let opts = vec!["-DDK=128".to_string()];
+        let a = cache_file_name("kda", "gfx90a", "x", &opts, "co");
+        assert_eq!(a, cache_file_name("kda", "gfx90a", "x", &opts, "co"));
+        assert_ne!(a, cache_file_name("kda", "gfx90a", "y", &opts, "co"));
+        assert_ne!(a, cache_file_name("kda", "gfx90a", "x", &[], "co"));
+        assert!(cache_file_name("kda", "gfx90a:xnack-", "x", &opts, "co")
+            .starts_with("kda-gfx90a_xnack_-"));
+    }
+}
