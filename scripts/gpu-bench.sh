@@ -3,7 +3,8 @@
 # anchor) timed in the same run, and prints one table with the ratios.
 #
 # Prepare on a build machine (the GPU machine needs no Rust toolchain and no network):
-#   cargo build --release -p tessera-kernels --features cuda --example cuda_check_bench
+#   cargo build --release -p tessera-kernels --features cuda --example cuda_check_bench \
+#     --example cuda_ops_check
 #   pip download --no-deps fla-core==0.6.0 -d .whl          # FLA, the anchor (git-ignored)
 #   mkdir -p .anchors && cp <path>/fla_kda_bench.py .anchors/ # FLA's timing harness
 # Then, on the GPU machine, from the repository root:
@@ -21,6 +22,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 echo "== tessera kernels: checks and timings"
 "$BIN" "$@" 2>&1 | tee "$LOGS/ours.log"
 ours_rc=${PIPESTATUS[0]}
+
+# Row-wise ops and the cuBLAS linear layer (cuda_ops_check), when built.
+OPS_BIN=${OPS_BIN:-target/release/examples/cuda_ops_check}
+if [ -x "$OPS_BIN" ]; then
+  echo "== tessera row ops and linear: checks and timings"
+  cublas=$(find /usr/local /usr/lib /opt -name 'libcublas.so.1*' 2>/dev/null | head -1)
+  LD_LIBRARY_PATH="${cublas:+$(dirname "$cublas"):}${LD_LIBRARY_PATH:-}" "$OPS_BIN" "$@" 2>&1 | tee "$LOGS/ops.log"
+  ops_rc=${PIPESTATUS[0]}
+  [ "$ours_rc" -eq 0 ] && ours_rc=$ops_rc
+fi
 
 if ls .whl/fla_core-*.whl >/dev/null 2>&1 && [ -f .anchors/fla_kda_bench.py ]; then
   echo "== anchor: FLA chunk_kda / fused_recurrent_kda"

@@ -11,33 +11,15 @@
 
 use std::time::Instant;
 
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
 use tessera_kernels::cpu;
 use tessera_kernels::cuda::{
     bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, CudaSlice, KdaInputs,
     KdaKernels, KdaPrefillWorkspace, KdaShape,
 };
-
-const HBM_BYTES_PER_S: f64 = 4.8e12;
-
-/// Deterministic generator (splitmix64) with normal and uniform draws.
-struct Rng(u64);
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    fn normal(&mut self) -> f32 {
-        let u1 = self.uniform().max(1e-7);
-        let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
-    }
-}
 
 /// Host copies of one random KDA problem: bf16 bits and their exact f32 values.
 struct Problem {
@@ -148,69 +130,6 @@ impl DeviceProblem {
     }
 }
 
-/// `n` draws of `f`, generated in parallel blocks with seeds derived from `seed`.
-fn fill<T: Send + Default + Clone>(
-    n: usize,
-    seed: u64,
-    f: impl Fn(&mut Rng) -> T + Sync,
-) -> Vec<T> {
-    use rayon::prelude::*;
-    let mut out = vec![T::default(); n];
-    out.par_chunks_mut(1 << 16)
-        .enumerate()
-        .for_each(|(i, block)| {
-            let mut r = Rng(seed ^ (i as u64).wrapping_mul(0xa076_1d64_78bd_642f));
-            for x in block {
-                *x = f(&mut r);
-            }
-        });
-    out
-}
-
-struct Device<'a> {
-    dev: &'a CudaDevice,
-}
-
-impl Device<'_> {
-    fn poisoned_u16(&self, n: usize) -> Result<CudaSlice<u16>, CudaError> {
-        self.dev.upload(&vec![0x7fc0u16; n]) // bf16 NaN
-    }
-    fn poisoned_f32(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
-        self.dev.upload(&vec![f32::NAN; n])
-    }
-}
-
-/// ‖a − b‖ / ‖b‖, infinite when anything is NaN.
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        if !x.is_finite() {
-            return f64::INFINITY;
-        }
-        num += ((x - y) as f64).powi(2);
-        den += (y as f64).powi(2);
-    }
-    (num / den.max(1e-30)).sqrt()
-}
-
-struct Checks {
-    failed: usize,
-}
-
-impl Checks {
-    fn report(&mut self, name: &str, err: f64, tol: f64) {
-        let ok = err <= tol;
-        if !ok {
-            self.failed += 1;
-        }
-        println!(
-            "check {name} rel_err={err:.3e} tol={tol:.0e} {}",
-            if ok { "ok" } else { "FAIL" }
-        );
-    }
-}
-
 fn check_prefill(
     dev: &CudaDevice,
     kernels: &KdaKernels,
@@ -273,32 +192,6 @@ fn check_decode(
         1e-5,
     );
     Ok(())
-}
-
-/// Median of `iters` timed runs (device events around each) after `warmup` runs, in µs.
-fn time_us(
-    dev: &CudaDevice,
-    warmup: usize,
-    iters: usize,
-    mut f: impl FnMut() -> Result<(), CudaError>,
-) -> Result<f64, CudaError> {
-    for _ in 0..warmup {
-        f()?;
-    }
-    dev.synchronize()?;
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut samples = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let a = dev.context().new_event(flags)?;
-        let b = dev.context().new_event(flags)?;
-        a.record(dev.stream())?;
-        f()?;
-        b.record(dev.stream())?;
-        b.synchronize()?;
-        samples.push(a.elapsed_ms(&b)? as f64 * 1e3);
-    }
-    samples.sort_by(|x, y| x.partial_cmp(y).unwrap());
-    Ok(samples[samples.len() / 2])
 }
 
 fn bench_prefill(

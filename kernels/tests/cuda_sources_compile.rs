@@ -3,7 +3,7 @@
 //! latter on LD_LIBRARY_PATH and sets TESSERA_REQUIRE_NVRTC=1, so there a missing NVRTC fails).
 #![cfg(feature = "cuda")]
 
-use tessera_kernels::cuda::{compile, kda_defines, CudaError, KDA_SOURCE};
+use tessera_kernels::cuda::{compile, kda_defines, CudaError, KDA_SOURCE, OPS_SOURCE};
 
 fn nvrtc_required() -> bool {
     std::env::var("TESSERA_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
@@ -65,5 +65,24 @@ fn the_plain_helpers_of_the_hip_backend_compile_for_cuda_too() {
             eprintln!("NVRTC not found: set TESSERA_REQUIRE_NVRTC=1 to make this fatal");
         }
         Err(e) => panic!("{e}"),
+    }
+}
+
+#[test]
+fn row_ops_compile_for_hopper_and_ampere() {
+    for arch in ["sm_90", "sm_80"] {
+        match compile(arch, "ops", OPS_SOURCE, &[]) {
+            Ok(ptx) => {
+                let text = ptx.to_src();
+                for entry in ["rmsnorm_bf16", "embedding_bf16", "argmax_f32"] {
+                    assert!(text.contains(&format!(".entry {entry}")), "{entry} missing");
+                }
+            }
+            Err(CudaError::NoNvrtc) if !nvrtc_required() => {
+                eprintln!("NVRTC not found: set TESSERA_REQUIRE_NVRTC=1 to make this fatal");
+                return;
+            }
+            Err(e) => panic!("{arch}: {e}"),
+        }
     }
 }

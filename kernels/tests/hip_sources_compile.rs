@@ -6,7 +6,7 @@
 #![cfg(feature = "hip")]
 
 use tessera_kernels::hip::{
-    compile, hiprtc_info, hiprtc_targets, kda_defines, HipDevice, HipError, KDA_SOURCE,
+    compile, hiprtc_info, hiprtc_targets, kda_defines, HipDevice, HipError, KDA_SOURCE, OPS_SOURCE,
 };
 
 fn hiprtc_required() -> bool {
@@ -177,5 +177,19 @@ fn opening_a_device_without_an_amd_gpu_is_a_clear_error() {
     match HipDevice::open(10_000, None) {
         Ok(_) => panic!("device 10000 cannot exist"),
         Err(e) => assert!(e.to_string().contains("AMD"), "{e}"),
+    }
+}
+
+#[test]
+fn row_ops_compile_for_cdna() {
+    if !hiprtc_present() {
+        return;
+    }
+    for arch in TARGETS {
+        let code = compile(arch, "ops", OPS_SOURCE, &[]).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert_eq!(&code[..4], b"\x7fELF", "{arch}: not a code object");
+        for entry in ["rmsnorm_bf16", "embedding_bf16", "argmax_f32"] {
+            assert!(contains(&code, entry), "{arch}: {entry} missing");
+        }
     }
 }

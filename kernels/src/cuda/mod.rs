@@ -8,6 +8,7 @@
 //! `u16` bit patterns ([`bf16_bits`], [`bf16_value`] convert on the host), f32 as `f32`.
 
 mod kda;
+mod ops;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,9 +18,10 @@ pub use cudarc::driver::{CudaSlice, CudaStream};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 pub use crate::gpu::{
-    bf16_bits, bf16_value, kda_defines, KdaShape, CHUNK as KDA_CHUNK, KDA_SOURCE,
+    bf16_bits, bf16_value, kda_defines, KdaShape, CHUNK as KDA_CHUNK, KDA_SOURCE, OPS_SOURCE,
 };
 pub use kda::{KdaInputs, KdaKernels, KdaPrefillWorkspace};
+pub use ops::{Linear, RowOps};
 
 /// Everything that can go wrong in the CUDA backend.
 #[derive(Debug, thiserror::Error)]
@@ -30,8 +32,12 @@ pub enum CudaError {
     NoNvrtc,
     #[error("CUDA device {ordinal} does not exist: {count} device(s) visible")]
     NoDevice { ordinal: usize, count: usize },
+    #[error("no cuBLAS: libcublas could not be loaded (install the CUDA cuBLAS library, e.g. the nvidia-cublas package)")]
+    NoCublas,
     #[error("CUDA driver call failed: {0}")]
     Driver(#[from] DriverError),
+    #[error("cuBLAS call failed: {0}")]
+    Blas(#[from] cudarc::cublas::result::CublasError),
     #[error("NVRTC could not compile {name} for {arch}:\n{log}")]
     Compile {
         name: String,

@@ -13,6 +13,11 @@ pub const PORT: &str = include_str!("port.cuh");
 pub const COMMON: &str = include_str!("../cuda/common.cuh");
 /// The KDA kernels (`-D DK/DV/VT` select the configuration).
 pub const KDA_SOURCE: &str = include_str!("../cuda/kda.cu");
+/// Row-wise ops: RMSNorm (+ residual), embedding gather, argmax.
+pub const OPS_SOURCE: &str = include_str!("../cuda/ops.cu");
+/// Threads per block of the row-wise ops, and bf16 vectors of 8 each thread holds of a row.
+pub const OPS_THREADS: usize = 256;
+pub const OPS_VECS: usize = 4;
 
 /// Tokens per chunk of the KDA prefill kernels.
 pub const CHUNK: usize = 64;
