@@ -35,6 +35,10 @@ pub struct FrontArgs {
     /// Longest prompt accepted, in tokens (default: the model's context); longer ones get 400.
     #[arg(long, env = "TESSERA_MAX_PROMPT_TOKENS", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_prompt_tokens: Option<u64>,
+    /// Log each request's prompt (decoded text) and parameters at info level. Prompts are
+    /// never logged otherwise, at any log level.
+    #[arg(long, env = "TESSERA_LOG_REQUESTS")]
+    pub log_requests: bool,
 }
 
 fn parse_rps(s: &str) -> Result<f64, String> {
@@ -73,6 +77,7 @@ impl FrontArgs {
             max_prompt_tokens: self.max_prompt_tokens.map(|n| n as usize),
             api_keys,
             rate_limit: self.rate_limit(),
+            log_requests: self.log_requests,
             ..FrontOptions::default()
         })
     }
@@ -93,6 +98,9 @@ impl FrontArgs {
         flag("max-body-bytes", self.max_body_bytes.to_string());
         if let Some(n) = self.max_prompt_tokens {
             flag("max-prompt-tokens", n.to_string());
+        }
+        if self.log_requests {
+            v.push("--log-requests".into());
         }
         v
     }

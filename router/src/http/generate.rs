@@ -234,6 +234,15 @@ impl AppState {
             stop_token_ids: stop_token_ids.clone(),
             ignore_eos: opts.ignore_eos,
         };
+        if self.log_requests {
+            let prompt = self
+                .tokenizer
+                .decode(&req.prompt_ids, false)
+                .unwrap_or_else(|e| format!("<undecodable: {e}>"));
+            tracing::info!(request_id = %req.request_id, prompt_tokens = prompt_len, max_tokens, sampling = ?req.sampling, prompt = %prompt, "request");
+        } else {
+            tracing::debug!(request_id = %req.request_id, prompt_tokens = prompt_len, max_tokens, "request");
+        }
         let rx = self.backend.submit(req)?;
         self.metrics
             .prompt_tokens

@@ -53,6 +53,9 @@ pub struct FrontOptions {
     pub api_keys: Option<Arc<ApiKeys>>,
     /// Per-key (per-IP without keys) token bucket; `None`: unlimited.
     pub rate_limit: Option<RateLimit>,
+    /// Log every request's prompt text and parameters (info level). Off: no prompt content
+    /// reaches the logs at any level, only ids and token counts.
+    pub log_requests: bool,
 }
 
 impl Default for FrontOptions {
@@ -65,6 +68,7 @@ impl Default for FrontOptions {
             max_prompt_tokens: None,
             api_keys: None,
             rate_limit: None,
+            log_requests: false,
         }
     }
 }
@@ -79,6 +83,7 @@ pub(crate) struct AppState {
     pub(crate) vocab_size: usize,
     pub(crate) default_completion_max_tokens: usize,
     pub(crate) max_prompt_tokens: Option<usize>,
+    pub(crate) log_requests: bool,
     pub(crate) access: Access,
     pub(crate) created: u64,
     pub(crate) metrics: Arc<Metrics>,
@@ -136,6 +141,7 @@ impl HttpFront {
             vocab_size,
             default_completion_max_tokens: opts.default_completion_max_tokens,
             max_prompt_tokens: opts.max_prompt_tokens,
+            log_requests: opts.log_requests,
             access: Access::new(opts.api_keys, opts.rate_limit),
             created: unix_now(),
             metrics: Arc::new(Metrics::default()),

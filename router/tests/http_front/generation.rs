@@ -304,3 +304,57 @@ async fn served_model_name_and_cached_tokens_from_backend() {
     assert_eq!(models["data"][0]["id"], "kimi-tiny");
     assert_eq!(models["data"][0]["max_model_len"], 4096);
 }
+
+/// Log lines written while `f` runs on this thread (every level, no colours).
+async fn logs_of<F: std::future::Future<Output = ()>>(f: F) -> String {
+    use std::sync::{Arc, Mutex};
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let sink = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
+        .with_writer(move || sink.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    f.await;
+    let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    text
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn prompts_reach_the_logs_only_with_log_requests() {
+    let secret = "The old lighthouse stood";
+    for log_requests in [false, true] {
+        let opts = FrontOptions {
+            log_requests,
+            ..FrontOptions::default()
+        };
+        let h = harness_with(fake_config(), opts, true);
+        let logs = logs_of(async {
+            let body = json!({"prompt": secret, "max_tokens": 2});
+            let (status, v) = h.post("/v1/completions", &body).await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+            let chat = json!({"messages": [{"role": "user", "content": secret}], "max_tokens": 2});
+            let (status, v) = h.post("/v1/chat/completions", &chat).await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+        })
+        .await;
+        assert!(logs.contains("request"), "the request is logged: {logs}");
+        assert_eq!(
+            logs.contains(secret),
+            log_requests,
+            "log_requests={log_requests}:\n{logs}"
+        );
+    }
+}
