@@ -156,6 +156,47 @@ impl Checkpoint {
         Ok(out)
     }
 
+    /// Tensor `name` as raw bytes, checked to be U8 of exactly `shape` (packed quantized weights
+    /// and their scales).
+    pub fn u8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>> {
+        let e = self
+            .entries
+            .get(name)
+            .ok_or_else(|| EngineError::MissingTensor {
+                name: name.to_string(),
+                looked_in: self.dir.display().to_string(),
+            })?;
+        if e.shape != shape {
+            return Err(EngineError::ShapeMismatch {
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                found: e.shape.clone(),
+            });
+        }
+        let (path, mmap, data_start) = &self.files[e.file];
+        if e.dtype != Dtype::U8 {
+            return Err(EngineError::CorruptCheckpoint {
+                path: path.clone(),
+                message: format!(
+                    "tensor `{name}` is {:?}; a packed tensor must be U8",
+                    e.dtype
+                ),
+            });
+        }
+        let bytes = &mmap[data_start + e.start..data_start + e.end];
+        if bytes.len() != shape.iter().product::<usize>() {
+            return Err(EngineError::CorruptCheckpoint {
+                path: path.clone(),
+                message: format!(
+                    "tensor `{name}` has {} bytes for shape {shape:?}",
+                    bytes.len()
+                ),
+            });
+        }
+        self.used.lock().unwrap().insert(name.to_string());
+        Ok(bytes.to_vec())
+    }
+
     /// Tensor `name` as f32 with any shape of `numel` elements (for tensors whose published shape
     /// varies, such as `A_log`: `[1,1,H,1]` in Kimi Linear, `[H]` elsewhere).
     pub fn f32_numel(&self, name: &str, numel: usize) -> Result<(Vec<f32>, Vec<usize>)> {

@@ -12,6 +12,14 @@ use serde_json::Value;
 
 use crate::error::{EngineError, Result};
 
+#[path = "config_k3.rs"]
+mod k3;
+pub use k3::{Activation, ArchSwitches, LatentMoe, QuantizationConfig, VisionConfig};
+
+/// Most layers a config may declare: far above any published model, low enough that the
+/// per-layer tables built at load are never a runaway allocation.
+pub const MAX_LAYERS: usize = 1 << 16;
+
 /// What a layer's token mixer is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnKind {
@@ -93,6 +101,10 @@ pub struct ModelConfig {
     pub kda: KdaConfig,
     pub mla: MlaConfig,
     pub moe: MoeConfig,
+    /// Kimi K3 extensions; all off for Kimi Linear.
+    pub switches: ArchSwitches,
+    pub vision: Option<VisionConfig>,
+    pub quantization: Option<QuantizationConfig>,
 }
 
 impl ModelConfig {
@@ -229,13 +241,23 @@ impl Fields<'_> {
 
     fn parse(&self) -> Result<ModelConfig> {
         let model_type = self.str_or(&["model_type"], "")?.to_string();
+        if model_type == k3::MODEL_TYPE {
+            return self.parse_k3();
+        }
         if model_type != "kimi_linear" {
             return Err(self.err(format!(
-                "model_type `{model_type}` is not supported (supported: kimi_linear)"
+                "model_type `{model_type}` is not supported (supported: kimi_linear, kimi_k3)"
             )));
         }
+        self.reject_k3_fields()?;
+        self.parse_text(model_type)
+    }
+
+    /// A Kimi Linear text model; `model_type` `kimi_k3` also reads the K3 switches.
+    fn parse_text(&self, model_type: String) -> Result<ModelConfig> {
+        let is_k3 = model_type == k3::MODEL_TYPE;
         let act = self.str_or(&["hidden_act"], "silu")?;
-        if act != "silu" {
+        if act != "silu" && !is_k3 {
             return Err(self.err(format!(
                 "hidden_act `{act}` is not supported for kimi_linear (expected silu)"
             )));
@@ -251,6 +273,11 @@ impl Fields<'_> {
         let vocab_size = self.usize_req(&["vocab_size"])?;
         if num_layers == 0 || hidden_size == 0 || vocab_size == 0 {
             return Err(self.err("num_hidden_layers, hidden_size and vocab_size must be positive"));
+        }
+        if num_layers > MAX_LAYERS {
+            return Err(self.err(format!(
+                "num_hidden_layers {num_layers} is more than the {MAX_LAYERS} supported"
+            )));
         }
 
         let lin = self.v.get("linear_attn_config").filter(|v| !v.is_null());
@@ -285,7 +312,11 @@ impl Fields<'_> {
             qk_nope_head_dim: self.usize_req(&["qk_nope_head_dim"])?,
             qk_rope_head_dim: self.usize_or(&["qk_rope_head_dim"], 0)?,
             v_head_dim: self.usize_req(&["v_head_dim"])?,
-            latent_norm_eps: 1e-6,
+            latent_norm_eps: if is_k3 {
+                self.f32_or(&["rms_norm_eps"], 1e-5)?
+            } else {
+                1e-6
+            },
         };
         if !self.bool_or(&["mla_use_nope"], true)? {
             return Err(
@@ -341,6 +372,11 @@ impl Fields<'_> {
         if ffn.contains(&FfnKind::Dense) && intermediate_size == 0 {
             return Err(self.err("dense MLP layers need intermediate_size > 0"));
         }
+        let switches = if is_k3 {
+            self.k3_switches(num_layers, ffn.contains(&FfnKind::Moe))?
+        } else {
+            ArchSwitches::KIMI_LINEAR
+        };
 
         Ok(ModelConfig {
             model_type,
@@ -354,9 +390,12 @@ impl Fields<'_> {
             pad_token_id: self.token_ids("pad_token_id")?.first().copied(),
             attn,
             ffn,
+            switches,
             kda,
             mla,
             moe,
+            vision: None,
+            quantization: None,
         })
     }
 
@@ -557,6 +596,11 @@ mod tests {
                 "kv_lora_rank",
             ),
             ("{not json".to_string(), "not valid JSON"),
+            (
+                KIMI_LINEAR_48B
+                    .replace("\"num_hidden_layers\": 27", "\"num_hidden_layers\": 100000"),
+                "num_hidden_layers",
+            ),
         ];
         for (text, needle) in cases {
             let err = parse(&text).unwrap_err().to_string();

@@ -1,5 +1,8 @@
-//! Random-weight Kimi Linear models in the published Hugging Face layout (`config.json`,
-//! bf16 `model.safetensors`, a tokenizer, `generation_config.json`), deterministic by seed.
+//! Random-weight Kimi Linear and Kimi K3 models in the published Hugging Face layout
+//! (`config.json`, bf16 `model.safetensors`, a tokenizer, `generation_config.json`), deterministic
+//! by seed. K3 models use the real K3 layout: a `kimi_k3` config wrapping the text config, tensors
+//! under `language_model.`, every K3 switch on (AttnRes, SiTU, latent MoE, gated MLA with q LoRA,
+//! bounded KDA gate, full-rank KDA output gate, `A_log` padded to `head_dim`).
 //!
 //! Their output is meaningless text: they exist so that every command, test and benchmark has a
 //! real checkpoint to load without downloading one. The `tiny` preset is the embedded default
@@ -13,11 +16,35 @@ use serde_json::json;
 
 use crate::config::{AttnKind, FfnKind, ModelConfig};
 use crate::error::{EngineError, Result};
+use crate::model::mxfp4;
 use crate::rng::Rng;
 use crate::tokenizer::tiny as tiny_tokenizer;
 
 /// Bumped whenever presets or initialisation change, so cached default models are rebuilt.
 const DEFAULT_MODEL_VERSION: &str = "tiny-v1";
+
+/// Which architecture `write_model_arch` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    KimiLinear,
+    KimiK3,
+    /// K3 with routed experts in compressed-tensors MXFP4, as the quantized release stores them.
+    KimiK3Mxfp4,
+}
+
+impl std::str::FromStr for Arch {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "kimi_linear" => Ok(Arch::KimiLinear),
+            "kimi_k3" => Ok(Arch::KimiK3),
+            "kimi_k3_mxfp4" => Ok(Arch::KimiK3Mxfp4),
+            other => Err(format!(
+                "unknown arch `{other}` (expected kimi_linear, kimi_k3 or kimi_k3_mxfp4)"
+            )),
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Preset {
@@ -25,6 +52,9 @@ pub enum Preset {
     Tiny,
     /// About 50 M parameters: for CPU benchmarks.
     Small,
+    /// About 1.6 B parameters as K3 (3.3 GB in bf16; 2.6 B as Kimi Linear): for GPU benchmarks
+    /// on one device. Not written by any test (it takes minutes on a CPU).
+    Medium,
 }
 
 impl std::str::FromStr for Preset {
@@ -33,7 +63,10 @@ impl std::str::FromStr for Preset {
         match s {
             "tiny" => Ok(Preset::Tiny),
             "small" => Ok(Preset::Small),
-            other => Err(format!("unknown preset `{other}` (expected tiny or small)")),
+            "medium" => Ok(Preset::Medium),
+            other => Err(format!(
+                "unknown preset `{other}` (expected tiny, small or medium)"
+            )),
         }
     }
 }
@@ -93,7 +126,125 @@ fn dims(p: Preset) -> Dims {
             top_k: 4,
             moe_inter: 256,
         },
+        Preset::Medium => Dims {
+            vocab: 32768,
+            hidden: 2048,
+            inter: 8192,
+            layers: 12,
+            mla_layers: vec![4, 8, 12],
+            kda_heads: 16,
+            kda_head_dim: 128,
+            mla_heads: 16,
+            nope: 128,
+            rope: 64,
+            v: 128,
+            kv_rank: 512,
+            experts: 64,
+            top_k: 8,
+            moe_inter: 512,
+        },
     }
+}
+
+/// K3 presets: the Kimi Linear shapes of the same size plus the K3 widths.
+struct K3Dims {
+    base: Dims,
+    q_lora: usize,
+    latent: usize,
+    attn_res_block: usize,
+}
+
+fn k3_dims(p: Preset) -> K3Dims {
+    match p {
+        Preset::Tiny => K3Dims {
+            base: Dims {
+                layers: 7,
+                mla_layers: vec![4, 7],
+                ..dims(p)
+            },
+            q_lora: 96,
+            latent: 64,
+            attn_res_block: 3,
+        },
+        Preset::Small => K3Dims {
+            base: Dims {
+                layers: 12,
+                mla_layers: vec![4, 8, 12],
+                ..dims(p)
+            },
+            q_lora: 256,
+            latent: 256,
+            attn_res_block: 4,
+        },
+        // K3's head dims (128 / 64 / 128, KDA 128, latent 512) at a smaller width and depth.
+        Preset::Medium => K3Dims {
+            base: dims(p),
+            q_lora: 768,
+            latent: 1024,
+            attn_res_block: 4,
+        },
+    }
+}
+
+/// A `kimi_k3` config.json (text only: no `vision_config`); with `mxfp4`, the quantized
+/// release's `quantization_config` (routed experts only).
+fn k3_config_json(k: &K3Dims, mxfp4: bool) -> serde_json::Value {
+    let mut text = config_json(&k.base);
+    let t = text.as_object_mut().expect("an object");
+    for key in ["architectures", "tessera_note", "model_max_length"] {
+        t.remove(key);
+    }
+    let extra = json!({
+        "q_lora_rank": k.q_lora,
+        "mla_use_output_gate": true,
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "attn_res_block_size": k.attn_res_block,
+        "routed_expert_hidden_size": k.latent,
+        "latent_moe_use_norm": true,
+        "num_shared_experts": 2,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": 0,
+        "max_position_embeddings": 1048576,
+    });
+    for (key, v) in extra.as_object().expect("an object") {
+        t.insert(key.clone(), v.clone());
+    }
+    let lin = t["linear_attn_config"].as_object_mut().expect("an object");
+    lin.insert("gate_lower_bound".into(), json!(-5.0));
+    lin.insert("use_full_rank_gate".into(), json!(true));
+    if mxfp4 {
+        t.insert(
+            "quantization_config".into(),
+            json!({
+                "quant_method": "compressed-tensors",
+                "format": "mxfp4-pack-quantized",
+                "quantization_status": "compressed",
+                "config_groups": {"group_0": {
+                    "format": "mxfp4-pack-quantized",
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 4, "type": "float", "group_size": 32,
+                        "symmetric": true, "strategy": "group", "scale_dtype": "torch.uint8"}
+                }},
+                "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
+                    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+                    "re:.*routed_expert_.*", "re:.*block_sparse_moe\\.gate.*"]
+            }),
+        );
+    }
+    let specials = tiny_tokenizer::special_ids(k.base.vocab);
+    json!({
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "bos_token_id": specials.bos,
+        "eos_token_id": specials.eos,
+        "pad_token_id": specials.pad,
+        "tie_word_embeddings": false,
+        "text_config": text,
+        "tessera_note": "random weights written by `tessera init-model`; its output is meaningless"
+    })
 }
 
 fn config_json(d: &Dims) -> serde_json::Value {
@@ -157,6 +308,8 @@ enum Init {
     Uniform(f64, f64),
     /// `log(U(1, 16))`.
     ALog,
+    /// K3's `[head_dim]` A_log: `log(U(1, 16))` for the first `heads` entries, then zeros.
+    ALogPadded(usize),
     /// Inverse softplus of `exp(U(log 1e-3, log 1e-1))`.
     DtBias,
 }
@@ -170,22 +323,34 @@ struct TensorSpec {
 fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
     let d = cfg.hidden_size;
     let proj = Init::Normal(0.04);
+    let sw = &cfg.switches;
+    let (m0, head) = if cfg.model_type == "kimi_k3" {
+        ("language_model.model.", "language_model.lm_head.weight")
+    } else {
+        ("model.", "lm_head.weight")
+    };
     let mut v = Vec::new();
     let mut t =
         |name: String, shape: Vec<usize>, init: Init| v.push(TensorSpec { name, shape, init });
     t(
-        "model.embed_tokens.weight".into(),
+        format!("{m0}embed_tokens.weight"),
         vec![cfg.vocab_size, d],
         Init::Normal(1.0),
     );
     for l in 0..cfg.num_layers() {
-        let p = format!("model.layers.{l}.");
+        let p = format!("{m0}layers.{l}.");
         t(format!("{p}input_layernorm.weight"), vec![d], Init::Ones);
         t(
             format!("{p}post_attention_layernorm.weight"),
             vec![d],
             Init::Ones,
         );
+        if sw.attn_res_block_size.is_some() {
+            for r in ["self_attention_res", "mlp_res"] {
+                t(format!("{p}{r}_norm.weight"), vec![d], Init::Ones);
+                t(format!("{p}{r}_proj.weight"), vec![1, d], proj);
+            }
+        }
         let a = format!("{p}self_attn.");
         match cfg.attn[l] {
             AttnKind::Kda => {
@@ -202,23 +367,35 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
                         Init::Uniform(-bound, bound),
                     );
                 }
-                t(format!("{a}A_log"), vec![1, 1, h, 1], Init::ALog);
+                if sw.kda_gate_lower_bound.is_some() {
+                    t(format!("{a}A_log"), vec![dk], Init::ALogPadded(h));
+                } else {
+                    t(format!("{a}A_log"), vec![1, 1, h, 1], Init::ALog);
+                }
                 t(format!("{a}dt_bias"), vec![pd], Init::DtBias);
                 t(format!("{a}f_a_proj.weight"), vec![dk, d], proj);
                 t(format!("{a}f_b_proj.weight"), vec![pd, dk], proj);
                 t(format!("{a}b_proj.weight"), vec![h, d], proj);
-                t(format!("{a}g_a_proj.weight"), vec![dk, d], proj);
-                t(format!("{a}g_b_proj.weight"), vec![pd, dk], proj);
+                if sw.kda_full_rank_gate {
+                    t(format!("{a}g_proj.weight"), vec![pd, d], proj);
+                } else {
+                    t(format!("{a}g_a_proj.weight"), vec![dk, d], proj);
+                    t(format!("{a}g_b_proj.weight"), vec![pd, dk], proj);
+                }
                 t(format!("{a}o_norm.weight"), vec![dk], Init::Ones);
                 t(format!("{a}o_proj.weight"), vec![d, pd], proj);
             }
             AttnKind::Mla => {
                 let m = &cfg.mla;
-                t(
-                    format!("{a}q_proj.weight"),
-                    vec![m.num_heads * m.qk_head_dim(), d],
-                    proj,
-                );
+                let qd = m.num_heads * m.qk_head_dim();
+                match m.q_lora_rank {
+                    None => t(format!("{a}q_proj.weight"), vec![qd, d], proj),
+                    Some(r) => {
+                        t(format!("{a}q_a_proj.weight"), vec![r, d], proj);
+                        t(format!("{a}q_a_layernorm.weight"), vec![r], Init::Ones);
+                        t(format!("{a}q_b_proj.weight"), vec![qd, r], proj);
+                    }
+                }
                 t(
                     format!("{a}kv_a_proj_with_mqa.weight"),
                     vec![m.latent_dim(), d],
@@ -237,6 +414,13 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
                     ],
                     proj,
                 );
+                if sw.mla_output_gate {
+                    t(
+                        format!("{a}g_proj.weight"),
+                        vec![m.num_heads * m.v_head_dim, d],
+                        proj,
+                    );
+                }
                 t(
                     format!("{a}o_proj.weight"),
                     vec![d, m.num_heads * m.v_head_dim],
@@ -260,20 +444,43 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
                     vec![m.num_experts],
                     Init::Zeros,
                 );
+                let ed = match sw.latent_moe {
+                    Some(lat) => {
+                        t(
+                            format!("{f}routed_expert_down_proj.weight"),
+                            vec![lat.dim, d],
+                            proj,
+                        );
+                        if lat.use_norm {
+                            t(
+                                format!("{f}routed_expert_norm.weight"),
+                                vec![lat.dim],
+                                Init::Ones,
+                            );
+                        }
+                        t(
+                            format!("{f}routed_expert_up_proj.weight"),
+                            vec![d, lat.dim],
+                            proj,
+                        );
+                        lat.dim
+                    }
+                    None => d,
+                };
                 for e in 0..m.num_experts {
                     t(
                         format!("{f}experts.{e}.w1.weight"),
-                        vec![m.intermediate_size, d],
+                        vec![m.intermediate_size, ed],
                         proj,
                     );
                     t(
                         format!("{f}experts.{e}.w3.weight"),
-                        vec![m.intermediate_size, d],
+                        vec![m.intermediate_size, ed],
                         proj,
                     );
                     t(
                         format!("{f}experts.{e}.w2.weight"),
-                        vec![d, m.intermediate_size],
+                        vec![ed, m.intermediate_size],
                         proj,
                     );
                 }
@@ -296,8 +503,16 @@ fn tensor_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
             }
         }
     }
-    t("model.norm.weight".into(), vec![d], Init::Ones);
-    t("lm_head.weight".into(), vec![cfg.vocab_size, d], proj);
+    t(format!("{m0}norm.weight"), vec![d], Init::Ones);
+    if sw.attn_res_block_size.is_some() {
+        t(
+            format!("{m0}output_attn_res_norm.weight"),
+            vec![d],
+            Init::Ones,
+        );
+        t(format!("{m0}output_attn_res_proj.weight"), vec![1, d], proj);
+    }
+    t(head.into(), vec![cfg.vocab_size, d], proj);
     v
 }
 
@@ -316,12 +531,14 @@ fn stored_as_f32(name: &str) -> bool {
 
 fn fill(init: Init, n: usize, rng: &mut Rng) -> Vec<f32> {
     (0..n)
-        .map(|_| match init {
+        .map(|i| match init {
             Init::Normal(std) => (rng.normal() * std) as f32,
             Init::Ones => 1.0,
             Init::Zeros => 0.0,
             Init::Uniform(lo, hi) => (lo + (hi - lo) * rng.uniform()) as f32,
             Init::ALog => (1.0 + 15.0 * rng.uniform()).ln() as f32,
+            Init::ALogPadded(heads) if i < heads => (1.0 + 15.0 * rng.uniform()).ln() as f32,
+            Init::ALogPadded(_) => 0.0,
             Init::DtBias => {
                 let (lo, hi) = (1e-3f64.ln(), 1e-1f64.ln());
                 let dt = (lo + (hi - lo) * rng.uniform()).exp().max(1e-4);
@@ -331,42 +548,69 @@ fn fill(init: Init, n: usize, rng: &mut Rng) -> Vec<f32> {
         .collect()
 }
 
-/// Writes a random-weight model of `preset` into `out` (created if missing).
+/// Writes a random-weight Kimi Linear model of `preset` into `out` (created if missing).
 pub fn write_model(out: &Path, preset: Preset, seed: u64) -> Result<()> {
-    let d = dims(preset);
+    write_model_arch(out, Arch::KimiLinear, preset, seed)
+}
+
+/// Writes a random-weight model of `arch` and `preset` into `out` (created if missing).
+pub fn write_model_arch(out: &Path, arch: Arch, preset: Preset, seed: u64) -> Result<()> {
+    let (d, cfg_json) = match arch {
+        Arch::KimiLinear => {
+            let d = dims(preset);
+            let j = config_json(&d);
+            (d, j)
+        }
+        Arch::KimiK3 | Arch::KimiK3Mxfp4 => {
+            let k = k3_dims(preset);
+            let j = k3_config_json(&k, arch == Arch::KimiK3Mxfp4);
+            (k.base, j)
+        }
+    };
+    let mxfp4 = arch == Arch::KimiK3Mxfp4;
     std::fs::create_dir_all(out).map_err(|e| EngineError::io(out, e))?;
-    let cfg_json = config_json(&d);
     let cfg_text = serde_json::to_string_pretty(&cfg_json).expect("config serialises");
     let cfg = ModelConfig::from_json_str(&cfg_text, &out.join("config.json"))?;
 
     let mut rng = Rng::new(seed);
     let specs = tensor_specs(&cfg);
-    let data: Vec<Vec<u8>> = specs
+    // (name, dtype, shape, bytes) as stored; an MXFP4 expert becomes `weight_packed` + `weight_scale`.
+    let mut stored: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(specs.len());
+    for s in &specs {
+        let values = fill(s.init, s.shape.iter().product(), &mut rng);
+        if mxfp4 && s.name.contains(".experts.") {
+            let (out_dim, in_dim) = (s.shape[0], s.shape[1]);
+            let (packed, scale) = mxfp4::quantize(&values, out_dim, in_dim);
+            let base = s.name.strip_suffix(".weight").expect("a weight");
+            stored.push((
+                format!("{base}.weight_packed"),
+                Dtype::U8,
+                vec![out_dim, in_dim / 2],
+                packed,
+            ));
+            stored.push((
+                format!("{base}.weight_scale"),
+                Dtype::U8,
+                vec![out_dim, in_dim / mxfp4::GROUP],
+                scale,
+            ));
+        } else if stored_as_f32(&s.name) {
+            let bytes = values.into_iter().flat_map(f32::to_le_bytes).collect();
+            stored.push((s.name.clone(), Dtype::F32, s.shape.clone(), bytes));
+        } else {
+            let bytes = values
+                .into_iter()
+                .flat_map(|x| half::bf16::from_f32(x).to_le_bytes())
+                .collect();
+            stored.push((s.name.clone(), Dtype::BF16, s.shape.clone(), bytes));
+        }
+    }
+    let views: Vec<(String, TensorView<'_>)> = stored
         .iter()
-        .map(|s| {
-            let values = fill(s.init, s.shape.iter().product(), &mut rng);
-            if stored_as_f32(&s.name) {
-                values.into_iter().flat_map(f32::to_le_bytes).collect()
-            } else {
-                values
-                    .into_iter()
-                    .flat_map(|x| half::bf16::from_f32(x).to_le_bytes())
-                    .collect()
-            }
-        })
-        .collect();
-    let views: Vec<(String, TensorView<'_>)> = specs
-        .iter()
-        .zip(&data)
-        .map(|(s, bytes)| {
-            let dtype = if stored_as_f32(&s.name) {
-                Dtype::F32
-            } else {
-                Dtype::BF16
-            };
-            let view = TensorView::new(dtype, s.shape.clone(), bytes)
-                .expect("sizes match by construction");
-            (s.name.clone(), view)
+        .map(|(name, dtype, shape, bytes)| {
+            let view =
+                TensorView::new(*dtype, shape.clone(), bytes).expect("sizes match by construction");
+            (name.clone(), view)
         })
         .collect();
     let st_path = out.join("model.safetensors");
@@ -448,5 +692,41 @@ mod tests {
         let c = tempfile::tempdir().unwrap();
         write_model(c.path(), Preset::Tiny, 1).unwrap();
         assert!(std::fs::read(c.path().join("model.safetensors")).unwrap() != fa);
+    }
+
+    #[test]
+    fn k3_presets_load_with_every_switch_and_every_tensor_used() {
+        let cases = [
+            (Arch::KimiK3, Preset::Tiny),
+            (Arch::KimiK3, Preset::Small),
+            (Arch::KimiK3Mxfp4, Preset::Tiny),
+        ];
+        for (arch, preset) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            write_model_arch(dir.path(), arch, preset, 0).unwrap();
+            let cfg = ModelConfig::from_dir(dir.path()).unwrap();
+            assert_eq!(cfg.model_type, "kimi_k3");
+            let s = cfg.switches;
+            assert!(s.attn_res_block_size.is_some() && s.latent_moe.is_some());
+            assert!(s.mla_output_gate && s.kda_full_rank_gate);
+            assert!(s.kda_gate_lower_bound.is_some() && cfg.mla.q_lora_rank.is_some());
+            assert_eq!(cfg.quantization.is_some(), arch == Arch::KimiK3Mxfp4);
+            let ck = crate::checkpoint::Checkpoint::open(dir.path()).unwrap();
+            let packed =
+                "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed";
+            assert_eq!(ck.contains(packed), arch == Arch::KimiK3Mxfp4);
+            let model =
+                crate::model::Model::from_checkpoint(cfg, &ck, "language_model.model.").unwrap();
+            assert_eq!(ck.unused(), Vec::<String>::new(), "{arch:?} {preset:?}");
+            if preset == Preset::Tiny {
+                let mut st = model.new_state();
+                let logits = model
+                    .forward_one(&[5, 9, 14], &mut st, crate::model::LogitsWanted::All)
+                    .unwrap();
+                assert!(logits.iter().all(|x| x.is_finite()));
+            }
+        }
+        assert_eq!("kimi_k3".parse::<Arch>(), Ok(Arch::KimiK3));
+        assert!("llama".parse::<Arch>().is_err());
     }
 }

@@ -85,6 +85,22 @@ impl KvDims {
             latent_dim: cfg.mla.latent_dim(),
         }
     }
+    /// The shapes one rank of a `tp`-way tensor-parallel group stores: KDA heads are split
+    /// across ranks (conv channels and recurrent state with them); the MLA latent `[c_kv | k_pe]`
+    /// is shared by all heads, so every rank keeps it whole (K3-SPEC §4).
+    pub fn for_tensor_parallel(cfg: &ModelConfig, tp: usize) -> Result<Self, KvError> {
+        let whole = Self::from_config(cfg);
+        if tp == 0 || !whole.kda_heads.is_multiple_of(tp) {
+            return Err(reject(format!(
+                "tensor-parallel degree {tp} does not divide the {} KDA heads",
+                whole.kda_heads
+            )));
+        }
+        Ok(KvDims {
+            kda_heads: whole.kda_heads / tp,
+            ..whole
+        })
+    }
     /// `[3·heads·head_dim, conv_kernel − 1]`: the last inputs of the q, k, v short convolutions.
     pub fn conv_elems(&self) -> usize {
         3 * self.kda_heads * self.kda_head_dim * self.conv_kernel.saturating_sub(1)
@@ -206,16 +222,44 @@ impl KvLayout {
         if !mla.is_empty() && dims.latent_dim == 0 {
             return Err(reject("MLA layers with latent_dim 0"));
         }
-        if !kda.is_empty() && dims.recurrent_elems() == 0 {
+
+        // Sizes from a config are untrusted: every one is computed checked, so that the
+        // unchecked accessors used once the layout exists cannot overflow either.
+        let overflow = || {
+            reject(format!(
+                "page sizes overflow for {dims:?} with {page_tokens}-token pages"
+            ))
+        };
+        let product = |factors: &[usize]| {
+            factors
+                .iter()
+                .try_fold(1usize, |p, &f| p.checked_mul(f))
+                .ok_or_else(overflow)
+        };
+        let checked_align = |n: usize| n.checked_next_multiple_of(FIELD_ALIGN);
+        let mla_payload = product(&[page_tokens, dims.latent_dim, dtypes.latent_bytes])?;
+        let mla_stride = checked_align(mla_payload).ok_or_else(overflow)?;
+        let conv_bytes = product(&[
+            3,
+            dims.kda_heads,
+            dims.kda_head_dim,
+            dims.conv_kernel.saturating_sub(1),
+            dtypes.conv_bytes,
+        ])?;
+        let rec_bytes = product(&[
+            dims.kda_heads,
+            dims.kda_head_dim,
+            dims.kda_head_dim,
+            dtypes.recurrent_bytes,
+        ])?;
+        if !kda.is_empty() && rec_bytes == 0 {
             return Err(reject("KDA layers with an empty recurrent state"));
         }
-
-        let mla_payload = page_tokens * dims.latent_dim * dtypes.latent_bytes;
-        let mla_stride = align(mla_payload);
-        let conv_bytes = dims.conv_elems() * dtypes.conv_bytes;
-        let rec_bytes = dims.recurrent_elems() * dtypes.recurrent_bytes;
-        let kda_payload = conv_bytes + rec_bytes;
-        let kda_stride = align(align(conv_bytes) + rec_bytes);
+        let kda_payload = conv_bytes.checked_add(rec_bytes).ok_or_else(overflow)?;
+        let kda_stride = checked_align(conv_bytes)
+            .and_then(|c| c.checked_add(rec_bytes))
+            .and_then(checked_align)
+            .ok_or_else(overflow)?;
 
         // KDA groups: G = ceil(L_kda / L_mla) (1 without MLA), ceil(L_kda / G) layers each.
         let kda_groups: Vec<Vec<usize>> = if kda.is_empty() {
@@ -245,7 +289,8 @@ impl KvLayout {
                 Some(0) => return Err(reject("mla_pages_per_parent must be at least 1")),
                 Some(k) => k,
                 None if kda.is_empty() => 1,
-                None => default_mla_pages(mla_stride, kda_stride),
+                None => default_mla_pages(mla_stride, kda_stride)
+                    .ok_or_else(|| reject("plane size overflows"))?,
             };
             let plane = k_mla
                 .checked_mul(mla_stride)
@@ -264,7 +309,9 @@ impl KvLayout {
             (plane, k_mla, k_kda)
         };
 
-        let parent_bytes = planes * plane_bytes;
+        let parent_bytes = planes
+            .checked_mul(plane_bytes)
+            .ok_or_else(|| reject("parent size overflows"))?;
         let slots = budget_bytes / parent_bytes;
         if slots < 3 {
             return Err(reject(format!(
@@ -506,13 +553,13 @@ impl KvLayout {
 /// The default `K_mla`: the smallest count of MLA pages whose plane holds a KDA snapshot with at
 /// most [`MAX_STATE_SLACK`] of it unused. Terminates: once `K ≥ 4` and `K·m ≥ s`, the slack is
 /// below `m / (K·m) ≤ 25%`.
-fn default_mla_pages(mla_stride: usize, kda_stride: usize) -> usize {
+fn default_mla_pages(mla_stride: usize, kda_stride: usize) -> Option<usize> {
     let mut k = kda_stride.div_ceil(mla_stride).max(1);
     loop {
-        let plane = k * mla_stride;
+        let plane = k.checked_mul(mla_stride)?;
         let snaps = plane / kda_stride;
         if snaps > 0 && (plane - snaps * kda_stride) as f64 <= MAX_STATE_SLACK * plane as f64 {
-            return k;
+            return Some(k);
         }
         k += 1;
     }

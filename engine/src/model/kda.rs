@@ -2,6 +2,11 @@
 //! per-channel forget gate `g = −exp(A_log)·softplus(f_b(f_a(x)) + dt_bias)`, input gate
 //! `β = σ(b(x))`, L2-normalised q and k, the delta-rule recurrence (chunked for prompts,
 //! recurrent for single tokens), a sigmoid-gated RMSNorm per head and the output projection.
+//!
+//! K3 switches: the bounded ("safe") gate `g = lb·σ(exp(A_log)·(f + dt_bias))` in `(lb, 0)`, and a
+//! full-rank output gate `g_proj [P, D]` instead of `g_b_proj · g_a_proj`. K3 stores `A_log` as
+//! `[head_dim]` with the per-head decays first and a zero tail, checked at load (K3-SPEC §6.1:
+//! per head, as vLLM reads it; a per-channel reading is rejected by the tail check).
 
 use tessera_kernels::cpu;
 
@@ -9,7 +14,7 @@ use super::linear::{Linear, Norm};
 use super::Rows;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::state::KdaState;
 
 /// FLA's chunk length for the chunked KDA form.
@@ -17,6 +22,11 @@ const CHUNK: usize = 64;
 /// Softplus returns its input above this, as FLA and `transformers` do.
 const SOFTPLUS_THRESHOLD: f32 = 20.0;
 const QK_L2_EPS: f32 = 1e-6;
+
+enum OutGate {
+    LowRank { a: Linear, b: Linear },
+    Full(Linear),
+}
 
 pub struct KdaLayer {
     heads: usize,
@@ -32,8 +42,9 @@ pub struct KdaLayer {
     /// `exp(A_log)` per head.
     decay_rate: Vec<f32>,
     b: Linear,
-    g_a: Linear,
-    g_b: Linear,
+    out_gate: OutGate,
+    /// `Some(lb)`: the bounded decay gate.
+    lower_bound: Option<f32>,
     o_norm: Norm,
     o: Linear,
 }
@@ -54,7 +65,15 @@ impl KdaLayer {
         for which in ["q_conv1d", "k_conv1d", "v_conv1d"] {
             conv.extend(ck.f32(&n(&format!("{which}.weight")), &[p, 1, kernel])?);
         }
-        let (a_log, _) = ck.f32_numel(&n("A_log"), h)?;
+        let a_log = load_a_log(ck, &n("A_log"), h, dk)?;
+        let out_gate = if cfg.switches.kda_full_rank_gate {
+            OutGate::Full(Linear::load(ck, &n("g_proj.weight"), p, d)?)
+        } else {
+            OutGate::LowRank {
+                a: Linear::load(ck, &n("g_a_proj.weight"), dk, d)?,
+                b: Linear::load(ck, &n("g_b_proj.weight"), p, dk)?,
+            }
+        };
         Ok(KdaLayer {
             heads: h,
             head_dim: dk,
@@ -66,20 +85,23 @@ impl KdaLayer {
             dt_bias: ck.f32(&n("dt_bias"), &[p])?,
             decay_rate: a_log.iter().map(|a| a.exp()).collect(),
             b: Linear::load(ck, &n("b_proj.weight"), h, d)?,
-            g_a: Linear::load(ck, &n("g_a_proj.weight"), dk, d)?,
-            g_b: Linear::load(ck, &n("g_b_proj.weight"), p, dk)?,
+            out_gate,
+            lower_bound: cfg.switches.kda_gate_lower_bound,
             o_norm: Norm::load(ck, &n("o_norm.weight"), dk, cfg.rms_norm_eps)?,
             o: Linear::load(ck, &n("o_proj.weight"), d, p)?,
         })
     }
 
     pub fn parameter_count(&self) -> usize {
-        [
-            &self.qkv, &self.f_a, &self.f_b, &self.b, &self.g_a, &self.g_b, &self.o,
-        ]
-        .iter()
-        .map(|l| l.w.len())
-        .sum::<usize>()
+        let gate = match &self.out_gate {
+            OutGate::LowRank { a, b } => a.w.len() + b.w.len(),
+            OutGate::Full(g) => g.w.len(),
+        };
+        [&self.qkv, &self.f_a, &self.f_b, &self.b, &self.o]
+            .iter()
+            .map(|l| l.w.len())
+            .sum::<usize>()
+            + gate
             + self.conv.len()
             + self.dt_bias.len()
             + self.decay_rate.len()
@@ -125,12 +147,17 @@ impl KdaLayer {
         for t in 0..n {
             for (c, gv) in g[t * p..(t + 1) * p].iter_mut().enumerate() {
                 let z = *gv + self.dt_bias[c];
-                let softplus = if z > SOFTPLUS_THRESHOLD {
-                    z
-                } else {
-                    (1.0 + z.exp()).ln()
+                *gv = match self.lower_bound {
+                    Some(lb) => lb / (1.0 + (-self.decay_rate[c / dk] * z).exp()),
+                    None => {
+                        let softplus = if z > SOFTPLUS_THRESHOLD {
+                            z
+                        } else {
+                            (1.0 + z.exp()).ln()
+                        };
+                        -self.decay_rate[c / dk] * softplus
+                    }
                 };
-                *gv = -self.decay_rate[c / dk] * softplus;
             }
         }
         let mut beta = self.b.forward(x, n);
@@ -150,7 +177,10 @@ impl KdaLayer {
                 cpu::kda_chunked(q, k, v, g, beta, h, dk, dk, scale, CHUNK, st, out);
             }
         }
-        let gate = self.g_b.forward(&self.g_a.forward(x, n), n);
+        let gate = match &self.out_gate {
+            OutGate::LowRank { a, b } => b.forward(&a.forward(x, n), n),
+            OutGate::Full(g) => g.forward(x, n),
+        };
         let mut normed = vec![0.0; n * p];
         cpu::rms_norm_gated(
             &core,
@@ -162,4 +192,24 @@ impl KdaLayer {
         );
         self.o.forward(&normed, n)
     }
+}
+
+/// `A_log` as `[heads]` (any shape of that many elements, e.g. Kimi Linear's `[1, 1, H, 1]`) or,
+/// as K3 stores it, `[head_dim]` whose first `heads` entries are the per-head decays and whose
+/// tail must be zero.
+fn load_a_log(ck: &Checkpoint, name: &str, heads: usize, head_dim: usize) -> Result<Vec<f32>> {
+    let numel = ck.shape(name).map(|s| s.iter().product::<usize>());
+    if numel == Some(head_dim) && head_dim > heads {
+        let (v, _) = ck.f32_numel(name, head_dim)?;
+        if let Some(i) = v[heads..].iter().position(|&x| x != 0.0) {
+            return Err(EngineError::InvalidInput(format!(
+                "tensor `{name}`: entry {} of the padded A_log is {} (the tail after the {heads} \
+                 per-head values must be zero)",
+                heads + i,
+                v[heads + i]
+            )));
+        }
+        return Ok(v[..heads].to_vec());
+    }
+    Ok(ck.f32_numel(name, heads)?.0)
 }

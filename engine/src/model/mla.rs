@@ -24,6 +24,8 @@ pub struct MlaLayer {
     kv_norm: Norm,
     /// `[heads·(nope+v), rank]`: per head `nope` rows of `W_UK` then `v` rows of `W_UV`.
     kv_b: Linear,
+    /// Gated MLA (K3): `σ(g_proj(x))` multiplies the attention output before `o_proj`.
+    gate: Option<Linear>,
     o: Linear,
 }
 
@@ -56,6 +58,16 @@ impl MlaLayer {
                 c.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
                 c.kv_lora_rank,
             )?,
+            gate: if cfg.switches.mla_output_gate {
+                Some(Linear::load(
+                    ck,
+                    &n("g_proj.weight"),
+                    c.num_heads * c.v_head_dim,
+                    d,
+                )?)
+            } else {
+                None
+            },
             o: Linear::load(ck, &n("o_proj.weight"), d, c.num_heads * c.v_head_dim)?,
             c,
         })
@@ -66,7 +78,11 @@ impl MlaLayer {
             QueryProj::Full(l) => l.w.len(),
             QueryProj::LowRank { a, norm, b } => a.w.len() + norm.w.len() + b.w.len(),
         };
-        q + self.kv_a.w.len() + self.kv_norm.w.len() + self.kv_b.w.len() + self.o.w.len()
+        q + self.kv_a.w.len()
+            + self.kv_norm.w.len()
+            + self.kv_b.w.len()
+            + self.o.w.len()
+            + self.gate.as_ref().map_or(0, |g| g.w.len())
     }
 
     /// `invariant`: use the absorbed form for every query so results do not depend on how
@@ -106,6 +122,14 @@ impl MlaLayer {
                 self.attend_absorbed(qs, range.len(), st, o);
             } else {
                 self.attend_expanded(qs, range.len(), st, o);
+            }
+        }
+        if let Some(gate) = &self.gate {
+            // The gate reads the layer input `x`, not the attention output (K3-SPEC §3.3).
+            let mut g = gate.forward(x, n);
+            cpu::sigmoid_inplace(&mut g);
+            for (o, g) in out.iter_mut().zip(&g) {
+                *o *= g;
             }
         }
         self.o.forward(&out, n)

@@ -4,12 +4,17 @@
 //! sequence's state. Projections and MLPs run once over all rows of all segments; token mixers
 //! (KDA, MLA) run per segment on its own state. A prompt is one segment of many tokens; a decode
 //! step of N sequences is N segments of one token.
+//!
+//! Kimi K3 is the same model with [`ArchSwitches`](crate::config::ArchSwitches) on: AttnRes
+//! replaces the residual adds, and each layer kind reads its own switches.
 
+mod k3;
 mod kda;
 mod linear;
 mod mla;
 mod mlp;
 mod moe;
+pub(crate) mod mxfp4;
 
 use std::ops::Range;
 use std::path::Path;
@@ -20,6 +25,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::{AttnKind, FfnKind, ModelConfig};
 use crate::error::{EngineError, Result};
 use crate::state::{LayerState, SequenceState};
+use k3::{AttnResRun, ResQuery};
 use kda::KdaLayer;
 use linear::{Linear, Norm};
 use mla::MlaLayer;
@@ -76,6 +82,8 @@ struct Layer {
     post_norm: Norm,
     mixer: Mixer,
     ffn: Ffn,
+    /// AttnRes pseudo-queries before the mixer and before the FFN.
+    res: Option<(ResQuery, ResQuery)>,
 }
 
 impl Layer {
@@ -88,7 +96,8 @@ impl Layer {
             Ffn::Dense(m) => m.parameter_count(),
             Ffn::Moe(m) => m.parameter_count(),
         };
-        self.input_norm.w.len() + self.post_norm.w.len() + mixer + ffn
+        let res = self.res.as_ref().map_or(0, |(a, b)| a.len() + b.len());
+        self.input_norm.w.len() + self.post_norm.w.len() + mixer + ffn + res
     }
 }
 
@@ -98,6 +107,8 @@ pub struct Model {
     layers: Vec<Layer>,
     norm: Norm,
     lm_head: Linear,
+    /// AttnRes output pseudo-query (K3).
+    out_res: Option<ResQuery>,
     batch_invariant: bool,
 }
 
@@ -106,7 +117,13 @@ impl Model {
     pub fn load(dir: &Path) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
         let ck = Checkpoint::open(dir)?;
-        let model = Self::from_checkpoint(config, &ck, "model.")?;
+        // K3 is a multimodal wrapper: its text model lives under `language_model.`.
+        let prefix = if config.model_type == "kimi_k3" {
+            "language_model.model."
+        } else {
+            "model."
+        };
+        let model = Self::from_checkpoint(config, &ck, prefix)?;
         let unused = ck.unused();
         if !unused.is_empty() {
             tracing::warn!(count = unused.len(), first = %unused[0], "checkpoint tensors not used by the model");
@@ -114,9 +131,11 @@ impl Model {
         Ok(model)
     }
 
-    /// `prefix` is where the text model's tensors start (`model.`).
+    /// `prefix` is where the text model's tensors start (`model.`, `language_model.model.`); the
+    /// LM head sits beside it (`lm_head.weight`, `language_model.lm_head.weight`).
     pub fn from_checkpoint(config: ModelConfig, ck: &Checkpoint, prefix: &str) -> Result<Self> {
         let (d, v, eps) = (config.hidden_size, config.vocab_size, config.rms_norm_eps);
+        let attn_res = config.switches.attn_res_block_size.is_some();
         let embed_name = format!("{prefix}embed_tokens.weight");
         let embed = ck.f32(&embed_name, &[v, d])?;
         let mut layers = Vec::with_capacity(config.num_layers());
@@ -137,7 +156,10 @@ impl Model {
                     let gate_moe = format!("{moe_p}gate_proj.weight");
                     let found = ck.resolve(&[gate_mlp.as_str(), gate_moe.as_str()])?;
                     let prefix = if found == gate_mlp { mlp_p } else { moe_p };
-                    Ffn::Dense(Mlp::load(ck, &prefix, d, config.intermediate_size)?)
+                    Ffn::Dense(
+                        Mlp::load(ck, &prefix, d, config.intermediate_size)?
+                            .with_activation(config.switches.activation),
+                    )
                 }
                 FfnKind::Moe => Ffn::Moe(Moe::load(ck, &format!("{p}block_sparse_moe."), &config)?),
             };
@@ -146,9 +168,31 @@ impl Model {
                 post_norm: Norm::load(ck, &format!("{p}post_attention_layernorm.weight"), d, eps)?,
                 mixer,
                 ffn,
+                res: if attn_res {
+                    Some((
+                        ResQuery::load(ck, &format!("{p}self_attention_res"), d, eps)?,
+                        ResQuery::load(ck, &format!("{p}mlp_res"), d, eps)?,
+                    ))
+                } else {
+                    None
+                },
             });
         }
         let norm = Norm::load(ck, &format!("{prefix}norm.weight"), d, eps)?;
+        let out_res = if attn_res {
+            Some(ResQuery::load(
+                ck,
+                &format!("{prefix}output_attn_res"),
+                d,
+                eps,
+            )?)
+        } else {
+            None
+        };
+        let head_name = format!(
+            "{}lm_head.weight",
+            prefix.strip_suffix("model.").unwrap_or(prefix)
+        );
         let lm_head = if config.tie_word_embeddings {
             Linear {
                 w: embed.clone(),
@@ -156,7 +200,7 @@ impl Model {
                 out_dim: v,
             }
         } else {
-            Linear::load(ck, "lm_head.weight", v, d)?
+            Linear::load(ck, &head_name, v, d)?
         };
         Ok(Model {
             config,
@@ -164,6 +208,7 @@ impl Model {
             layers,
             norm,
             lm_head,
+            out_res,
             batch_invariant: false,
         })
     }
@@ -179,7 +224,8 @@ impl Model {
 
     /// Parameters held in memory (f32 on CPU).
     pub fn parameter_count(&self) -> usize {
-        let mut n = self.embed.len() + self.norm.w.len();
+        let mut n =
+            self.embed.len() + self.norm.w.len() + self.out_res.as_ref().map_or(0, ResQuery::len);
         if !self.config.tie_word_embeddings {
             n += self.lm_head.w.len();
         }
@@ -216,9 +262,17 @@ impl Model {
             .collect();
         let mut h = vec![0.0; n * d];
         cpu::embedding(&self.embed, d, &ids, &mut h)?;
+        let mut attn_res = self
+            .config
+            .switches
+            .attn_res_block_size
+            .map(|b| AttnResRun::new(std::mem::take(&mut h), n, b));
 
         for (l, layer) in self.layers.iter().enumerate() {
-            let xn = layer.input_norm.forward(&h);
+            let xn = match (&mut attn_res, &layer.res) {
+                (Some(run), Some((q, _))) => layer.input_norm.forward(&run.before_attention(l, q)),
+                _ => layer.input_norm.forward(&h),
+            };
             let mixed = match &layer.mixer {
                 Mixer::Kda(m) => {
                     let mut st: Vec<_> = segments
@@ -241,13 +295,26 @@ impl Model {
                     m.forward(&xn, &rows, &mut st, self.batch_invariant)
                 }
             };
-            add_into(&mut h, &mixed);
-            let xn = layer.post_norm.forward(&h);
+            let xn = match (&mut attn_res, &layer.res) {
+                (Some(run), Some((_, q))) => {
+                    layer.post_norm.forward(&run.after_attention(l, mixed, q))
+                }
+                _ => {
+                    add_into(&mut h, &mixed);
+                    layer.post_norm.forward(&h)
+                }
+            };
             let f = match &layer.ffn {
                 Ffn::Dense(m) => m.forward(&xn, n),
                 Ffn::Moe(m) => m.forward(&xn, n),
             };
-            add_into(&mut h, &f);
+            match &mut attn_res {
+                Some(run) => run.after_mlp(f),
+                None => add_into(&mut h, &f),
+            }
+        }
+        if let (Some(run), Some(q)) = (attn_res, &self.out_res) {
+            h = run.finish(q);
         }
         for seg in segments.iter_mut() {
             seg.state.len += seg.tokens.len();

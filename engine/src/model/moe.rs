@@ -1,10 +1,16 @@
 //! Mixture of experts with sigmoid routing, score-correction bias, grouped top-k,
 //! renormalisation, routed scaling and shared experts (Kimi Linear / DeepSeek-V3 style).
+//!
+//! K3's stable latent MoE (switch `latent_moe`): routing reads the hidden state, the routed
+//! experts run on `routed_expert_down_proj(y)`, their weighted sum goes through the latent RMSNorm
+//! and `routed_expert_up_proj`; the shared experts stay on the un-projected `y` (K3-SPEC §3.4).
 
 use tessera_kernels::cpu::{self, MoeRouting};
 
+use super::k3::LatentProj;
 use super::linear::Linear;
 use super::mlp::Mlp;
+use super::mxfp4::Mxfp4Linear;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -15,6 +21,7 @@ pub struct Moe {
     routing: MoeRouting,
     experts: Vec<Mlp>,
     shared: Option<Mlp>,
+    latent: Option<Box<LatentProj>>,
     top_k: usize,
 }
 
@@ -30,16 +37,36 @@ impl Moe {
         } else {
             vec![0.0; m.num_experts]
         };
+        let act = cfg.switches.activation;
+        let latent = match cfg.switches.latent_moe {
+            Some(l) => Some(Box::new(LatentProj::load(
+                ck,
+                prefix,
+                d,
+                l.dim,
+                l.use_norm,
+                cfg.rms_norm_eps,
+            )?)),
+            None => None,
+        };
+        let expert_dim = latent.as_ref().map_or(d, |l| l.down.out_dim);
         let experts = (0..m.num_experts)
-            .map(|e| ExpertNames::new(prefix, e).load(ck, d, m.intermediate_size))
+            .map(|e| {
+                ExpertNames::new(prefix, e)
+                    .load(ck, expert_dim, m.intermediate_size)
+                    .map(|x| x.with_activation(act))
+            })
             .collect::<Result<Vec<_>>>()?;
         let shared = if m.num_shared_experts > 0 {
-            Some(Mlp::load(
-                ck,
-                &format!("{prefix}shared_experts."),
-                d,
-                m.intermediate_size * m.num_shared_experts,
-            )?)
+            Some(
+                Mlp::load(
+                    ck,
+                    &format!("{prefix}shared_experts."),
+                    d,
+                    m.intermediate_size * m.num_shared_experts,
+                )?
+                .with_activation(act),
+            )
         } else {
             None
         };
@@ -55,6 +82,7 @@ impl Moe {
             },
             experts,
             shared,
+            latent,
             top_k: m.top_k,
         })
     }
@@ -64,6 +92,10 @@ impl Moe {
             + self.correction_bias.len()
             + self.experts.iter().map(Mlp::parameter_count).sum::<usize>()
             + self.shared.as_ref().map_or(0, Mlp::parameter_count)
+            + self
+                .latent
+                .as_deref()
+                .map_or(0, LatentProj::parameter_count)
     }
 
     pub fn forward(&self, x: &[f32], rows: usize) -> Vec<f32> {
@@ -90,24 +122,36 @@ impl Moe {
             Some(s) => s.forward(x, rows),
             None => vec![0.0; rows * d],
         };
-        let mut routed = vec![0.0f32; rows * d];
+        // Routed experts see the latent `z` (width `ed`) under latent MoE, else `x` itself.
+        let z = self.latent.as_ref().map(|l| l.down.forward(x, rows));
+        let (src, ed) = match (&z, &self.latent) {
+            (Some(z), Some(l)) => (z.as_slice(), l.down.out_dim),
+            _ => (x, d),
+        };
+        let mut routed = vec![0.0f32; rows * ed];
         for (e, toks) in assigned.iter().enumerate() {
             if toks.is_empty() {
                 continue;
             }
-            let mut xs = Vec::with_capacity(toks.len() * d);
+            let mut xs = Vec::with_capacity(toks.len() * ed);
             for &(r, _) in toks {
-                xs.extend_from_slice(&x[r * d..(r + 1) * d]);
+                xs.extend_from_slice(&src[r * ed..(r + 1) * ed]);
             }
             let y = self.experts[e].forward(&xs, toks.len());
             for (i, &(r, w)) in toks.iter().enumerate() {
-                for (o, v) in routed[r * d..(r + 1) * d]
+                for (o, v) in routed[r * ed..(r + 1) * ed]
                     .iter_mut()
-                    .zip(&y[i * d..(i + 1) * d])
+                    .zip(&y[i * ed..(i + 1) * ed])
                 {
                     *o += w * v;
                 }
             }
+        }
+        if let Some(l) = &self.latent {
+            if let Some(norm) = &l.norm {
+                routed = norm.forward(&routed);
+            }
+            routed = l.up.forward(&routed, rows);
         }
         for (o, r) in out.iter_mut().zip(&routed) {
             *o += r;
@@ -116,7 +160,9 @@ impl Moe {
     }
 }
 
-/// Expert weights are published as `experts.E.w1` (gate), `w3` (up) and `w2` (down).
+/// Expert weights are published as `experts.E.w1` (gate), `w3` (up) and `w2` (down), each either
+/// `.weight` (bf16/f32) or packed MXFP4 `.weight_packed` + `.weight_scale`: the checkpoint decides,
+/// not the config's `ignore` patterns (K3-SPEC §6.9).
 struct ExpertNames {
     prefix: String,
 }
@@ -130,6 +176,13 @@ impl ExpertNames {
 
     fn load(&self, ck: &Checkpoint, hidden: usize, inter: usize) -> Result<Mlp> {
         let p = &self.prefix;
+        if ck.contains(&format!("{p}w1.weight_packed")) {
+            return Ok(Mlp::from_mxfp4(
+                Mxfp4Linear::load(ck, &format!("{p}w1"), inter, hidden)?,
+                Mxfp4Linear::load(ck, &format!("{p}w3"), inter, hidden)?,
+                Mxfp4Linear::load(ck, &format!("{p}w2"), hidden, inter)?,
+            ));
+        }
         Mlp::from_parts(
             Linear::load(ck, &format!("{p}w1.weight"), inter, hidden)?,
             Linear::load(ck, &format!("{p}w3.weight"), inter, hidden)?,

@@ -70,6 +70,94 @@ fn k3_tp8_matches_tokenspeed_with_twelve_mla_pages() {
     assert!(KvLayout::plan_layers(&attn, tp1, 128, 80 << 30, StateDtypes::BF16, Some(12)).is_err());
 }
 
+/// The published K3 config.json (K3-SPEC §1), committed as a fixture.
+const K3_CONFIG: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../tests/fixtures/k3_published/config.json"
+));
+
+/// Issue #7 item 6: the real K3 config through the config parser and the layout planner, per TP8
+/// rank, reproduces TokenSpeed's arithmetic (K3-SPEC §5): 128-token pages, 12 per MLA parent
+/// (1536 tokens), 2 bf16 state snapshots per parent, 42,467,328 B per parent.
+#[test]
+fn k3_published_config_at_tp8_reproduces_tokenspeed() {
+    let cfg = ModelConfig::from_json_str(K3_CONFIG, std::path::Path::new("config.json")).unwrap();
+    assert_eq!(cfg.model_type, "kimi_k3");
+    let dims = KvDims::for_tensor_parallel(&cfg, 8).unwrap();
+    assert_eq!(
+        dims,
+        KvDims {
+            kda_heads: 12,
+            kda_head_dim: 128,
+            conv_kernel: 4,
+            latent_dim: 576,
+        }
+    );
+    let budget = 120usize << 30;
+    let l =
+        KvLayout::plan_layers(&cfg.attn, dims, 128, budget, StateDtypes::BF16, Some(12)).unwrap();
+
+    // Groups: the 24 MLA layers, then 3 KDA groups of 23 layers in layer order; 24 planes.
+    assert_eq!(l.planes(), 24);
+    assert_eq!(l.groups().len(), 4);
+    let mla = l.group(GroupId(0)).unwrap();
+    assert_eq!(mla.kind, GroupKind::Mla);
+    let mut want_mla: Vec<usize> = (0..23).map(|i| 4 * i + 3).collect();
+    want_mla.push(92);
+    assert_eq!(mla.layers, want_mla);
+    let kda_layers: Vec<usize> = (0..93).filter(|l| !want_mla.contains(l)).collect();
+    for (i, g) in l.kda_groups().into_iter().enumerate() {
+        let g = l.group(g).unwrap();
+        assert_eq!(g.layers, kda_layers[23 * i..23 * (i + 1)]);
+        // Per layer per rank: conv 221,184/8 B (bf16) + recurrent 6,291,456/8 B (f32).
+        assert_eq!(g.page_payload, 221_184 / 8 + 6_291_456 / 8);
+        assert_eq!(g.page_payload, 814_080);
+        assert_eq!(g.pages_per_parent, 2, "2 state snapshots per parent");
+        assert_eq!(g.layers.len() * g.page_payload, 18_723_840); // one snapshot, 23 layers
+    }
+    assert_eq!(3 * 23 * 814_080, 56_171_520); // all 69 KDA layers of one request
+    assert_eq!(l.locate(92), Some((GroupId(0), Plane(23))));
+    assert_eq!(l.locate(90), Some((GroupId(3), Plane(22))));
+
+    // MLA: 128-token pages of 576 bf16 elements; 12 pages = 1536 tokens per parent.
+    assert_eq!(l.page_tokens, 128);
+    assert_eq!(mla.pages_per_parent, 12);
+    assert_eq!(l.tokens_per_mla_parent(), 1536);
+    assert_eq!(mla.page_stride, 128 * 576 * 2);
+    let (off, bytes) = l.field_range(GroupId(0), Field::Latent).unwrap();
+    assert_eq!((off, bytes), (0, 147_456));
+    assert_eq!(l.plane_bytes(), 1_769_472);
+    assert_eq!(l.parent_bytes(), 42_467_328);
+    assert_eq!(l.parent_bytes() / 12, 3_538_944); // one 128-token block, all 24 MLA layers
+    assert_eq!(l.max_pages_per_parent(), 12);
+    assert_eq!(l.parents(), budget / 42_467_328 - 1);
+    // A TP8 P→D transfer of an 8K prompt: 64 MLA blocks + one snapshot of every KDA layer.
+    assert_eq!(64 * 3_538_944 + 56_171_520, 282_663_936);
+
+    // The other rows of K3-SPEC §5's table, through the same code.
+    let fp8 = StateDtypes {
+        latent_bytes: 1,
+        ..StateDtypes::BF16
+    };
+    let plan = |tp: usize, dt: StateDtypes| {
+        let dims = KvDims::for_tensor_parallel(&cfg, tp).unwrap();
+        KvLayout::plan_layers(&cfg.attn, dims, 128, budget, dt, Some(12))
+    };
+    let k = |l: &KvLayout| l.group(GroupId(1)).unwrap().pages_per_parent;
+    let tp8_fp8 = plan(8, fp8).unwrap();
+    assert_eq!((k(&tp8_fp8), tp8_fp8.parent_bytes()), (1, 21_233_664));
+    let tp16 = (plan(16, StateDtypes::BF16).unwrap(), plan(16, fp8).unwrap());
+    assert_eq!((k(&tp16.0), k(&tp16.1)), (4, 2));
+    assert_eq!(k(&plan(4, StateDtypes::BF16).unwrap()), 1);
+    assert!(plan(4, fp8).is_err(), "TP4 fp8: no snapshot fits a plane");
+    assert!(plan(1, StateDtypes::BF16).is_err(), "TP1: layout rejected");
+    let err = KvDims::for_tensor_parallel(&cfg, 5)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("tensor-parallel degree 5"), "{err}");
+    assert!(KvDims::for_tensor_parallel(&cfg, 0).is_err());
+}
+
 #[test]
 fn kimi_linear_48b_from_its_published_config() {
     let text = r#"{"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
@@ -235,4 +323,21 @@ fn rejects_tiny_budgets() {
     assert!(KvLayout::plan_layers(&[M, K], dims, 4, 3 * 288 - 1, StateDtypes::F32, None).is_err());
     assert!(KvLayout::plan_layers(&[], dims, 4, 1 << 20, StateDtypes::F32, None).is_err());
     assert!(KvLayout::plan_layers(&[M], dims, 0, 1 << 20, StateDtypes::F32, None).is_err());
+}
+
+#[test]
+fn rejects_page_sizes_that_overflow() {
+    let dims = KvDims {
+        kda_heads: 1 << 20,
+        kda_head_dim: 1 << 24,
+        conv_kernel: 4,
+        latent_dim: 6,
+    };
+    let err = KvLayout::plan_layers(&[M, K], dims, 4, 1 << 30, StateDtypes::F32, None);
+    assert!(matches!(err, Err(KvError::Layout(m)) if m.contains("overflow")));
+    let dims = KvDims {
+        latent_dim: usize::MAX / 2,
+        ..dims
+    };
+    assert!(KvLayout::plan_layers(&[M], dims, 4, 1 << 30, StateDtypes::F32, None).is_err());
 }
