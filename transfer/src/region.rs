@@ -230,6 +230,12 @@ impl RegionHandle {
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        // Resident from the start (see the KV pool's host arena): first writes by transfers
+        // would otherwise grow the process slot by slot.
+        for off in (0..len).step_by(4096) {
+            // SAFETY: `off < len` within the allocation; volatile so the store is kept.
+            unsafe { std::ptr::write_volatile(raw.add(off), 0) };
+        }
         RegionHandle(Arc::new(RegionMemory {
             id: next_region_id(),
             ptr,

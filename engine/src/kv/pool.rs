@@ -38,9 +38,15 @@ impl HostArena {
         if !layout.dtypes.all_f32() {
             return Err(KvError::HostDtype(layout.dtypes));
         }
-        Ok(HostArena {
-            data: vec![0.0; layout.arena_bytes() / 4],
-        })
+        let mut data = vec![0.0f32; layout.arena_bytes() / 4];
+        // Make the pool resident now: a zeroed allocation is only mapped on first write, so the
+        // process would otherwise grow for as long as new pages get their first use, which looks
+        // like a leak and page-faults in the serving path.
+        for i in (0..data.len()).step_by(4096 / 4) {
+            // SAFETY: `i` is in bounds; the volatile write keeps the store from being elided.
+            unsafe { std::ptr::write_volatile(data.as_mut_ptr().add(i), 0.0) };
+        }
+        Ok(HostArena { data })
     }
     fn floats(&self, offset: usize, len: usize) -> &[f32] {
         &self.data[offset / 4..(offset + len) / 4]
