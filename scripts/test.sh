@@ -77,6 +77,9 @@ LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" TESSERA_REQUIR
 say "ucx transport (tessera-transfer --features ucx, over the system libucx)"
 cargo clippy -p tessera-transfer --features ucx --all-targets --locked -- -D warnings
 cargo test -p tessera-transfer --features ucx --locked -- ${filter:+"$filter"}
+# The worker daemons with --transport ucx (decode-worker/tests/ucx_cluster.rs).
+cargo clippy -p tessera-prefill -p tessera-decode --features ucx --all-targets --no-deps --locked -- -D warnings
+cargo test -p tessera-decode --features ucx --locked --test ucx_cluster -- ${filter:+"$filter"}
 
 say "hip kernels (tessera-kernels --features hip: host code over Debian's ROCm, the kernel sources through hiprtc for gfx90a/gfx908; no AMD GPU here)"
 # hip-runtime-sys looks for hip/hip_runtime_api.h under $HIP_PATH: /usr with libamdhip64-dev.

@@ -1,14 +1,16 @@
 //! The decode daemon (`tessera-decode`): reserves destination pages for incoming prefills,
-//! receives the prompt's state (MLA pages + the KDA snapshot of every group) over the TCP
-//! transport, continues the request with continuous batching over the flat page pool and streams
-//! tokens back.
+//! receives the prompt's state (MLA pages + the KDA snapshot of every group) over the page
+//! transport (`--transport tcp|ucx`), continues the request with continuous batching over the
+//! flat page pool and streams tokens back.
 //!
 //! The worker runtime every daemon shares (flags, health, `/metrics`, drain) is
 //! `tessera_prefill::runtime`: DESIGN §1 has no crate for it and the engine must stay free of
 //! tonic, so it lives in `tessera-prefill` and this crate depends on that one for it only.
 //!
-//! Transfer: one staging region of `slots × slot_bytes` is registered with the transport and
-//! published in `TransferHandshake`; the prefill worker writes page `dst` into slot `dst` (see
+//! Transfer: one staging region of `slots × slot_bytes`, allocated by the transport (UCX memory
+//! with `--transport ucx`, which same-host senders fill through shared memory), is registered
+//! with it and published in `TransferHandshake`, which refuses a prefill worker whose page
+//! layout or transport differs; the prefill worker writes page `dst` into slot `dst` (see
 //! the `tessera-prefill` crate docs) as transfer id = reservation id. `StartDecode` waits for
 //! that transfer, unpacks each slot into the reserved page on the engine thread
 //! ([`EngineHandle::with_pool`]), then resumes the request. A reservation not started within its
@@ -29,7 +31,7 @@ use tessera_prefill::runtime::{self, Drain, InflightGuard, WorkerArgs};
 use tessera_proto::tonic::{self, Request, Response, Status};
 use tessera_proto::v1;
 use tessera_proto::v1::decode_worker_server::{DecodeWorker, DecodeWorkerServer};
-use tessera_transfer::{RegionDescriptor, RegionHandle, TcpTransport, TransferId, Transport};
+use tessera_transfer::{RegionDescriptor, RegionHandle, TransferId, Transport};
 
 fn err(code: v1::ErrorCode, msg: impl Into<String>) -> Status {
     v1::ErrorDetail::new(code, msg).into_status()
@@ -53,7 +55,7 @@ struct Pending {
 
 pub struct DecodeService {
     engine: Arc<EngineHandle>,
-    transport: Arc<TcpTransport>,
+    transport: Arc<dyn Transport>,
     staging: RegionHandle,
     staging_desc: RegionDescriptor,
     slot_bytes: usize,
@@ -70,19 +72,21 @@ pub struct DecodeService {
 }
 
 impl DecodeService {
-    /// The service over an engine daemon's foundation: registers the transfer staging region
-    /// (`slots × slot_bytes`) that prefill workers write into.
+    /// The service over an engine daemon's foundation: allocates (through the transport) and
+    /// registers the transfer staging region (`slots × slot_bytes`) that prefill workers write
+    /// into.
     fn new(
         f: &runtime::Foundation,
         max_running: usize,
         hooks: Arc<runtime::TestHooks>,
     ) -> anyhow::Result<Self> {
         let (slot_bytes, slots) = f.slots;
-        let staging = RegionHandle::new(slot_bytes * slots);
+        let staging = f.transport.alloc_region(slot_bytes * slots)?;
         let staging_desc = f.transport.register(&staging)?;
         tracing::info!(
             bytes = slot_bytes * slots,
             slot_bytes,
+            transport = f.transport.kind(),
             "transfer staging region registered"
         );
         Ok(DecodeService {
@@ -490,6 +494,10 @@ impl DecodeWorker for DecodeGrpc {
     ) -> Result<Response<v1::TransferHandshakeReply>, Status> {
         let req = request.into_inner();
         runtime::check_target(&self.info, req.target_incarnation)?;
+        if let Some(initiator) = &req.initiator {
+            runtime::transports_compatible(&self.info, initiator)
+                .map_err(|m| err(v1::ErrorCode::LayoutMismatch, m))?;
+        }
         if let (Some(mine), Some(theirs)) = (
             self.info.layout.as_ref(),
             req.initiator.as_ref().and_then(|i| i.layout.as_ref()),

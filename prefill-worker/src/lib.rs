@@ -1,7 +1,8 @@
 //! The prefill daemon (`tessera-prefill`): runs a request's prompt with the prefix cache
 //! (`prefill_only`), samples the first token, and writes the MLA pages plus the final KDA
-//! snapshot of every group straight into the pages a decode worker reserved, over the TCP
-//! transport of `tessera-transfer`.
+//! snapshot of every group straight into the pages a decode worker reserved, over the page
+//! transport of `tessera-transfer` that `--transport` names (`tcp`, or `ucx` in a build with the
+//! `ucx` feature).
 //!
 //! This crate also hosts [`runtime`], the worker runtime shared by every daemon (flags, health,
 //! metrics, drain). DESIGN §1's table has no crate for it, and putting it in the engine would
@@ -9,8 +10,11 @@
 //!
 //! Transfer protocol (family-agnostic): the decode worker registers one staging region of
 //! `slots × slot_bytes` and publishes it in `TransferHandshake`; for each `(src, dst)` page pair
-//! the prefill worker packs the page's extents of every plane (in plane order) into
-//! `dst × slot_bytes` of that region, as one batch whose transfer id is the reservation id. The
+//! the prefill worker packs the page's extents of every plane (in plane order) into a registered
+//! source region it allocated through the transport (reused across requests), and writes it to
+//! `dst × slot_bytes` of the staging region, as one batch whose transfer id is the reservation id.
+//! Both sides advertise their transport in `WorkerInfo.transfer_backend`; the handshake refuses
+//! a pair whose transports (or page layouts) differ, with LAYOUT_MISMATCH. The
 //! decode worker waits for that transfer, then unpacks each slot into its reserved page's extents
 //! on the engine thread (`EngineHandle::with_pool`). TODO: register the arena itself (RMA put
 //! straight into pages, no staging copy) once the pool's arena can be a transfer region.
@@ -37,8 +41,8 @@ use tessera_proto::v1;
 use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
 use tessera_proto::v1::prefill_worker_server::{PrefillWorker, PrefillWorkerServer};
 use tessera_transfer::{
-    Extent, Incarnation, PeerId, RegionDescriptor, RegionHandle, RegionId, TcpTransport,
-    TransferId, Transport, WriteBatch,
+    Extent, Incarnation, PeerId, RegionDescriptor, RegionHandle, RegionId, TransferId, Transport,
+    WriteBatch,
 };
 
 use runtime::{ClusterToken, Drain, TestHooks, Withhold, WorkerArgs};
@@ -57,9 +61,21 @@ struct DecodePeer {
     region: RegionDescriptor,
 }
 
+/// Source regions kept registered between transfers, at most.
+const IDLE_SOURCES: usize = 4;
+
+/// A registered region that a transfer's pages are packed into.
+struct Source {
+    region: RegionHandle,
+    desc: RegionDescriptor,
+}
+
 pub struct PrefillService {
     engine: Arc<EngineHandle>,
-    transport: Arc<TcpTransport>,
+    transport: Arc<dyn Transport>,
+    /// Registered source regions not in use (allocated through the transport, so UCX memory
+    /// with `--transport ucx`); registering one costs more than a small transfer.
+    sources: Mutex<Vec<Source>>,
     info: v1::WorkerInfo,
     slot_bytes: usize,
     drain: Arc<Drain>,
@@ -73,6 +89,8 @@ pub struct PrefillService {
     peers: tokio::sync::Mutex<HashMap<String, DecodePeer>>,
     bytes_sent: AtomicU64,
     transfers: AtomicU64,
+    /// Time spent in page transfers (write to acknowledgement), in microseconds.
+    transfer_us: AtomicU64,
 }
 
 /// A handoff whose pages the engine holds for this worker. Dropping it without `done()` — the
@@ -194,6 +212,8 @@ impl PrefillService {
             .await?
             .into_inner();
         let responder = reply.responder.unwrap_or_default();
+        runtime::transports_compatible(&self.info, &responder)
+            .map_err(|m| err(v1::ErrorCode::LayoutMismatch, m))?;
         if let (Some(a), Some(b)) = (&self.info.layout, &responder.layout) {
             runtime::pages_compatible(a, b).map_err(|m| err(v1::ErrorCode::LayoutMismatch, m))?;
         }
@@ -233,6 +253,44 @@ impl PrefillService {
         Ok(p)
     }
 
+    /// A registered source region of at least `len` bytes: the smallest idle one that fits, or a
+    /// fresh one from the transport.
+    fn take_source(&self, len: usize) -> Result<Source, Status> {
+        {
+            let mut idle = self.sources.lock().unwrap();
+            let best = idle
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.region.len() >= len)
+                .min_by_key(|(_, s)| s.region.len())
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                return Ok(idle.swap_remove(i));
+            }
+        }
+        let failed = |e: tessera_transfer::TransferError| {
+            err(v1::ErrorCode::TransferFailed, format!("source region: {e}"))
+        };
+        let region = self
+            .transport
+            .alloc_region(len.max(1).next_power_of_two())
+            .map_err(failed)?;
+        let desc = self.transport.register(&region).map_err(failed)?;
+        Ok(Source { region, desc })
+    }
+
+    /// Keeps `source` for the next transfer (the largest few are kept).
+    fn put_source(&self, source: Source) {
+        let mut idle = self.sources.lock().unwrap();
+        idle.push(source);
+        if idle.len() > IDLE_SOURCES {
+            idle.sort_by_key(|s| std::cmp::Reverse(s.region.len()));
+            for s in idle.drain(IDLE_SOURCES..) {
+                self.transport.deregister(s.desc.region_id);
+            }
+        }
+    }
+
     /// Moves `pairs` of this pool into the decode worker's staging slots as one transfer.
     async fn send_pages(
         &self,
@@ -242,44 +300,56 @@ impl PrefillService {
         timeout: Duration,
     ) -> Result<v1::TransferStats, Status> {
         let slot = self.slot_bytes;
+        let source = self.take_source(pairs.len() * slot)?;
+        let region = source.region.clone();
         let p2 = pairs.clone();
         let engine = self.engine.clone();
-        // Pack on the engine thread: each page's extents of every plane, back to back.
-        let (packed, lens) = tokio::task::spawn_blocking(move || {
-            engine.with_pool(move |pool| {
-                let mut packed = Vec::new();
-                let mut lens = Vec::new();
+        // Pack on the engine thread, straight into the source region: each page's extents of
+        // every plane, back to back (none larger than a slot, so all fit).
+        let packed = tokio::task::spawn_blocking(move || {
+            engine.with_pool(move |pool| -> Result<Vec<usize>, Status> {
+                let internal =
+                    |e: &dyn std::fmt::Display| err(v1::ErrorCode::Internal, e.to_string());
+                let mut out = region
+                    .try_write(0..p2.len() * slot)
+                    .map_err(|e| internal(&e))?;
+                let mut lens = Vec::with_capacity(p2.len());
+                let mut at = 0;
                 for (s, _) in &p2 {
-                    let mut n = 0;
-                    for (off, len) in pool.page_extents(*s)? {
-                        packed.extend_from_slice(pool.arena_bytes(off, len));
-                        n += len;
+                    let start = at;
+                    for (off, len) in pool.page_extents(*s).map_err(|e| internal(&e))? {
+                        if at + len - start > slot {
+                            return Err(err(
+                                v1::ErrorCode::LayoutMismatch,
+                                "page larger than a slot",
+                            ));
+                        }
+                        out[at..at + len].copy_from_slice(pool.arena_bytes(off, len));
+                        at += len;
                     }
-                    lens.push(n);
+                    lens.push(at - start);
                 }
-                Ok::<_, tessera_engine::kv::KvError>((packed, lens))
+                Ok(lens)
             })
         })
-        .await
-        .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?
-        .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?
-        .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?;
-        let region = RegionHandle::from_bytes(&packed);
-        let desc = self
-            .transport
-            .register(&region)
-            .map_err(|e| err(v1::ErrorCode::TransferFailed, e.to_string()))?;
+        .await;
+        let packed = match packed {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => Err(err(v1::ErrorCode::Internal, e.to_string())),
+            Err(e) => Err(err(v1::ErrorCode::Internal, e.to_string())),
+        };
+        let lens = match packed {
+            Ok(lens) => lens,
+            Err(status) => {
+                self.put_source(source);
+                return Err(status);
+            }
+        };
         let mut extents = Vec::with_capacity(pairs.len());
         let mut src = 0u64;
         for ((_, d), len) in pairs.iter().zip(&lens) {
-            if *len > slot {
-                return Err(err(
-                    v1::ErrorCode::LayoutMismatch,
-                    "page larger than a slot",
-                ));
-            }
             extents.push(Extent {
-                src_region: desc.region_id,
+                src_region: source.desc.region_id,
                 src_offset: src,
                 dst_offset: d.0 as u64 * slot as u64,
                 len: *len as u64,
@@ -299,7 +369,12 @@ impl PrefillService {
                 tessera_transfer::Instant::now() + timeout,
             )
             .await;
-        self.transport.deregister(desc.region_id);
+        if res.is_ok() {
+            self.put_source(source);
+        } else {
+            // Puts may still be reading it: never reuse it.
+            self.transport.deregister(source.desc.region_id);
+        }
         let receipt = res.map_err(|e| {
             let code = if matches!(e, tessera_transfer::TransferError::Timeout) {
                 v1::ErrorCode::TransferTimeout
@@ -308,12 +383,21 @@ impl PrefillService {
             };
             err(code, format!("page transfer: {e}"))
         })?;
+        let duration_us = started.elapsed().as_micros() as u64;
         self.bytes_sent.fetch_add(receipt.bytes, Ordering::Relaxed);
         self.transfers.fetch_add(1, Ordering::Relaxed);
+        self.transfer_us.fetch_add(duration_us, Ordering::Relaxed);
+        tracing::debug!(
+            transfer = transfer_id,
+            bytes = receipt.bytes,
+            duration_us,
+            transport = self.transport.kind(),
+            "pages sent"
+        );
         Ok(v1::TransferStats {
-            backend: v1::TransferBackend::Tcp as i32,
+            backend: runtime::backend_of(&self.info) as i32,
             bytes: receipt.bytes,
-            duration_us: started.elapsed().as_micros() as u64,
+            duration_us,
             retries: receipt.attempts.saturating_sub(1),
             ..Default::default()
         })
@@ -379,6 +463,12 @@ impl PrefillService {
                     "tessera_transfers_total",
                     "Page transfers to decode workers (one per prefilled request).",
                     self.transfers.load(Ordering::Relaxed),
+                ),
+                (
+                    "tessera_transfer_seconds_total",
+                    "counter",
+                    "Time spent in page transfers to decode workers, write to acknowledgement.",
+                    self.transfer_us.load(Ordering::Relaxed) as f64 / 1e6,
                 ),
             ],
         )
@@ -574,6 +664,7 @@ pub async fn start(
     let service = Arc::new(PrefillService {
         engine: f.engine,
         transport: f.transport,
+        sources: Mutex::default(),
         info: f.info.clone(),
         slot_bytes: f.slots.0,
         drain: f.drain.clone(),
@@ -584,6 +675,7 @@ pub async fn start(
         peers: Default::default(),
         bytes_sent: AtomicU64::new(0),
         transfers: AtomicU64::new(0),
+        transfer_us: AtomicU64::new(0),
     });
     let grpc = PrefillWorkerServer::new(PrefillGrpc(service.clone()));
     runtime::serve(

@@ -1,9 +1,9 @@
 //! The worker runtime every Tessera daemon shares (DESIGN §1: "one worker runtime instead of three
 //! copies"): common flags (each also from `TESSERA_*` env), tracing, loading the model into an
-//! [`EngineHandle`], binding the TCP transport, the `grpc.health.v1` service, `/metrics`, the
-//! start-up "ready" line, registration, and graceful drain on SIGTERM / Ctrl-C. A daemon builds
-//! its service on a [`Foundation`] (engine daemons) or on [`start_transport`] (the encoder) and
-//! hands it to [`serve`], which does the rest.
+//! [`EngineHandle`], binding the page transport (`--transport tcp|ucx`), the `grpc.health.v1`
+//! service, `/metrics`, the start-up "ready" line, registration, and graceful drain on SIGTERM /
+//! Ctrl-C. A daemon builds its service on a [`Foundation`] (engine daemons) or on
+//! [`start_transport`] (the encoder) and hands it to [`serve`], which does the rest.
 //!
 //! Authentication: every role's service sits behind [`RequireToken`] — a call without
 //! `authorization: Bearer <cluster secret>` metadata is refused with UNAUTHENTICATED — while
@@ -36,6 +36,42 @@ use tessera_proto::v1;
 use tessera_transfer::{FaultInjection, Secret, TcpTransport, Transport, TransportConfig};
 use tokio::sync::Notify;
 
+const NO_UCX: &str = "--transport ucx: built without UCX support: rebuild with --features ucx";
+
+/// The page transport of an engine daemon (`--transport`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TransportKind {
+    /// tokio TCP streams (always built).
+    #[default]
+    Tcp,
+    /// UCX RMA puts over the system libucx (cargo feature `ucx`); the staging region is UCX
+    /// memory, so same-host peers put into it through shared memory.
+    Ucx,
+}
+
+impl TransportKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Ucx => "ucx",
+        }
+    }
+
+    /// Fails for a backend this build lacks.
+    pub fn check_built(self) -> anyhow::Result<()> {
+        if self == TransportKind::Ucx && !cfg!(feature = "ucx") {
+            anyhow::bail!(NO_UCX);
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Flags every daemon shares (encoder, prefill, decode): where it listens, who it is, the
 /// cluster secret, drain and etcd registration.
 #[derive(clap::Args, Clone, Debug)]
@@ -46,7 +82,8 @@ pub struct DaemonArgs {
     /// gRPC listen address (port 0 picks a free port; the ready line prints the bound one).
     #[arg(long, env = "TESSERA_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
-    /// Page-transfer (TCP) listen address.
+    /// Page-transfer listen address (for `ucx`, its control listener; UCX's own listener takes
+    /// the same IP).
     #[arg(long, env = "TESSERA_TRANSFER_LISTEN", default_value = "127.0.0.1:0")]
     pub transfer_listen: SocketAddr,
     /// Host name peers use to reach the transfer listener (default: its bound IP).
@@ -116,6 +153,10 @@ pub struct WorkerArgs {
     /// Disable the prefix cache.
     #[arg(long, env = "TESSERA_NO_PREFIX_CACHE")]
     pub no_prefix_cache: bool,
+    /// Page transport: `tcp`, or `ucx` (a build with the `ucx` feature). Every prefill and decode
+    /// worker of a cluster must use the same one: the transfer handshake refuses a mixed pair.
+    #[arg(long, env = "TESSERA_TRANSPORT", value_enum, default_value_t = TransportKind::Tcp)]
+    pub transport: TransportKind,
 }
 
 /// Test-only fault hooks of one daemon, shared with the test that armed them (see
@@ -214,8 +255,9 @@ pub fn start_engine(args: &WorkerArgs) -> anyhow::Result<Arc<EngineHandle>> {
     Ok(Arc::new(engine))
 }
 
-/// Binds the TCP page transport on `--transfer-listen`.
-pub async fn start_transport(args: &DaemonArgs) -> anyhow::Result<Arc<TcpTransport>> {
+/// The transport settings of the daemon's flags: bind and advertised addresses, the cluster
+/// secret, the test hooks.
+fn transport_config(args: &DaemonArgs) -> TransportConfig {
     if args.auth_secret == DEV_SECRET {
         tracing::warn!("TESSERA_AUTH_SECRET is not set: using the insecure development secret");
     }
@@ -223,11 +265,38 @@ pub async fn start_transport(args: &DaemonArgs) -> anyhow::Result<Arc<TcpTranspo
     cfg.bind = args.transfer_listen;
     cfg.advertise_host = args.transfer_advertise_host.clone();
     cfg.faults = args.test_hooks.transfer.clone();
-    let t = TcpTransport::bind(cfg)
+    cfg
+}
+
+/// Binds the TCP page transport on `--transfer-listen`.
+pub async fn start_transport(args: &DaemonArgs) -> anyhow::Result<Arc<TcpTransport>> {
+    let t = TcpTransport::bind(transport_config(args))
         .await
         .context("binding the transfer listener")?;
     tracing::info!(endpoint = %t.endpoint(), "transfer listening");
     Ok(Arc::new(t))
+}
+
+/// Binds the page transport `--transport` names on `--transfer-listen`.
+pub async fn start_page_transport(args: &WorkerArgs) -> anyhow::Result<Arc<dyn Transport>> {
+    match args.transport {
+        TransportKind::Tcp => Ok(start_transport(&args.daemon).await?),
+        TransportKind::Ucx => start_ucx(&args.daemon).await,
+    }
+}
+
+#[cfg(feature = "ucx")]
+async fn start_ucx(args: &DaemonArgs) -> anyhow::Result<Arc<dyn Transport>> {
+    let t = tessera_transfer::UcxTransport::bind(transport_config(args))
+        .await
+        .context("starting the UCX transport")?;
+    tracing::info!(endpoint = %t.endpoint(), ucx = %t.ucx_addr(), "transfer listening (ucx)");
+    Ok(Arc::new(t))
+}
+
+#[cfg(not(feature = "ucx"))]
+async fn start_ucx(_args: &DaemonArgs) -> anyhow::Result<Arc<dyn Transport>> {
+    anyhow::bail!(NO_UCX)
 }
 
 /// The bytes a page may occupy in every plane of its group, for the largest group: transfers
@@ -274,6 +343,32 @@ pub fn layout_descriptor(engine: &EngineHandle) -> anyhow::Result<v1::PageLayout
             ..Default::default()
         }
     })?)
+}
+
+/// The transfer backend a worker advertises (an unset field means TCP, the only backend of
+/// workers that predate it).
+pub fn backend_of(info: &v1::WorkerInfo) -> v1::TransferBackend {
+    match v1::TransferBackend::try_from(info.transfer_backend) {
+        Ok(v1::TransferBackend::Unspecified) | Err(_) => v1::TransferBackend::Tcp,
+        Ok(b) => b,
+    }
+}
+
+/// Whether two workers move pages over the same transport (a pair that does not could never
+/// connect: refuse it in the handshake instead).
+pub fn transports_compatible(here: &v1::WorkerInfo, there: &v1::WorkerInfo) -> Result<(), String> {
+    let (a, b) = (backend_of(here), backend_of(there));
+    if a != b {
+        return Err(format!(
+            "transport mismatch: {} ({}) moves pages over {a}, {} ({}) over {b}; start every \
+             prefill and decode worker with the same --transport",
+            here.worker_id,
+            v1::Role::try_from(here.role).unwrap_or_default().name(),
+            there.worker_id,
+            v1::Role::try_from(there.role).unwrap_or_default().name(),
+        ));
+    }
+    Ok(())
 }
 
 /// Whether two workers' pages can be moved between them: same page shape (the pools' sizes may
@@ -828,6 +923,20 @@ pub fn daemon_info(
     transport: &TcpTransport,
     grpc: SocketAddr,
 ) -> v1::WorkerInfo {
+    worker_info(args, role, transport, grpc)
+}
+
+/// [`daemon_info`] over any page transport: its endpoint, incarnation and backend.
+pub fn worker_info(
+    args: &DaemonArgs,
+    role: v1::Role,
+    transport: &dyn Transport,
+    grpc: SocketAddr,
+) -> v1::WorkerInfo {
+    let backend = transport
+        .kind()
+        .parse::<v1::TransferBackend>()
+        .unwrap_or(v1::TransferBackend::Unspecified);
     v1::WorkerInfo {
         worker_id: args.worker_id(role.name()),
         incarnation_id: transport.incarnation().0,
@@ -835,7 +944,7 @@ pub fn daemon_info(
         model_id: args.model_id(),
         grpc_address: grpc.to_string(),
         transfer_endpoint: transport.endpoint(),
-        transfer_backend: v1::TransferBackend::Tcp as i32,
+        transfer_backend: backend as i32,
         version: env!("CARGO_PKG_VERSION").into(),
         ..Default::default()
     }
@@ -844,7 +953,7 @@ pub fn daemon_info(
 /// What an engine daemon (prefill, decode) starts from before its own service exists.
 pub struct Foundation {
     pub engine: Arc<EngineHandle>,
-    pub transport: Arc<TcpTransport>,
+    pub transport: Arc<dyn Transport>,
     pub drain: Arc<Drain>,
     pub listener: tokio::net::TcpListener,
     /// The worker as peers and routers see it: identity, addresses, page layout, capacity.
@@ -856,9 +965,10 @@ pub struct Foundation {
 /// Starts the parts of an engine daemon that do not depend on its role: the engine, the page
 /// transport and the gRPC listener.
 pub async fn foundation(args: &WorkerArgs, role: v1::Role) -> anyhow::Result<Foundation> {
+    args.transport.check_built()?;
     let a = args.clone();
     let engine = tokio::task::spawn_blocking(move || start_engine(&a)).await??;
-    let transport = start_transport(&args.daemon).await?;
+    let transport = start_page_transport(args).await?;
     let listener = tokio::net::TcpListener::bind(args.daemon.listen).await?;
     let e = engine.clone();
     let (slots, layout) =
@@ -867,7 +977,7 @@ pub async fn foundation(args: &WorkerArgs, role: v1::Role) -> anyhow::Result<Fou
     let info = v1::WorkerInfo {
         layout: Some(layout),
         max_running: args.max_running as u32,
-        ..daemon_info(&args.daemon, role, &transport, listener.local_addr()?)
+        ..worker_info(&args.daemon, role, &*transport, listener.local_addr()?)
     };
     Ok(Foundation {
         engine,

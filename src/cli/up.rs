@@ -1,8 +1,8 @@
 //! `tessera up`: a real multi-process cluster on loopback — decode workers, prefill workers and
 //! the router (plus an encoder worker when the model has a vision tower), each its own process,
-//! wired with static discovery and TCP page transfer. Every child gets the same cluster secret
-//! (`TESSERA_AUTH_SECRET`, a random one when it is not set): workers refuse gRPC calls without
-//! it, and the router sends it.
+//! wired with static discovery and TCP page transfer (`--transport ucx`: UCX, in a build with the
+//! `ucx` feature). Every child gets the same cluster secret (`TESSERA_AUTH_SECRET`, a random one
+//! when it is not set): workers refuse gRPC calls without it, and the router sends it.
 //!
 //! Children are this same binary run with a worker subcommand. Each prints a `TESSERA_READY`
 //! line with its bound addresses; `up` waits for it, passes the addresses on, forwards the
@@ -22,6 +22,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
+
+use tessera_prefill::runtime::TransportKind;
 
 use super::model_arg::ModelArg;
 
@@ -50,6 +52,9 @@ pub struct UpArgs {
     /// KV page-pool memory per worker (bytes; K, M, G suffixes).
     #[arg(long, default_value = "256M", env = "TESSERA_KV_MEMORY")]
     pub kv_memory: String,
+    /// Page transport of the prefill and decode workers (`ucx`: a build with `--features ucx`).
+    #[arg(long, value_enum, default_value_t = TransportKind::Tcp, env = "TESSERA_TRANSPORT")]
+    pub transport: TransportKind,
     /// Seconds to wait for each process to report ready.
     #[arg(long, default_value_t = 120)]
     pub ready_timeout: u64,
@@ -257,6 +262,8 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         a.prefill >= 1 && a.decode >= 1,
         "a cluster needs at least one prefill and one decode worker"
     );
+    a.transport.check_built()?;
+    a.model.check_device()?;
     let model: PathBuf = a.model.dir()?;
     let exe = std::env::current_exe().context("locating the tessera binary")?;
     let secret = std::env::var("TESSERA_AUTH_SECRET").unwrap_or_else(|_| random_secret());
@@ -278,6 +285,8 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
                 a.snapshot_interval.to_string(),
                 "--kv-memory".into(),
                 a.kv_memory.clone(),
+                "--transport".into(),
+                a.transport.to_string(),
             ]);
         }
         v

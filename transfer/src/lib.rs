@@ -182,6 +182,13 @@ pub trait Transport: Send + Sync {
     /// incarnation, so a connect made from a stale endpoint fails after a restart.
     fn endpoint(&self) -> String;
 
+    /// A zeroed region of `len` bytes in the memory this backend moves best (register it like
+    /// any region). The default is plain heap memory; `ucx` allocates through UCX, so that peers
+    /// on the same host put into it with a single copy.
+    fn alloc_region(&self, len: usize) -> Result<RegionHandle, TransferError> {
+        Ok(RegionHandle::new(len))
+    }
+
     /// Makes `region` readable as a source and writable by peers as a destination; the
     /// descriptor is what peers name in their batches. The transport keeps the region alive
     /// until [`Transport::deregister`].

@@ -585,6 +585,10 @@ impl Transport for UcxTransport {
         self.endpoint.clone()
     }
 
+    fn alloc_region(&self, len: usize) -> Result<RegionHandle, TransferError> {
+        UcxTransport::alloc_region(self, len)
+    }
+
     fn register(&self, region: &RegionHandle) -> Result<RegionDescriptor, TransferError> {
         let packed = self.node.ucx.map(region).map_err(|e| {
             TransferError::BadRegion(format!("cannot register {:?} with UCX: {e}", region.id()))
