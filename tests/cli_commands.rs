@@ -81,6 +81,35 @@ fn bad_input_gives_an_error_not_a_panic() {
             vec!["--prompt-ids".into(), "999999".into()],
             "outside the vocabulary",
         ),
+        (
+            vec![
+                "--prompt-ids".into(),
+                "1".into(),
+                "--device".into(),
+                "rocm".into(),
+            ],
+            "expected cpu, cuda[:N] or hip[:N]",
+        ),
+        // Without an AMD GPU (and, in a default build, without the hip backend) the reason is
+        // given; whichever it is, it names the device.
+        (
+            vec![
+                "--prompt-ids".into(),
+                "1".into(),
+                "--device".into(),
+                "hip".into(),
+            ],
+            "--device hip:0: ",
+        ),
+        (
+            vec![
+                "--prompt-ids".into(),
+                "1".into(),
+                "--device".into(),
+                "cuda:3".into(),
+            ],
+            "--device cuda:3: ",
+        ),
     ];
     for (args, needle) in cases {
         let out = tessera()
@@ -139,6 +168,40 @@ fn init_model_writes_a_loadable_model_with_a_tokenizer() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["token_ids"].as_array().unwrap().len(), 5);
+    // Kimi K3, bf16 and MXFP4 experts: the real checkpoint layout, loadable and runnable.
+    for arch in ["kimi_k3", "kimi_k3_mxfp4"] {
+        let k3 = tmp.path().join(arch);
+        let st = tessera()
+            .args(["init-model", "--arch", arch, "--preset", "tiny", "--out"])
+            .arg(&k3)
+            .status()
+            .unwrap();
+        assert!(st.success(), "{arch}");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(k3.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(cfg["model_type"], "kimi_k3", "{arch}");
+        let out = tessera()
+            .args(["generate", "--model"])
+            .arg(&k3)
+            .args([
+                "--prompt-ids",
+                "5,6,7",
+                "--max-new-tokens",
+                "3",
+                "--ignore-eos",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{arch}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["token_ids"].as_array().unwrap().len(), 3, "{arch}");
+    }
     // Text mode decodes through the tokenizer.
     let out = tessera()
         .args(["generate", "--model"])

@@ -89,6 +89,25 @@ impl Device {
             _ => Ok(()),
         }
     }
+
+    /// Opens the device once to see that it is there: its description ("cpu", or the GPU's
+    /// name and architecture), or why it cannot be used (backend not built, no driver, no such
+    /// device) as a message for the user.
+    pub fn probe(&self) -> Result<String, String> {
+        self.check_built().map_err(|e| e.to_string())?;
+        match *self {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(n) => crate::cuda::CudaDevice::open(n, None)
+                .map(|d| format!("{} ({})", d.name(), d.arch()))
+                .map_err(|e| e.to_string()),
+            #[cfg(feature = "hip")]
+            Device::Hip(n) => crate::hip::HipDevice::open(n, None)
+                .map(|d| format!("{} ({})", d.name(), d.arch()))
+                .map_err(|e| e.to_string()),
+            // The CPU, and backends check_built already refused.
+            _ => Ok(self.to_string()),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -105,6 +124,22 @@ mod tests {
         for d in [Device::Cpu, Device::Cuda(2), Device::Hip(7)] {
             assert_eq!(parse_device(&d.to_string()), Ok(d));
         }
+    }
+
+    #[test]
+    fn probing_says_what_is_missing() {
+        assert_eq!(Device::Cpu.probe(), Ok("cpu".to_string()));
+        for d in [Device::Cuda(0), Device::Hip(0)] {
+            match d.probe() {
+                // A machine with that GPU (and its backend built).
+                Ok(name) => assert!(!name.is_empty()),
+                Err(msg) => assert!(
+                    msg.contains("--features") || msg.contains("driver") || msg.contains("GPU"),
+                    "{d}: unhelpful: {msg}"
+                ),
+            }
+        }
+        assert!(Device::Cuda(10_000).probe().is_err());
     }
 
     #[test]

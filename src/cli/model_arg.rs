@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
+use tessera_kernels::Device;
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArg {
@@ -11,9 +12,34 @@ pub struct ModelArg {
     /// Default: the embedded tiny random-weight model (its output is meaningless).
     #[arg(long, env = "TESSERA_MODEL")]
     pub model: Option<PathBuf>,
+    /// Where the model runs: cpu, cuda[:N] or hip[:N]. The GPU backends hold kernels that are
+    /// checked and benchmarked on their own (`cuda_check_bench`, `cuda_ops_check`); whole-model
+    /// execution runs on the CPU for now, and a GPU device is refused with the reason.
+    #[arg(long, env = "TESSERA_DEVICE", default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+}
+
+fn parse_device(s: &str) -> Result<Device, String> {
+    tessera_kernels::parse_device(s).map_err(|e| e.to_string())
 }
 
 impl ModelArg {
+    /// Fails with the reason when the model cannot run on `--device`: a GPU that is absent or
+    /// whose backend this binary lacks, and any GPU until whole-model GPU execution exists.
+    pub fn check_device(&self) -> anyhow::Result<()> {
+        match self.device {
+            Device::Cpu => Ok(()),
+            d => match d.probe() {
+                Err(why) => anyhow::bail!("--device {d}: {why}"),
+                Ok(name) => anyhow::bail!(
+                    "--device {d}: found {name}, but whole-model execution on {} is not \
+                     available yet; use --device cpu",
+                    d.feature().unwrap_or("this backend")
+                ),
+            },
+        }
+    }
+
     pub fn dir(&self) -> anyhow::Result<PathBuf> {
         match &self.model {
             Some(p) => Ok(p.clone()),
@@ -23,6 +49,7 @@ impl ModelArg {
     }
 
     pub fn load(&self) -> anyhow::Result<(PathBuf, tessera_engine::Model)> {
+        self.check_device()?;
         let dir = self.dir()?;
         let model = tessera_engine::Model::load(&dir)
             .with_context(|| format!("loading model from {}", dir.display()))?;
