@@ -28,6 +28,7 @@ use anyhow::Context;
 use tessera_engine::kv::GroupKind;
 use tessera_engine::serving::{EngineHandle, SchedulerConfig};
 use tessera_engine::{Model, SamplingParams};
+use tessera_kernels::Device;
 use tessera_proto::health::server::HealthReporter;
 use tessera_proto::tonic;
 use tessera_proto::tonic::metadata::{Ascii, MetadataValue};
@@ -157,6 +158,31 @@ pub struct WorkerArgs {
     /// worker of a cluster must use the same one: the transfer handshake refuses a mixed pair.
     #[arg(long, env = "TESSERA_TRANSPORT", value_enum, default_value_t = TransportKind::Tcp)]
     pub transport: TransportKind,
+    /// Where the model runs: cpu, cuda[:N] or hip[:N]. A GPU is refused with the reason (absent,
+    /// not built in, or whole-model GPU execution not available yet).
+    #[arg(long, env = "TESSERA_DEVICE", default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+}
+
+fn parse_device(s: &str) -> Result<Device, String> {
+    tessera_kernels::parse_device(s).map_err(|e| e.to_string())
+}
+
+/// Fails with the reason when a model cannot run on `device`: a GPU that is absent or whose
+/// backend this build lacks, and for now any GPU, because whole-model execution runs on the CPU
+/// (the GPU kernels are checked and benchmarked on their own).
+pub fn check_model_device(device: Device) -> anyhow::Result<()> {
+    match device {
+        Device::Cpu => Ok(()),
+        d => match d.probe() {
+            Err(why) => anyhow::bail!("--device {d}: {why}"),
+            Ok(name) => anyhow::bail!(
+                "--device {d}: found {name}, but whole-model execution on {} is not available \
+                 yet; use --device cpu",
+                d.feature().unwrap_or("this backend")
+            ),
+        },
+    }
 }
 
 /// Test-only fault hooks of one daemon, shared with the test that armed them (see
@@ -966,6 +992,7 @@ pub struct Foundation {
 /// transport and the gRPC listener.
 pub async fn foundation(args: &WorkerArgs, role: v1::Role) -> anyhow::Result<Foundation> {
     args.transport.check_built()?;
+    check_model_device(args.device)?;
     let a = args.clone();
     let engine = tokio::task::spawn_blocking(move || start_engine(&a)).await??;
     let transport = start_page_transport(args).await?;

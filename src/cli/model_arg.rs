@@ -24,20 +24,9 @@ fn parse_device(s: &str) -> Result<Device, String> {
 }
 
 impl ModelArg {
-    /// Fails with the reason when the model cannot run on `--device`: a GPU that is absent or
-    /// whose backend this binary lacks, and any GPU until whole-model GPU execution exists.
+    /// Fails with the reason when the model cannot run on `--device`.
     pub fn check_device(&self) -> anyhow::Result<()> {
-        match self.device {
-            Device::Cpu => Ok(()),
-            d => match d.probe() {
-                Err(why) => anyhow::bail!("--device {d}: {why}"),
-                Ok(name) => anyhow::bail!(
-                    "--device {d}: found {name}, but whole-model execution on {} is not \
-                     available yet; use --device cpu",
-                    d.feature().unwrap_or("this backend")
-                ),
-            },
-        }
+        tessera_prefill::runtime::check_model_device(self.device)
     }
 
     pub fn dir(&self) -> anyhow::Result<PathBuf> {

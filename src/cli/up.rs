@@ -287,6 +287,8 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
                 a.kv_memory.clone(),
                 "--transport".into(),
                 a.transport.to_string(),
+                "--device".into(),
+                a.model.device.to_string(),
             ]);
         }
         v
