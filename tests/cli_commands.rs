@@ -39,31 +39,43 @@ fn logits_command_writes_reference_logits() {
     assert!(rel_err(&got, &want) <= LOGITS_REL_TOL);
 }
 
-#[test]
-fn generate_command_prints_reference_tokens_as_json() {
-    let dir = fixtures().into_iter().next().unwrap();
-    let p = reference(&dir).prompts.into_iter().nth(1).unwrap();
+/// `tessera generate --model <model> <args> --json`, which must succeed; its token ids.
+fn generate_json(model: &std::path::Path, args: &[&str]) -> Vec<u32> {
     let out = tessera()
         .args(["generate", "--model"])
-        .arg(&dir)
-        .args(["--prompt-ids", &ids_arg(&p.prompt_ids)])
-        .args([
-            "--max-new-tokens",
-            &p.greedy_ids.len().to_string(),
-            "--temperature",
-            "0",
-            "--ignore-eos",
-            "--json",
-        ])
+        .arg(model)
+        .args(args)
+        .arg("--json")
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "{}",
+        "{}: {}",
+        model.display(),
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let got: Vec<u32> = serde_json::from_value(v["token_ids"].clone()).unwrap();
+    serde_json::from_value(v["token_ids"].clone()).unwrap()
+}
+
+#[test]
+fn generate_command_prints_reference_tokens_as_json() {
+    let dir = fixtures().into_iter().next().unwrap();
+    let p = reference(&dir).prompts.into_iter().nth(1).unwrap();
+    let n = p.greedy_ids.len().to_string();
+    let ids = ids_arg(&p.prompt_ids);
+    let got = generate_json(
+        &dir,
+        &[
+            "--prompt-ids",
+            &ids,
+            "--max-new-tokens",
+            &n,
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ],
+    );
     assert_eq!(got.len(), p.greedy_ids.len());
     assert_greedy_matches(&got, &p.greedy_ids, &p.greedy_margins, "cli generate");
 }
@@ -148,26 +160,17 @@ fn init_model_writes_a_loadable_model_with_a_tokenizer() {
         .status()
         .unwrap();
     assert!(st.success());
-    let out = tessera()
-        .args(["generate", "--model"])
-        .arg(&dir)
-        .args([
+    let got = generate_json(
+        &dir,
+        &[
             "--prompt",
             "Hello, Tessera!",
             "--max-new-tokens",
             "5",
             "--ignore-eos",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["token_ids"].as_array().unwrap().len(), 5);
+    assert_eq!(got.len(), 5);
     // Kimi K3, bf16 and MXFP4 experts: the real checkpoint layout, loadable and runnable.
     for arch in ["kimi_k3", "kimi_k3_mxfp4"] {
         let k3 = tmp.path().join(arch);
@@ -181,26 +184,17 @@ fn init_model_writes_a_loadable_model_with_a_tokenizer() {
             serde_json::from_str(&std::fs::read_to_string(k3.join("config.json")).unwrap())
                 .unwrap();
         assert_eq!(cfg["model_type"], "kimi_k3", "{arch}");
-        let out = tessera()
-            .args(["generate", "--model"])
-            .arg(&k3)
-            .args([
+        let got = generate_json(
+            &k3,
+            &[
                 "--prompt-ids",
                 "5,6,7",
                 "--max-new-tokens",
                 "3",
                 "--ignore-eos",
-                "--json",
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{arch}: {}",
-            String::from_utf8_lossy(&out.stderr)
+            ],
         );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(v["token_ids"].as_array().unwrap().len(), 3, "{arch}");
+        assert_eq!(got.len(), 3, "{arch}");
     }
     // Text mode decodes through the tokenizer.
     let out = tessera()

@@ -135,8 +135,8 @@ impl Checkpoint {
             })
     }
 
-    /// Tensor `name` as f32, checked to have exactly `shape`.
-    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    /// The entry of tensor `name`, checked to exist with exactly `shape`.
+    fn entry(&self, name: &str, shape: &[usize]) -> Result<&Entry> {
         let e = self
             .entries
             .get(name)
@@ -151,6 +151,12 @@ impl Checkpoint {
                 found: e.shape.clone(),
             });
         }
+        Ok(e)
+    }
+
+    /// Tensor `name` as f32, checked to have exactly `shape`.
+    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let e = self.entry(name, shape)?;
         let out = self.convert(name, e)?;
         self.used.lock().unwrap().insert(name.to_string());
         Ok(out)
@@ -159,20 +165,7 @@ impl Checkpoint {
     /// Tensor `name` as raw bytes, checked to be U8 of exactly `shape` (packed quantized weights
     /// and their scales).
     pub fn u8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>> {
-        let e = self
-            .entries
-            .get(name)
-            .ok_or_else(|| EngineError::MissingTensor {
-                name: name.to_string(),
-                looked_in: self.dir.display().to_string(),
-            })?;
-        if e.shape != shape {
-            return Err(EngineError::ShapeMismatch {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found: e.shape.clone(),
-            });
-        }
+        let e = self.entry(name, shape)?;
         let (path, mmap, data_start) = &self.files[e.file];
         if e.dtype != Dtype::U8 {
             return Err(EngineError::CorruptCheckpoint {
