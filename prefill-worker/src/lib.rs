@@ -35,7 +35,7 @@ use tessera_engine::kv::PageId;
 use tessera_engine::serving::handoff::transfer_pairs;
 use tessera_engine::serving::{EngineEvent, EngineHandle, EngineRequest, EventSink, Reservation};
 use tessera_proto::tonic::service::interceptor::InterceptedService;
-use tessera_proto::tonic::transport::{Channel, Endpoint};
+use tessera_proto::tonic::transport::Channel;
 use tessera_proto::tonic::{self, Request, Response, Status};
 use tessera_proto::v1;
 use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
@@ -82,6 +82,8 @@ pub struct PrefillService {
     max_running: usize,
     /// Sent on this worker's calls to decode workers.
     token: ClusterToken,
+    /// Mutual TLS for the calls to decode workers (`--tls-*`).
+    tls: Option<tessera_proto::tls::MutualTls>,
     hooks: Arc<TestHooks>,
     /// request id → cancel flag of the prefill in flight.
     inflight: Mutex<HashMap<String, Arc<AtomicBool>>>,
@@ -187,12 +189,7 @@ impl PrefillService {
                 return Ok(p.clone());
             }
         }
-        let addr = if dest.decode_grpc_address.contains("://") {
-            dest.decode_grpc_address.clone()
-        } else {
-            format!("http://{}", dest.decode_grpc_address)
-        };
-        let channel = Endpoint::from_shared(addr)
+        let channel = tessera_proto::tls::endpoint(&dest.decode_grpc_address, self.tls.as_ref())
             .map_err(|e| {
                 err(
                     v1::ErrorCode::InvalidArgument,
@@ -670,6 +667,7 @@ pub async fn start(
         drain: f.drain.clone(),
         max_running: args.max_running,
         token: ClusterToken::new(&args.daemon.auth_secret)?,
+        tls: args.daemon.tls.load().map_err(anyhow::Error::msg)?,
         hooks: args.daemon.test_hooks.clone(),
         inflight: Mutex::default(),
         peers: Default::default(),

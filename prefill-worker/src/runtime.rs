@@ -120,6 +120,9 @@ pub struct DaemonArgs {
     /// TTL of the etcd registration lease, in seconds (a dead worker leaves routing within it).
     #[arg(long, env = "TESSERA_ETCD_TTL", default_value_t = 5)]
     pub etcd_ttl: u64,
+    /// Mutual TLS for this daemon's gRPC server and its own calls to other workers.
+    #[command(flatten)]
+    pub tls: tessera_proto::tls::TlsArgs,
     /// Fault hooks for tests; never set from the command line or the environment, and inert
     /// unless a test arms them.
     #[doc(hidden)]
@@ -1068,7 +1071,13 @@ where
     );
     let grpc_addr = listener.local_addr()?;
     let incoming = tonic::transport::server::TcpIncoming::from(listener);
-    let router = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = args.tls.load().map_err(anyhow::Error::msg)? {
+        builder = builder
+            .tls_config(tls.server())
+            .context("configuring TLS for the gRPC server")?;
+    }
+    let router = builder
         .add_service(health_svc)
         .add_service(InterceptedService::new(grpc, token));
     let server = tokio::spawn(async move {

@@ -29,6 +29,7 @@ mod error;
 pub mod etcd;
 mod layout;
 mod names;
+pub mod tls;
 
 pub use error::check_incarnation;
 pub use names::ParseNameError;

@@ -68,6 +68,9 @@ pub struct RouterArgs {
     /// API keys, rate limit and request limits of the HTTP and gRPC fronts.
     #[command(flatten)]
     pub front: FrontArgs,
+    /// Mutual TLS for the connections to the workers (they must be started with it too).
+    #[command(flatten)]
+    pub tls: tessera_proto::tls::TlsArgs,
     /// Tokens per KV page on the workers (the prefix-affinity grain).
     #[arg(long, env = "TESSERA_PAGE_TOKENS", default_value_t = 16)]
     pub page_tokens: usize,
@@ -190,6 +193,7 @@ pub async fn start(
             auth_secret: Some(args.auth_secret.clone()),
             health_interval: Duration::from_secs(args.health_interval.max(1)),
             page_tokens: args.page_tokens,
+            tls: args.tls.load().map_err(anyhow::Error::msg)?,
             ..PoolOptions::default()
         },
         reserve_ttl_ms: 0,

@@ -726,3 +726,144 @@ async fn a_decode_worker_failing_mid_stream_migrates_the_request_without_a_seam(
         w.shut_down().await;
     }
 }
+
+/// PEM files of a test PKI: a CA, and a certificate it signed for 127.0.0.1 (and localhost).
+struct Pki {
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+        let dir = tempfile::tempdir().unwrap();
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca, ca_key);
+        let key = KeyPair::generate().unwrap();
+        let node = CertificateParams::new(vec!["127.0.0.1".into(), "localhost".into()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        let write = |name: &str, text: String| std::fs::write(dir.path().join(name), text).unwrap();
+        write("ca.pem", ca_cert.pem());
+        write("node.pem", node.pem());
+        write("node.key", key.serialize_pem());
+        Pki { dir }
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.dir.path().join(name).display().to_string()
+    }
+
+    /// The `--tls-*` flags of a process of this PKI.
+    fn flags(&self) -> [String; 6] {
+        [
+            "--tls-cert".into(),
+            self.path("node.pem"),
+            "--tls-key".into(),
+            self.path("node.key"),
+            "--tls-ca".into(),
+            self.path("ca.pem"),
+        ]
+    }
+
+    fn load(&self) -> tessera_proto::tls::MutualTls {
+        #[derive(Parser)]
+        struct T {
+            #[command(flatten)]
+            tls: tessera_proto::tls::TlsArgs,
+        }
+        let mut argv = vec!["t".to_string()];
+        argv.extend(self.flags());
+        T::parse_from(argv).tls.load().unwrap().unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_between_router_and_workers_refuses_strangers() {
+    let pki = Pki::new();
+    let with_tls = |kv: &str| {
+        let mut argv: Vec<String> = [
+            "t",
+            "--model",
+            fixture().to_str().unwrap(),
+            "--kv-memory",
+            kv,
+            "--auth-secret",
+            SECRET,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        argv.extend(pki.flags());
+        A::parse_from(argv).w
+    };
+    let (tx_d, stop_d) = stopper();
+    let d = tessera_decode::start(with_tls("24M"), stop_d)
+        .await
+        .unwrap();
+    let (tx_p, stop_p) = stopper();
+    let p = tessera_prefill::start(with_tls("8M"), stop_p)
+        .await
+        .unwrap();
+    let (decode, prefill) = (
+        Worker {
+            grpc: d.grpc.to_string(),
+            stop: Some(tx_d),
+            server: d.server,
+        },
+        Worker {
+            grpc: p.grpc.to_string(),
+            stop: Some(tx_p),
+            server: p.server,
+        },
+    );
+    // The router with the PKI's certificate: requests (router → both, prefill → decode) work.
+    let b = ClusterBackend::new(ClusterConfig {
+        model_id: "kl_mixed".into(),
+        max_model_len: 4096,
+        prefill: vec![prefill.grpc.clone()],
+        decode: vec![decode.grpc.clone()],
+        pool: PoolOptions {
+            auth_secret: Some(SECRET.into()),
+            tls: Some(pki.load()),
+            ..PoolOptions::default()
+        },
+        reserve_ttl_ms: 0,
+    })
+    .unwrap();
+    b.pool().probe_all().await;
+    b.health().unwrap();
+    for (i, (prompt, want)) in reference().iter().enumerate() {
+        let o = generate(&b, greedy(&format!("tls{i}"), prompt, want.len())).await;
+        assert_reference(&o, prompt, want, &format!("over mutual TLS, prompt {i}"));
+    }
+    // A health check gets through with the PKI's certificate; without TLS, or with a
+    // certificate of another CA, not a single call does.
+    use tessera_proto::health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let stranger = Pki::new();
+    for (what, tls, ok) in [
+        ("the cluster's certificate", Some(pki.load()), true),
+        ("plain HTTP/2", None, false),
+        ("another CA", Some(stranger.load()), false),
+    ] {
+        for addr in [&decode.grpc, &prefill.grpc] {
+            let channel = tessera_proto::tls::endpoint(addr, tls.as_ref())
+                .unwrap()
+                .connect()
+                .await;
+            let answered = match channel {
+                Err(_) => false,
+                Ok(ch) => HealthClient::new(ch)
+                    .check(HealthCheckRequest::default())
+                    .await
+                    .is_ok(),
+            };
+            assert_eq!(answered, ok, "{what}: a health check of {addr}");
+        }
+    }
+    prefill.shut_down().await;
+    decode.shut_down().await;
+}

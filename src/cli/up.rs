@@ -65,6 +65,10 @@ pub struct UpArgs {
     /// API keys, rate limit and request limits, passed on to the router.
     #[command(flatten)]
     pub front: tessera_router::FrontArgs,
+    /// Mutual TLS between the router and the workers, passed on to every process (each presents
+    /// the same certificate, which must name the host they listen on, 127.0.0.1 by default).
+    #[command(flatten)]
+    pub tls: tessera_proto::tls::TlsArgs,
 }
 
 struct Proc {
@@ -277,6 +281,7 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
             "--worker-id".into(),
             format!("{}-{i}", kind.trim_end_matches("-worker")),
         ];
+        v.extend(a.tls.to_args());
         if kind != "encoder-worker" {
             v.extend([
                 "--page-tokens".into(),
@@ -337,6 +342,7 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
             a.port.to_string(),
         ];
         router.extend(a.front.to_args());
+        router.extend(a.tls.to_args());
         for d in &decode_addrs {
             router.extend(["--decode".to_string(), d.clone()]);
         }

@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use tessera_proto::health::pb::health_check_response::ServingStatus;
 use tessera_proto::health::pb::health_client::HealthClient;
 use tessera_proto::health::pb::HealthCheckRequest;
+use tessera_proto::tls::{self, MutualTls};
 use tessera_proto::tonic::metadata::MetadataValue;
-use tessera_proto::tonic::transport::{Channel, Endpoint};
+use tessera_proto::tonic::transport::Channel;
 use tessera_proto::tonic::{self, Request};
 use tessera_proto::v1;
 use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
@@ -77,14 +78,20 @@ pub struct Worker {
 }
 
 impl Worker {
-    fn new(addr: &str, role: Role, auth: Option<&str>, timeout: Duration) -> anyhow::Result<Self> {
+    fn new(
+        addr: &str,
+        role: Role,
+        auth: Option<&str>,
+        tls: Option<&MutualTls>,
+        timeout: Duration,
+    ) -> anyhow::Result<Self> {
         let addr = addr.trim();
-        let (uri, plain) = match addr.split_once("://") {
-            Some((_, rest)) => (addr.to_string(), rest.trim_end_matches('/').to_string()),
-            None => (format!("http://{addr}"), addr.to_string()),
+        let plain = match addr.split_once("://") {
+            Some((_, rest)) => rest.trim_end_matches('/').to_string(),
+            None => addr.to_string(),
         };
-        let channel = Endpoint::from_shared(uri)
-            .map_err(|e| anyhow::anyhow!("bad {} worker address {addr:?}: {e}", role.name()))?
+        let channel = tls::endpoint(addr, tls)
+            .map_err(|e| anyhow::anyhow!("{} worker: {e}", role.name()))?
             .connect_timeout(timeout)
             .tcp_nodelay(true)
             .connect_lazy();
@@ -282,6 +289,8 @@ impl std::ops::Deref for Lease {
 pub struct PoolOptions {
     /// Cluster secret sent as `authorization: Bearer …` metadata; none sends nothing.
     pub auth_secret: Option<String>,
+    /// Mutual TLS to the workers; `None`: plain HTTP/2.
+    pub tls: Option<MutualTls>,
     /// Between two health probes of every worker.
     pub health_interval: Duration,
     /// Connect and probe timeout.
@@ -297,6 +306,7 @@ impl Default for PoolOptions {
     fn default() -> Self {
         PoolOptions {
             auth_secret: None,
+            tls: None,
             health_interval: Duration::from_secs(2),
             probe_timeout: Duration::from_secs(2),
             page_tokens: 16,
@@ -348,8 +358,14 @@ impl WorkerPool {
             addrs
                 .iter()
                 .map(|a| {
-                    Worker::new(a, role, opts.auth_secret.as_deref(), opts.probe_timeout)
-                        .map(Arc::new)
+                    Worker::new(
+                        a,
+                        role,
+                        opts.auth_secret.as_deref(),
+                        opts.tls.as_ref(),
+                        opts.probe_timeout,
+                    )
+                    .map(Arc::new)
                 })
                 .collect()
         };
@@ -394,6 +410,7 @@ impl WorkerPool {
             addr,
             role,
             self.opts.auth_secret.as_deref(),
+            self.opts.tls.as_ref(),
             self.opts.probe_timeout,
         )?);
         {
@@ -568,7 +585,14 @@ mod tests {
     use super::*;
 
     fn worker() -> Worker {
-        Worker::new("127.0.0.1:1", Role::Decode, None, Duration::from_secs(1)).unwrap()
+        Worker::new(
+            "127.0.0.1:1",
+            Role::Decode,
+            None,
+            None,
+            Duration::from_secs(1),
+        )
+        .unwrap()
     }
 
     #[tokio::test]
