@@ -3,7 +3,8 @@
 //! request completes with the single-process engine's tokens — streams that were on the killed
 //! decode worker migrate, with no token missing or repeated — and afterwards the survivors'
 //! page pools hold no request pages. `up` starts the killed daemons again at their addresses
-//! (new incarnations); the router takes them back and they serve exactly too.
+//! (new incarnations); the router takes them back and they serve exactly too. Finally the router
+//! itself is killed: it holds no state, `up` starts it again at its port, and it serves exactly.
 
 #[path = "common/cluster.rs"]
 mod cluster;
@@ -51,6 +52,25 @@ fn announced(s: &Server, role: &str) -> Announced {
         pid: words[2].parse().unwrap(),
         metrics: words[5].to_string(),
     }
+}
+
+/// The pid of the child of `parent` whose command line has the argument `arg`.
+fn child_running(parent: u32, arg: &str) -> Option<i32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+        // `pid (comm) state ppid …`: the fields after the last ')'.
+        let ppid: u32 = stat
+            .rsplit(')')
+            .next()?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        let has_arg = cmdline.split(|&b| b == 0).any(|a| a == arg.as_bytes());
+        (ppid == parent && has_arg).then_some(pid)
+    })
 }
 
 /// Pages and requests a worker holds for requests (its prefix cache aside).
@@ -182,6 +202,19 @@ fn killing_a_prefill_and_a_decode_worker_mid_run_loses_no_request() {
             || held(w) == Some([0.0; 3]),
         );
     }
+    // The router dies: started again at its port, it finds its workers and serves exactly.
+    let router_pid = child_running(s.pid(), "router").expect("tessera up runs a router");
+    // SAFETY: kill(2) on the pid `tessera up` reported for its router.
+    assert_eq!(unsafe { libc::kill(router_pid, libc::SIGKILL) }, 0);
+    wait_until("the router back", Duration::from_secs(60), || {
+        server::try_http_request(&s.addr, "GET", "/health", None).is_ok_and(|(st, _)| st == 200)
+    });
+    let failures = run_load(&s.addr, &jobs, 20, 4, |_| {});
+    assert!(
+        failures.is_empty(),
+        "after the router restarted:\n{}",
+        failures.join("\n")
+    );
     let took = s.terminate();
     assert!(took.as_secs() <= 15, "tessera up took {took:?} to stop");
 }

@@ -11,8 +11,9 @@
 //!
 //! A worker that dies is started again at the same gRPC address (a new incarnation, so nothing
 //! meant for its previous life reaches it), as a Kubernetes Deployment would; the router keeps
-//! serving on the others meanwhile and routes to it again once it is healthy. The cluster stops
-//! when the router dies or a worker cannot be restarted.
+//! serving on the others meanwhile and routes to it again once it is healthy. A router that dies
+//! is started again at its ports (it holds no state). The cluster stops when a process cannot be
+//! restarted or keeps dying.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -349,9 +350,18 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         for p in &prefill_addrs {
             router.extend(["--prefill".to_string(), p.clone()]);
         }
-        let (p, f) = spawn_ready(&exe, "router", &router, &secret, timeout)?;
+        let (mut p, f) = spawn_ready(&exe, "router", &router, &secret, timeout)?;
+        let http = field(&f, "http")?.to_string();
+        let grpc = field(&f, "grpc")?.to_string();
+        // The router holds no state: started again, at the ports it bound, it serves on.
+        let port_of = |addr: &str| addr.rsplit(':').next().unwrap_or_default().to_string();
+        if let Some(i) = router.iter().position(|a| a == "--port") {
+            router[i + 1] = port_of(&http);
+        }
+        router.extend(["--grpc-port".to_string(), port_of(&grpc)]);
+        p.restart = Some(router);
         procs.push(p);
-        Ok(field(&f, "http")?.to_string())
+        Ok(http)
     })();
     let http = match result {
         Ok(h) => h,

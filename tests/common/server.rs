@@ -74,6 +74,11 @@ impl Server {
         }
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Sends SIGTERM and waits; returns how long the process took to exit.
     pub fn terminate(mut self) -> Duration {
         let start = std::time::Instant::now();
