@@ -58,16 +58,23 @@ struct A {
 }
 
 fn worker_args(kv: &str) -> WorkerArgs {
-    A::parse_from([
+    worker_args_with(kv, &[])
+}
+
+/// [`worker_args`] plus `extra` flags.
+fn worker_args_with(kv: &str, extra: &[&str]) -> WorkerArgs {
+    let model = fixture();
+    let mut argv = vec![
         "t",
         "--model",
-        fixture().to_str().unwrap(),
+        model.to_str().unwrap(),
         "--kv-memory",
         kv,
         "--auth-secret",
         SECRET,
-    ])
-    .w
+    ];
+    argv.extend_from_slice(extra);
+    A::parse_from(argv).w
 }
 
 /// A worker started in-process, with a handle to stop it.
@@ -864,6 +871,151 @@ async fn mutual_tls_between_router_and_workers_refuses_strangers() {
             assert_eq!(answered, ok, "{what}: a health check of {addr}");
         }
     }
+    prefill.shut_down().await;
+    decode.shut_down().await;
+}
+
+/// A worker of `role` with `--transport <transport>`.
+async fn start_on(role: Role, transport: &str) -> Result<Worker, String> {
+    let (tx, stop) = stopper();
+    let flags = ["--transport", transport];
+    let (grpc, server) = match role {
+        Role::Decode => tessera_decode::start(worker_args_with("24M", &flags), stop)
+            .await
+            .map(|d| (d.grpc, d.server)),
+        Role::Prefill => tessera_prefill::start(worker_args_with("8M", &flags), stop)
+            .await
+            .map(|p| (p.grpc, p.server)),
+    }
+    .map_err(|e| format!("{e:#}"))?;
+    Ok(Worker {
+        grpc: grpc.to_string(),
+        stop: Some(tx),
+        server,
+    })
+}
+
+#[cfg(not(feature = "ucx"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transport_ucx_without_the_feature_fails_at_start() {
+    for role in [Role::Decode, Role::Prefill] {
+        match start_on(role, "ucx").await {
+            Ok(_) => panic!(
+                "a {} worker started with --transport ucx without UCX",
+                role.name()
+            ),
+            Err(e) => assert!(
+                e.contains("built without UCX support: rebuild with --features ucx"),
+                "{e}"
+            ),
+        }
+    }
+}
+
+#[cfg(feature = "ucx")]
+async fn worker_info(addr: &str, role: Role) -> v1::WorkerInfo {
+    let req = v1::StatsRequest {};
+    let stats = match role {
+        Role::Decode => DecodeWorkerClient::new(authed(addr).await).stats(req).await,
+        Role::Prefill => {
+            PrefillWorkerClient::new(authed(addr).await)
+                .stats(req)
+                .await
+        }
+    };
+    stats.unwrap().into_inner().info.unwrap()
+}
+
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_over_ucx_match_the_fixture_and_free_every_page() {
+    let decode = start_on(Role::Decode, "ucx").await.unwrap();
+    let prefill = start_on(Role::Prefill, "ucx").await.unwrap();
+    for (w, role) in [(&decode, Role::Decode), (&prefill, Role::Prefill)] {
+        let info = worker_info(&w.grpc, role).await;
+        assert_eq!(info.transfer_backend(), v1::TransferBackend::Ucx);
+        assert!(
+            info.transfer_endpoint.starts_with("ucx://"),
+            "{}",
+            info.transfer_endpoint
+        );
+    }
+    let b = backend(&[&prefill], &[&decode]).await;
+    let workers = [(&prefill, Role::Prefill), (&decode, Role::Decode)];
+    // The second round hits prefill's prefix cache and reuses its source regions.
+    for round in 0..2 {
+        for (i, (prompt, want)) in reference().iter().enumerate() {
+            let o = generate(&b, greedy(&format!("ucx-{round}-{i}"), prompt, want.len())).await;
+            assert_reference(
+                &o,
+                prompt,
+                want,
+                &format!("over ucx, round {round}, prompt {i}"),
+            );
+        }
+        wait_baseline(&workers, &b, &format!("after ucx round {round}")).await;
+    }
+    prefill.shut_down().await;
+    decode.shut_down().await;
+}
+
+#[cfg(feature = "ucx")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcp_prefill_and_a_ucx_decode_fail_the_handshake_with_a_mismatch() {
+    let decode = start_on(Role::Decode, "ucx").await.unwrap();
+    let prefill = start_on(Role::Prefill, "tcp").await.unwrap();
+    let b = backend(&[&prefill], &[&decode]).await;
+    let mut d = DecodeWorkerClient::new(authed(&decode.grpc).await);
+    let mut p = PrefillWorkerClient::new(authed(&prefill.grpc).await);
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 13 % 300) as u32 + 5).collect();
+    let r = d
+        .reserve_pages(v1::ReserveRequest {
+            request_id: "mixed".into(),
+            prompt_token_ids: prompt.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let call = p.prefill(v1::PrefillRequest {
+        request_id: "mixed".into(),
+        prompt_token_ids: prompt,
+        destination: Some(v1::KvDestination {
+            decode_grpc_address: decode.grpc.clone(),
+            decode_incarnation_id: r.incarnation_id,
+            reservation_id: r.reservation_id.clone(),
+            mla_page_ids: r.mla_page_ids.clone(),
+            kda_state_page_ids: r.kda_state_page_ids.clone(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let status = tokio::time::timeout(Duration::from_secs(30), call)
+        .await
+        .expect("the mismatch is reported, not waited on")
+        .expect_err("a tcp prefill cannot write into a ucx decode worker");
+    let detail = v1::ErrorDetail::from_status(&status).expect("an ErrorDetail");
+    assert_eq!(detail.code(), v1::ErrorCode::LayoutMismatch, "{status:?}");
+    assert!(
+        detail.message.contains("transport mismatch")
+            && detail.message.contains("ucx")
+            && detail.message.contains("tcp"),
+        "{}",
+        detail.message
+    );
+    d.release_reservation(v1::ReleaseReservationRequest {
+        request_id: "mixed".into(),
+        reservation_id: r.reservation_id,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    wait_baseline(
+        &[(&prefill, Role::Prefill), (&decode, Role::Decode)],
+        &b,
+        "after the refused handshake",
+    )
+    .await;
     prefill.shut_down().await;
     decode.shut_down().await;
 }
