@@ -401,15 +401,5 @@ fn run() -> Result<usize, CudaError> {
 }
 
 fn main() {
-    match run() {
-        Ok(0) => println!("all checks passed"),
-        Ok(n) => {
-            println!("{n} check(s) failed");
-            std::process::exit(1);
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::exit(2);
-        }
-    }
+    common::exit_with(run());
 }

@@ -114,3 +114,18 @@ pub fn time_us(
     samples.sort_by(|x, y| x.partial_cmp(y).unwrap());
     Ok(samples[samples.len() / 2])
 }
+
+/// Ends a check run: exit 0 when every check passed, 1 when some failed, 2 on an error.
+pub fn exit_with(result: Result<usize, CudaError>) {
+    match result {
+        Ok(0) => println!("all checks passed"),
+        Ok(n) => {
+            println!("{n} check(s) failed");
+            std::process::exit(1);
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    }
+}
