@@ -4,12 +4,12 @@
 #
 # Prepare on a build machine (the GPU machine needs no Rust toolchain and no network):
 #   cargo build --release -p tessera-kernels --features cuda --example cuda_check_bench \
-#     --example cuda_ops_check
+#     --example cuda_ops_check --example cuda_model_ops_check
 #   pip download --no-deps fla-core==0.6.0 -d .whl          # FLA, the anchor (git-ignored)
 #   mkdir -p .anchors && cp <path>/fla_kda_bench.py .anchors/ # FLA's timing harness
 # Then, on the GPU machine, from the repository root:
 #   scripts/gpu-bench.sh [--quick]
-# Logs go to $OUT (or /tmp/gpu-bench): ours.log, fla.log, table.txt.
+# Logs go to $OUT (or /tmp/gpu-bench): ours.log, ops.log, model.log, fla.log, table.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOGS=${OUT:-/tmp/gpu-bench}
@@ -33,6 +33,17 @@ if [ -x "$OPS_BIN" ]; then
   [ "$ours_rc" -eq 0 ] && ours_rc=$ops_rc
 fi
 
+# Model kernels: sampling, KDA short conv, MLA absorbed decode, MoE decode (cuda_model_ops_check).
+MODEL_BIN=${MODEL_BIN:-target/release/examples/cuda_model_ops_check}
+if [ -x "$MODEL_BIN" ]; then
+  echo "== tessera model kernels: checks and timings"
+  "$MODEL_BIN" "$@" 2>&1 | tee "$LOGS/model.log"
+  model_rc=${PIPESTATUS[0]}
+  [ "$ours_rc" -eq 0 ] && ours_rc=$model_rc
+else
+  : > "$LOGS/model.log"
+fi
+
 if ls .whl/fla_core-*.whl >/dev/null 2>&1 && [ -f .anchors/fla_kda_bench.py ]; then
   echo "== anchor: FLA chunk_kda / fused_recurrent_kda"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -41,7 +52,7 @@ else
   echo "(no FLA wheel or harness: anchor skipped)" | tee "$LOGS/fla.log"
 fi
 
-python3 - "$LOGS/ours.log" "$LOGS/fla.log" <<'EOF' | tee "$LOGS/table.txt"
+python3 - "$LOGS/ours.log" "$LOGS/fla.log" "$LOGS/model.log" <<'EOF' | tee "$LOGS/table.txt"
 import re, sys
 ours = open(sys.argv[1]).read()
 fla = open(sys.argv[2]).read()
@@ -60,5 +71,29 @@ for m in re.finditer(r"time kda_(prefill|decode)(\S*) B=(\d+)(?: T=(\d+))? .*?us
     st = re.search(r"prep_us=([\d.]+) scan_us=([\d.]+)", line)
     stages = f"  prep {st[1]} + scan {st[2]}" if st else ""
     print(f"{'kda_' + kind + variant:<28}{f'B={b} T={t}':<18}{us:>10.1f}{floor:>10.1f}{100 * floor / us:>8.0f}%{(a or 0):>10.1f}{ratio:>10}{stages}")
+
+model = open(sys.argv[3]).read()
+rows = re.findall(r"^time (\S+) (\S+) us=([\d.]+) floor_us=([\d.]+) GBps=(\d+)(.*)$", model, re.M)
+if rows:
+    print()
+    print(f"{'kernel':<24}{'shape':<42}{'us':>10}{'floor us':>10}{'GB/s':>7}{'% floor':>9}  notes")
+    us_of = {}
+    for name, shape, us, floor, gbps, rest in rows:
+        us, floor = float(us), float(floor)
+        us_of[(name, shape)] = us
+        notes = " ".join(f for f in rest.split() if not f.startswith("pct_floor"))
+        print(f"{name:<24}{shape:<42}{us:>10.1f}{floor:>10.1f}{gbps:>7}{100 * floor / us:>8.0f}%  {notes}")
+    for (name, shape), us in us_of.items():
+        if name.endswith("_mxfp4") and (name[:-6] + "_bf16", shape) in us_of:
+            bf = us_of[(name[:-6] + "_bf16", shape)]
+            print(f"{name[:-6] + ' mxfp4/bf16':<24}{shape:<42}{bf / us:>9.2f}x speed-up")
+fails = re.findall(r"^check (\S+) .* FAIL$", model, re.M)
+if fails:
+    status = "FAILED: " + " ".join(fails)
+elif "all checks passed" in model:
+    status = "all passed"
+else:
+    status = "incomplete (see model.log)"
+print(f"\nmodel kernel checks: {status}")
 EOF
 exit $ours_rc

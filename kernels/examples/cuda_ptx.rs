@@ -3,17 +3,41 @@
 //!
 //!   cargo run -p tessera-kernels --features cuda --example cuda_ptx -- OUT_DIR [sm_90]
 
-use tessera_kernels::cuda::{compile, kda_defines, KDA_SOURCE};
+use tessera_kernels::cuda::{
+    compile, kda_defines, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SOURCE, MOE_SOURCE, SAMPLE_SOURCE,
+};
+
+/// One PTX file to write: its name, the source and the `-D` macros.
+type Unit = (String, &'static str, Vec<(&'static str, String)>);
 
 fn main() {
     let mut args = std::env::args().skip(1);
     let out = std::path::PathBuf::from(args.next().expect("usage: cuda_ptx OUT_DIR [ARCH]"));
     let arch = args.next().unwrap_or_else(|| "sm_90".into());
     std::fs::create_dir_all(&out).expect("create OUT_DIR");
-    for vt in [32, 64] {
-        let ptx = compile(&arch, "kda", KDA_SOURCE, &kda_defines(128, 128, vt))
-            .unwrap_or_else(|e| panic!("{e}"));
-        let path = out.join(format!("kda-vt{vt}-{arch}.ptx"));
+    let mut units: Vec<Unit> = [32, 64]
+        .iter()
+        .map(|vt| {
+            (
+                format!("kda-vt{vt}"),
+                KDA_SOURCE,
+                kda_defines(128, 128, *vt).to_vec(),
+            )
+        })
+        .collect();
+    units.push(("conv".into(), CONV_SOURCE, vec![]));
+    units.push(("sample".into(), SAMPLE_SOURCE, vec![]));
+    units.push(("moe".into(), MOE_SOURCE, vec![]));
+    for mt in [2, 3] {
+        units.push((
+            format!("mla_decode-mt{mt}"),
+            MLA_DECODE_SOURCE,
+            vec![("MLA_MT", mt.to_string())],
+        ));
+    }
+    for (name, source, defines) in units {
+        let ptx = compile(&arch, &name, source, &defines).unwrap_or_else(|e| panic!("{e}"));
+        let path = out.join(format!("{name}-{arch}.ptx"));
         std::fs::write(&path, ptx.to_src()).expect("write ptx");
         println!("{}", path.display());
     }

@@ -3,7 +3,10 @@
 //! latter on LD_LIBRARY_PATH and sets TESSERA_REQUIRE_NVRTC=1, so there a missing NVRTC fails).
 #![cfg(feature = "cuda")]
 
-use tessera_kernels::cuda::{compile, kda_defines, CudaError, KDA_SOURCE, OPS_SOURCE};
+use tessera_kernels::cuda::{
+    compile, kda_defines, CudaError, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SOURCE, MOE_SOURCE,
+    OPS_SOURCE, SAMPLE_SOURCE,
+};
 
 fn nvrtc_required() -> bool {
     std::env::var("TESSERA_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
@@ -85,4 +88,102 @@ fn row_ops_compile_for_hopper_and_ampere() {
             Err(e) => panic!("{arch}: {e}"),
         }
     }
+}
+
+/// Compiles `source` for Hopper and Ampere under each set of `-D` macros and checks that every
+/// entry point (and each `needle` instruction) is in the PTX.
+fn compiles_with(
+    name: &str,
+    source: &str,
+    configs: &[Vec<(&str, String)>],
+    entries: &[&str],
+    needles: &[&str],
+) {
+    for arch in ["sm_90", "sm_80"] {
+        for defines in configs {
+            match compile(arch, name, source, defines) {
+                Ok(ptx) => {
+                    let text = ptx.to_src();
+                    for entry in entries {
+                        assert!(
+                            text.contains(&format!(".entry {entry}")),
+                            "{name} {arch} {defines:?}: {entry} missing"
+                        );
+                    }
+                    for needle in needles {
+                        assert!(text.contains(needle), "{name} {arch}: `{needle}` missing");
+                    }
+                }
+                Err(CudaError::NoNvrtc) if !nvrtc_required() => {
+                    eprintln!("NVRTC not found: set TESSERA_REQUIRE_NVRTC=1 to make this fatal");
+                    return;
+                }
+                Err(e) => panic!("{name} {arch} {defines:?}: {e}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn short_conv_compiles_for_hopper_and_ampere() {
+    let configs: Vec<Vec<(&str, String)>> = [4, 3]
+        .iter()
+        .map(|k| vec![("CONV_K", k.to_string())])
+        .collect();
+    compiles_with(
+        "conv",
+        CONV_SOURCE,
+        &configs,
+        &["conv_prefill_bf16", "conv_update_bf16"],
+        &[],
+    );
+}
+
+#[test]
+fn sampling_compiles_for_hopper_and_ampere() {
+    compiles_with(
+        "sample",
+        SAMPLE_SOURCE,
+        &[vec![]],
+        &["sample_f32", "sample_bf16"],
+        &[],
+    );
+}
+
+#[test]
+fn mla_decode_compiles_with_tensor_cores_for_every_head_block() {
+    let configs: Vec<Vec<(&str, String)>> = [1, 2, 3]
+        .iter()
+        .map(|mt| vec![("MLA_MT", mt.to_string())])
+        .collect();
+    compiles_with(
+        "mla_decode",
+        MLA_DECODE_SOURCE,
+        &configs,
+        &["mla_decode_split", "mla_decode_combine"],
+        &[
+            "mma.sync.aligned.m16n8k16",
+            "ldmatrix.sync.aligned.m8n8.x4.trans",
+            "cp.async",
+        ],
+    );
+}
+
+#[test]
+fn moe_decode_compiles_for_hopper_and_ampere() {
+    compiles_with(
+        "moe",
+        MOE_SOURCE,
+        &[vec![]],
+        &[
+            "moe_route",
+            "moe_plan",
+            "moe_gate_up_bf16",
+            "moe_gate_up_mxfp4",
+            "moe_down_bf16",
+            "moe_down_mxfp4",
+            "moe_combine",
+        ],
+        &[],
+    );
 }

@@ -16,6 +16,7 @@ mod kda;
 mod matmul;
 mod moe;
 mod norm;
+mod sample;
 
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -29,6 +30,7 @@ pub use kda::{kda_chunked, kda_recurrent};
 pub use matmul::matmul;
 pub use moe::{route_sigmoid_grouped, MoeRouting};
 pub use norm::{l2_normalize, rms_norm, rms_norm_gated};
+pub use sample::sample_row;
 
 /// Recoverable kernel errors (everything else is a caller bug and panics).
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]

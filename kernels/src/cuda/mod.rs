@@ -7,8 +7,12 @@
 //! library or the device is missing. Tensors cross the API as device slices: bf16 values as raw
 //! `u16` bit patterns ([`bf16_bits`], [`bf16_value`] convert on the host), f32 as `f32`.
 
+mod conv;
 mod kda;
+mod mla;
+mod moe;
 mod ops;
+mod sample;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,8 +24,22 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 pub use crate::gpu::{
     bf16_bits, bf16_value, kda_defines, KdaShape, CHUNK as KDA_CHUNK, KDA_SOURCE, OPS_SOURCE,
 };
+pub use conv::ShortConv;
 pub use kda::{KdaInputs, KdaKernels, KdaPrefillWorkspace};
+pub use mla::{MlaDecode, MlaDecodeShape, MlaDecodeWorkspace, MlaPages, MLA_RANK, MLA_ROPE};
+pub use moe::{MoeActivation, MoeDecode, MoeDims, MoeExperts, MoeWorkspace, MOE_MAX_BATCH};
 pub use ops::{Linear, RowOps};
+pub use sample::{Sampler, SamplingRows};
+
+/// KDA short convolution (prefill and the one-token update). CUDA only: the kernels of the
+/// model families below use PTX-only instructions (ballots, ldmatrix) without HIP fallbacks.
+pub const CONV_SOURCE: &str = include_str!("conv.cu");
+/// Sampling: greedy, temperature, top-k, top-p.
+pub const SAMPLE_SOURCE: &str = include_str!("sample.cu");
+/// MLA decode in absorbed form over the paged latent cache (split context + combine).
+pub const MLA_DECODE_SOURCE: &str = include_str!("mla_decode.cu");
+/// MoE decode for small batches: routing, plan, gate+up+SiTU, down, combine (bf16 and MXFP4).
+pub const MOE_SOURCE: &str = include_str!("moe.cu");
 
 /// Everything that can go wrong in the CUDA backend.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,586 @@
+//! Checks the CUDA model kernels (sampling, KDA short conv, MLA absorbed decode) against the CPU
+//! backend on fresh random inputs (outputs poisoned with NaN before each run, NaN never
+//! passes), then times them against their memory floor (bytes moved / 4.8 TB/s).
+//!
+//!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
+//!   target/release/examples/cuda_model_ops_check [--quick]
+//!
+//! Output: `check <name> rel_err=<e> tol=<t> <ok|FAIL>` lines (for sampling the value is the
+//! number of rows whose token differs), then `time <name> <shape> us=<median>
+//! floor_us=<bytes / 4.8 TB/s> GBps=<achieved>` lines. Exits 1 when a check fails, 2 on an error.
+
+#[path = "common/mod.rs"]
+mod common;
+#[path = "model_ops/moe.rs"]
+mod moe;
+
+use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
+use tessera_kernels::cpu;
+use tessera_kernels::cuda::{
+    bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, MlaDecode, MlaDecodeShape,
+    MlaDecodeWorkspace, MlaPages, MoeDecode, MoeDims, Sampler, SamplingRows, ShortConv, MLA_RANK,
+    MLA_ROPE,
+};
+
+const MLA_D: usize = MLA_RANK + MLA_ROPE;
+
+pub(crate) fn bf16_vec(n: usize, rng: &mut Rng, scale: f32) -> Vec<u16> {
+    fill(n, rng.next_u64(), |r| bf16_bits(r.normal() * scale))
+}
+
+pub(crate) fn values(bits: &[u16]) -> Vec<f32> {
+    bits.iter().map(|&b| bf16_value(b)).collect()
+}
+
+pub(crate) fn report_time(name: &str, shape: &str, us: f64, bytes: f64, extra: &str) {
+    let floor = bytes / HBM_BYTES_PER_S * 1e6;
+    println!(
+        "time {name} {shape} us={us:.2} floor_us={floor:.2} GBps={:.0} pct_floor={:.0}{extra}",
+        bytes / (us * 1e-6) / 1e9,
+        100.0 * floor / us
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// KDA short conv
+
+fn check_conv(
+    dev: &CudaDevice,
+    conv: &ShortConv,
+    checks: &mut Checks,
+    rng: &mut Rng,
+    t: usize,
+    channels: usize,
+) -> Result<(), CudaError> {
+    let k = conv.kernel();
+    let pz = Device { dev };
+    let (x, w, s0) = (
+        bf16_vec(t * channels, rng, 1.0),
+        bf16_vec(channels * k, rng, 0.5),
+        bf16_vec(channels * (k - 1), rng, 1.0),
+    );
+    let (xd, wd, sd) = (dev.upload(&x)?, dev.upload(&w)?, dev.upload(&s0)?);
+    let mut out = pz.poisoned_u16(t * channels)?;
+    let mut s_out = pz.poisoned_u16(channels * (k - 1))?;
+    conv.prefill(dev, &xd, &wd, &sd, &mut s_out, &mut out, t, channels)?;
+    let mut want_state = values(&s0);
+    let mut want = vec![0.0; t * channels];
+    cpu::short_conv_silu(
+        &values(&x),
+        channels,
+        &values(&w),
+        k,
+        &mut want_state,
+        &mut want,
+    );
+    let name = format!("short_conv.prefill.T{t}.C{channels}");
+    checks.report(&name, rel_err(&values(&dev.download(&out)?), &want), 1e-2);
+    checks.report(
+        &format!("{name}.state"),
+        rel_err(&values(&dev.download(&s_out)?), &want_state),
+        0.0,
+    );
+    Ok(())
+}
+
+/// A batch of sequences decoded token by token with the in-place state equals the CPU conv.
+fn check_conv_update(
+    dev: &CudaDevice,
+    conv: &ShortConv,
+    checks: &mut Checks,
+    rng: &mut Rng,
+    batch: usize,
+    channels: usize,
+    steps: usize,
+) -> Result<(), CudaError> {
+    let k = conv.kernel();
+    let w = bf16_vec(channels * k, rng, 0.5);
+    let s0 = bf16_vec(batch * channels * (k - 1), rng, 1.0);
+    let wd = dev.upload(&w)?;
+    let mut sd = dev.upload(&s0)?;
+    let mut cpu_state = values(&s0);
+    let (mut worst, mut worst_state) = (0.0f64, 0.0f64);
+    for _ in 0..steps {
+        let x = bf16_vec(batch * channels, rng, 1.0);
+        let xd = dev.upload(&x)?;
+        let mut out = Device { dev }.poisoned_u16(batch * channels)?;
+        conv.update(dev, &xd, &wd, &mut sd, &mut out, batch, channels)?;
+        let got = values(&dev.download(&out)?);
+        let xv = values(&x);
+        let mut want = vec![0.0; batch * channels];
+        let per = channels * (k - 1);
+        for b in 0..batch {
+            cpu::short_conv_silu(
+                &xv[b * channels..(b + 1) * channels],
+                channels,
+                &values(&w),
+                k,
+                &mut cpu_state[b * per..(b + 1) * per],
+                &mut want[b * channels..(b + 1) * channels],
+            );
+        }
+        worst = worst.max(rel_err(&got, &want));
+        worst_state = worst_state.max(rel_err(&values(&dev.download(&sd)?), &cpu_state));
+    }
+    let name = format!("short_conv.update.B{batch}.C{channels}.steps{steps}");
+    checks.report(&name, worst, 1e-2);
+    checks.report(&format!("{name}.state"), worst_state, 0.0);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampling
+
+struct RowParams {
+    temperature: Vec<f32>,
+    top_k: Vec<u32>,
+    top_p: Vec<f32>,
+    uniform: Vec<f64>,
+}
+
+fn random_params(rows: usize, rng: &mut Rng) -> RowParams {
+    let mut p = RowParams {
+        temperature: vec![],
+        top_k: vec![],
+        top_p: vec![],
+        uniform: vec![],
+    };
+    for r in 0..rows {
+        let (t, k, tp) = match r % 8 {
+            0 => (0.0, 0, 1.0),
+            1 => (1.0, 0, 1.0),
+            2 => (0.7, 50, 1.0),
+            3 => (0.9, 0, 0.9),
+            4 => (1.3, 40, 0.8),
+            5 => (0.6, 1, 1.0),
+            6 => (1.0, 2000, 0.5),
+            _ => (
+                0.25 + rng.uniform() * 2.0,
+                (rng.next_u64() % 300) as u32,
+                0.05 + 0.95 * rng.uniform(),
+            ),
+        };
+        p.temperature.push(t);
+        p.top_k.push(k);
+        p.top_p.push(tp);
+        p.uniform
+            .push((rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64);
+    }
+    p
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_sampling(
+    dev: &CudaDevice,
+    sampler: &Sampler,
+    checks: &mut Checks,
+    rng: &mut Rng,
+    rows: usize,
+    vocab: usize,
+    levels: Option<usize>,
+    bf16: bool,
+) -> Result<(), CudaError> {
+    // Logits: normals, or a few distinct levels (many exact ties), plus special rows.
+    let mut logits: Vec<f32> = match levels {
+        None => fill(rows * vocab, rng.next_u64(), |r| r.normal() * 3.0),
+        Some(n) => fill(rows * vocab, rng.next_u64(), move |r| {
+            (r.next_u64() % n as u64) as f32 * 0.5
+        }),
+    };
+    if bf16 {
+        logits
+            .iter_mut()
+            .for_each(|l| *l = bf16_value(bf16_bits(*l)));
+    }
+    let row = |r: usize| r * vocab..(r + 1) * vocab;
+    if rows > 12 && vocab > 16 {
+        logits[row(9)][3] = f32::NAN;
+        logits[row(9)][vocab / 2] = f32::NAN;
+        logits[row(10)][5] = f32::NEG_INFINITY;
+        logits[row(11)].fill(f32::NAN); // no candidates: token 0
+        logits[row(12)][vocab - 1] = 40.0; // one dominant token
+        logits[row(8)][vocab / 3] = -0.0;
+        logits[row(8)][vocab / 3 + 1] = 0.0;
+    }
+    let p = random_params(rows, rng);
+    let params = SamplingRows::upload(dev, &p.temperature, &p.top_k, &p.top_p, &p.uniform)?;
+    let mut out = dev.upload(&vec![u32::MAX; rows])?;
+    if bf16 {
+        let bits: Vec<u16> = logits.iter().map(|&l| bf16_bits(l)).collect();
+        sampler.sample_bf16(dev, &dev.upload(&bits)?, vocab, &params, &mut out)?;
+    } else {
+        sampler.sample_f32(dev, &dev.upload(&logits)?, vocab, &params, &mut out)?;
+    }
+    let got = dev.download(&out)?;
+    let wrong: Vec<usize> = (0..rows)
+        .filter(|&r| {
+            got[r]
+                != cpu::sample_row(
+                    &logits[row(r)],
+                    p.temperature[r],
+                    p.top_k[r] as usize,
+                    p.top_p[r],
+                    p.uniform[r],
+                )
+        })
+        .collect();
+    for &r in wrong.iter().take(3) {
+        println!(
+            "  row {r}: t={} k={} p={} u={}: gpu {} cpu {}",
+            p.temperature[r],
+            p.top_k[r],
+            p.top_p[r],
+            p.uniform[r],
+            got[r],
+            cpu::sample_row(
+                &logits[row(r)],
+                p.temperature[r],
+                p.top_k[r] as usize,
+                p.top_p[r],
+                p.uniform[r]
+            )
+        );
+    }
+    let kind = if bf16 { "bf16" } else { "f32" };
+    let lv = levels.map_or(String::new(), |n| format!(".levels{n}"));
+    checks.report(
+        &format!("sample.{kind}.R{rows}.V{vocab}{lv}.rows_wrong"),
+        wrong.len() as f64,
+        0.0,
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// MLA decode
+
+/// A paged latent cache holding `lens` sequences in shuffled pages.
+struct PagedCache {
+    cache: Vec<u16>,
+    table: Vec<i32>,
+    max_pages: usize,
+}
+
+fn paged_cache(lens: &[usize], page_size: usize, rng: &mut Rng) -> PagedCache {
+    let max_pages = lens
+        .iter()
+        .map(|l| l.div_ceil(page_size))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let total: usize = lens.iter().map(|l| l.div_ceil(page_size)).sum::<usize>() + 3;
+    let mut ids: Vec<i32> = (0..total as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+    }
+    let mut table = vec![-1i32; lens.len() * max_pages];
+    let mut next = ids.into_iter();
+    for (b, l) in lens.iter().enumerate() {
+        for p in 0..l.div_ceil(page_size) {
+            table[b * max_pages + p] = next.next().expect("enough pages");
+        }
+    }
+    PagedCache {
+        cache: bf16_vec(total * page_size * MLA_D, rng, 1.0),
+        table,
+        max_pages,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_mla(
+    dev: &CudaDevice,
+    mla: &MlaDecode,
+    checks: &mut Checks,
+    rng: &mut Rng,
+    heads: usize,
+    lens: &[usize],
+    page_size: usize,
+    splits: usize,
+) -> Result<(), CudaError> {
+    let batch = lens.len();
+    let pc = paged_cache(lens, page_size, rng);
+    let q = bf16_vec(batch * heads * MLA_D, rng, 1.0);
+    let scale = 1.0 / (192.0f32).sqrt();
+    let (cache_d, table_d, q_d) = (
+        dev.upload(&pc.cache)?,
+        dev.upload(&pc.table)?,
+        dev.upload(&q)?,
+    );
+    let lens_d = dev.upload(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())?;
+    let pages = MlaPages {
+        cache: &cache_d,
+        page_table: &table_d,
+        seq_lens: &lens_d,
+        page_size,
+        max_pages: pc.max_pages,
+    };
+    let shape = MlaDecodeShape {
+        batch,
+        heads,
+        splits,
+    };
+    let mut ws = MlaDecodeWorkspace::new(dev, shape)?;
+    let mut out = Device { dev }.poisoned_u16(batch * heads * MLA_RANK)?;
+    mla.decode(dev, &q_d, &pages, scale, &mut ws, &mut out)?;
+    let got = values(&dev.download(&out)?);
+    let (qv, cv) = (values(&q), values(&pc.cache));
+    let mut want = vec![0.0f32; batch * heads * MLA_RANK];
+    for (b, &len) in lens.iter().enumerate() {
+        let (mut ckv, mut kpe) = (
+            Vec::with_capacity(len * MLA_RANK),
+            Vec::with_capacity(len * MLA_ROPE),
+        );
+        for j in 0..len {
+            let page = pc.table[b * pc.max_pages + j / page_size] as usize;
+            let row = &cv[(page * page_size + j % page_size) * MLA_D..][..MLA_D];
+            ckv.extend_from_slice(&row[..MLA_RANK]);
+            kpe.extend_from_slice(&row[MLA_RANK..]);
+        }
+        let qb = &qv[b * heads * MLA_D..(b + 1) * heads * MLA_D];
+        let q_lat: Vec<f32> = qb
+            .chunks(MLA_D)
+            .flat_map(|h| h[..MLA_RANK].to_vec())
+            .collect();
+        let q_pe: Vec<f32> = qb
+            .chunks(MLA_D)
+            .flat_map(|h| h[MLA_RANK..].to_vec())
+            .collect();
+        let dst = &mut want[b * heads * MLA_RANK..(b + 1) * heads * MLA_RANK];
+        if len > 0 {
+            cpu::mla_absorbed_attention(
+                &q_lat,
+                &q_pe,
+                &ckv,
+                &kpe,
+                1,
+                len,
+                heads,
+                MLA_RANK,
+                MLA_ROPE,
+                len - 1,
+                scale,
+                dst,
+            );
+        }
+    }
+    checks.report(
+        &format!("mla_decode.H{heads}.lens{lens:?}.page{page_size}.splits{splits}")
+            .replace(' ', ""),
+        rel_err(&got, &want),
+        2e-2,
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing
+
+fn bench(dev: &CudaDevice, quick: bool) -> Result<(), CudaError> {
+    let mut rng = Rng(7);
+    let iters = if quick { 10 } else { 50 };
+    let conv = ShortConv::load(dev, 4)?;
+    let channels = 3 * 32 * 128; // q, k, v of 32 KDA heads of 128
+    for t in [8192usize, 32768] {
+        let x = dev.upload(&bf16_vec(t * channels, &mut rng, 1.0))?;
+        let w = dev.upload(&bf16_vec(channels * 4, &mut rng, 0.5))?;
+        let s0 = dev.upload(&bf16_vec(channels * 3, &mut rng, 1.0))?;
+        let mut s1 = dev.upload(&vec![0u16; channels * 3])?;
+        let mut out = dev.upload(&vec![0u16; t * channels])?;
+        let us = time_us(dev, 3, iters, || {
+            conv.prefill(dev, &x, &w, &s0, &mut s1, &mut out, t, channels)
+        })?;
+        report_time(
+            "short_conv_prefill",
+            &format!("T={t},C={channels}"),
+            us,
+            4.0 * (t * channels) as f64,
+            "",
+        );
+    }
+    for batch in [64usize, 256] {
+        let x = dev.upload(&bf16_vec(batch * channels, &mut rng, 1.0))?;
+        let w = dev.upload(&bf16_vec(channels * 4, &mut rng, 0.5))?;
+        let mut st = dev.upload(&bf16_vec(batch * channels * 3, &mut rng, 1.0))?;
+        let mut out = dev.upload(&vec![0u16; batch * channels])?;
+        let us = time_us(dev, 3, iters, || {
+            conv.update(dev, &x, &w, &mut st, &mut out, batch, channels)
+        })?;
+        // x read, out written, state (3 values) read and written.
+        report_time(
+            "short_conv_update",
+            &format!("B={batch},C={channels}"),
+            us,
+            (4 + 12) as f64 * (batch * channels) as f64,
+            "",
+        );
+    }
+
+    let sampler = Sampler::load(dev)?;
+    let vocab = 163_840;
+    for rows in [1usize, 64, 256] {
+        let logits = dev.upload(&fill(rows * vocab, rng.next_u64(), |r| r.normal() * 3.0))?;
+        for (label, t, k, p) in [
+            ("greedy", 0.0, 0, 1.0),
+            ("t1", 1.0, 0, 1.0),
+            ("t0.7_k50_p0.9", 0.7, 50, 0.9),
+            ("t1_p0.95", 1.0, 0, 0.95),
+        ] {
+            let params = SamplingRows::upload(
+                dev,
+                &vec![t; rows],
+                &vec![k; rows],
+                &vec![p; rows],
+                &vec![0.37; rows],
+            )?;
+            let mut out = dev.upload(&vec![0u32; rows])?;
+            let us = time_us(dev, 3, iters, || {
+                sampler.sample_f32(dev, &logits, vocab, &params, &mut out)
+            })?;
+            report_time(
+                &format!("sample_{label}"),
+                &format!("B={rows},V={vocab}"),
+                us,
+                4.0 * (rows * vocab) as f64,
+                "",
+            );
+        }
+    }
+
+    let heads = 96;
+    let mla = MlaDecode::load(dev, heads)?;
+    let scale = 1.0 / (192.0f32).sqrt();
+    let page_size = 64;
+    for (batch, ctx) in [(64usize, 16384usize), (64, 4096), (8, 16384), (1, 16384)] {
+        let lens = vec![ctx; batch];
+        let pc = paged_cache(&lens, page_size, &mut rng);
+        let (cache_d, table_d) = (dev.upload(&pc.cache)?, dev.upload(&pc.table)?);
+        let lens_d = dev.upload(&vec![ctx as i32; batch])?;
+        let q = dev.upload(&bf16_vec(batch * heads * MLA_D, &mut rng, 1.0))?;
+        let pages = MlaPages {
+            cache: &cache_d,
+            page_table: &table_d,
+            seq_lens: &lens_d,
+            page_size,
+            max_pages: pc.max_pages,
+        };
+        let splits = mla.splits_for(batch, ctx);
+        let shape = MlaDecodeShape {
+            batch,
+            heads,
+            splits,
+        };
+        let mut ws = MlaDecodeWorkspace::new(dev, shape)?;
+        let mut out = dev.upload(&vec![0u16; batch * heads * MLA_RANK])?;
+        let us = time_us(dev, 3, iters, || {
+            mla.decode(dev, &q, &pages, scale, &mut ws, &mut out)
+        })?;
+        let bytes = (batch * ctx * MLA_D * 2) as f64;
+        let flops = 2.0 * (batch * ctx * heads * (MLA_D + MLA_RANK)) as f64;
+        report_time(
+            "mla_decode",
+            &format!("B={batch},ctx={ctx},H={heads}"),
+            us,
+            bytes,
+            &format!(" splits={splits} tflops={:.0}", flops / (us * 1e-6) / 1e12),
+        );
+    }
+    moe::bench_moe(dev, &MoeDecode::load(dev)?, iters)
+}
+
+fn run() -> Result<usize, CudaError> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let dev = CudaDevice::open(0, default_cache_dir())?;
+    println!("device {} ({})", dev.name(), dev.arch());
+    let mut checks = Checks { failed: 0 };
+    let mut rng = Rng(1234);
+
+    let conv = ShortConv::load(&dev, 4)?;
+    for (t, c) in [(1, 8), (2, 300), (5, 4096), (37, 12288), (1000, 1536)] {
+        check_conv(&dev, &conv, &mut checks, &mut rng, t, c)?;
+    }
+    check_conv_update(&dev, &conv, &mut checks, &mut rng, 5, 4096, 6)?;
+
+    let sampler = Sampler::load(&dev)?;
+    for (rows, vocab, levels, bf16) in [
+        (40, 1, None, false),
+        (40, 37, Some(3), false),
+        (64, 1000, None, false),
+        (64, 5000, Some(7), false),
+        (48, 163_840, None, false),
+        (48, 163_840, None, true),
+        (32, 32_000, Some(40), true),
+    ] {
+        check_sampling(
+            &dev,
+            &sampler,
+            &mut checks,
+            &mut rng,
+            rows,
+            vocab,
+            levels,
+            bf16,
+        )?;
+    }
+
+    for heads in [16, 32, 96] {
+        let mla = MlaDecode::load(&dev, heads)?;
+        check_mla(
+            &dev,
+            &mla,
+            &mut checks,
+            &mut rng,
+            heads,
+            &[1, 700, 130],
+            64,
+            1,
+        )?;
+        check_mla(
+            &dev,
+            &mla,
+            &mut checks,
+            &mut rng,
+            heads,
+            &[3000, 65, 0, 1],
+            128,
+            5,
+        )?;
+    }
+    let mla = MlaDecode::load(&dev, 96)?;
+    check_mla(&dev, &mla, &mut checks, &mut rng, 96, &[5000, 4097], 64, 16)?;
+    check_mla(&dev, &mla, &mut checks, &mut rng, 96, &[777], 16, 3)?;
+
+    let moe_k = MoeDecode::load(&dev)?;
+    let k3_routing = MoeDims {
+        experts: 896,
+        top_k: 16,
+        din: 3584,
+        di: 3072,
+    };
+    for batch in [1, 7, 16] {
+        moe::check_routing(&dev, &moe_k, &mut checks, &mut rng, k3_routing, batch)?;
+    }
+    let small = MoeDims {
+        experts: 40,
+        top_k: 6,
+        din: 512,
+        di: 384,
+    };
+    for mxfp4 in [false, true] {
+        for batch in [1, 5, 16] {
+            moe::check_moe_experts(&dev, &moe_k, &mut checks, &mut rng, small, batch, mxfp4)?;
+        }
+        let k3 = MoeDims {
+            experts: 24,
+            ..k3_routing
+        };
+        moe::check_moe_experts(&dev, &moe_k, &mut checks, &mut rng, k3, 2, mxfp4)?;
+    }
+
+    bench(&dev, quick)?;
+    Ok(checks.failed)
+}
+
+fn main() {
+    common::exit_with(run());
+}

@@ -1,0 +1,312 @@
+//! MoE decode checks (routing against `cpu::route_sigmoid_grouped`, the expert pass against a
+//! CPU composition of `cpu::linear` and SiTU over bf16 or dequantised MXFP4 weights) and the K3
+//! latent-shape benchmark, for `cuda_model_ops_check`.
+
+use crate::common::{fill, rel_err, time_us, Checks, Device, Rng};
+use crate::{bf16_vec, report_time, values};
+use tessera_kernels::cpu::{self, MoeRouting};
+use tessera_kernels::cuda::{
+    CudaDevice, CudaError, MoeActivation, MoeDecode, MoeDims, MoeExperts, MoeWorkspace,
+};
+
+const SITU: MoeActivation = MoeActivation::Situ {
+    gate_beta: 4.0,
+    up_beta: 25.0,
+};
+
+fn situ(g: f32, u: f32) -> f32 {
+    let sig = 1.0 / (1.0 + (-g).exp());
+    (4.0 * (g / 4.0).tanh() * sig) * (25.0 * (u / 25.0).tanh())
+}
+
+/// MXFP4 dequantisation of one `[out, in]` matrix (the rule of engine/src/model/mxfp4.rs).
+fn dequant_mxfp4(codes: &[u8], scales: &[u8], out: usize, inp: usize) -> Vec<f32> {
+    const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    let decode = |c: u8| {
+        let m = E2M1[(c & 7) as usize];
+        if c & 8 != 0 {
+            -m
+        } else {
+            m
+        }
+    };
+    let mut w = vec![0.0f32; out * inp];
+    for o in 0..out {
+        for j in 0..inp {
+            let s = match scales[o * (inp / 32) + j / 32] {
+                0 => 2f32.powi(-127),
+                255 => f32::NAN,
+                e => f32::from_bits(u32::from(e) << 23),
+            };
+            let b = codes[o * (inp / 2) + j / 2];
+            w[o * inp + j] = decode(if j % 2 == 0 { b & 0xF } else { b >> 4 }) * s;
+        }
+    }
+    w
+}
+
+/// Host copies of one set of expert weights, as f32 matrices per expert (gate, up, down).
+struct HostExperts {
+    gate: Vec<Vec<f32>>,
+    up: Vec<Vec<f32>>,
+    down: Vec<Vec<f32>>,
+}
+
+pub(crate) fn check_routing(
+    dev: &CudaDevice,
+    moe: &MoeDecode,
+    checks: &mut Checks,
+    rng: &mut Rng,
+    dims: MoeDims,
+    batch: usize,
+) -> Result<(), CudaError> {
+    let routing = MoeRouting {
+        n_group: 1,
+        topk_group: 1,
+        top_k: dims.top_k,
+        renormalize: true,
+        scaling: 2.5,
+    };
+    let mut logits = fill(batch * dims.experts, rng.next_u64(), |r| r.normal() * 2.0);
+    if batch > 1 {
+        logits[dims.experts + 3] = f32::NAN; // never chosen
+    }
+    let bias = fill(dims.experts, rng.next_u64(), |r| r.normal() * 0.1);
+    let mut ws = MoeWorkspace::new(dev, dims, batch)?;
+    moe.route(
+        dev,
+        &dev.upload(&logits)?,
+        &dev.upload(&bias)?,
+        &routing,
+        &mut ws,
+    )?;
+    let (idx, w) = (dev.download(&ws.idx)?, dev.download(&ws.weight)?);
+    let (mut want_i, mut want_w) = (
+        vec![0u32; batch * dims.top_k],
+        vec![0f32; batch * dims.top_k],
+    );
+    cpu::route_sigmoid_grouped(
+        &logits,
+        dims.experts,
+        &bias,
+        &routing,
+        &mut want_i,
+        &mut want_w,
+    );
+    let name = format!("moe_route.E{}.k{}.B{batch}", dims.experts, dims.top_k);
+    let wrong = idx.iter().zip(&want_i).filter(|(a, b)| a != b).count();
+    checks.report(&format!("{name}.ids_wrong"), wrong as f64, 0.0);
+    checks.report(&format!("{name}.weights"), rel_err(&w, &want_w), 1e-5);
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_moe_experts(
+    dev: &CudaDevice,
+    moe: &MoeDecode,
+    checks: &mut Checks,
+    rng: &mut Rng,
+    dims: MoeDims,
+    batch: usize,
+    mxfp4: bool,
+) -> Result<(), CudaError> {
+    let (e, din, di) = (dims.experts, dims.din, dims.di);
+    let routing = MoeRouting {
+        n_group: 1,
+        topk_group: 1,
+        top_k: dims.top_k,
+        renormalize: true,
+        scaling: 1.0,
+    };
+    let logits = fill(batch * e, rng.next_u64(), |r| r.normal() * 2.0);
+    let bias = vec![0.0f32; e];
+    let x = bf16_vec(batch * din, rng, 1.0);
+    let mut ws = MoeWorkspace::new(dev, dims, batch)?;
+    moe.route(
+        dev,
+        &dev.upload(&logits)?,
+        &dev.upload(&bias)?,
+        &routing,
+        &mut ws,
+    )?;
+    let mut out = Device { dev }.poisoned_u16(batch * din)?;
+    let xd = dev.upload(&x)?;
+    let host = if mxfp4 {
+        let mk = |rng: &mut Rng, rows: usize, cols: usize| {
+            let codes: Vec<u8> = fill(e * rows * cols / 2, rng.next_u64(), |r| r.next_u64() as u8);
+            let scales: Vec<u8> = fill(e * rows * cols / 32, rng.next_u64(), |r| {
+                118 + (r.next_u64() % 6) as u8
+            });
+            (codes, scales)
+        };
+        let (g, u, d) = (mk(rng, di, din), mk(rng, di, din), mk(rng, din, di));
+        let dq = |(c, s): &(Vec<u8>, Vec<u8>), rows: usize, cols: usize| -> Vec<Vec<f32>> {
+            (0..e)
+                .map(|x| {
+                    let (cn, sn) = (rows * cols / 2, rows * cols / 32);
+                    dequant_mxfp4(
+                        &c[x * cn..(x + 1) * cn],
+                        &s[x * sn..(x + 1) * sn],
+                        rows,
+                        cols,
+                    )
+                })
+                .collect()
+        };
+        let host = HostExperts {
+            gate: dq(&g, di, din),
+            up: dq(&u, di, din),
+            down: dq(&d, din, di),
+        };
+        let up_d = |(c, s): &(Vec<u8>, Vec<u8>)| -> Result<_, CudaError> {
+            Ok((dev.upload(c)?, dev.upload(s)?))
+        };
+        let (gd, ud, dd) = (up_d(&g)?, up_d(&u)?, up_d(&d)?);
+        let experts = MoeExperts::Mxfp4 {
+            gate: (&gd.0, &gd.1),
+            up: (&ud.0, &ud.1),
+            down: (&dd.0, &dd.1),
+        };
+        moe.experts(dev, &xd, &experts, SITU, &mut ws, &mut out)?;
+        host
+    } else {
+        let (g, u, d) = (
+            bf16_vec(e * di * din, rng, 0.05),
+            bf16_vec(e * di * din, rng, 0.05),
+            bf16_vec(e * din * di, rng, 0.05),
+        );
+        let (gd, ud, dd) = (dev.upload(&g)?, dev.upload(&u)?, dev.upload(&d)?);
+        let experts = MoeExperts::Bf16 {
+            gate: &gd,
+            up: &ud,
+            down: &dd,
+        };
+        moe.experts(dev, &xd, &experts, SITU, &mut ws, &mut out)?;
+        let split = |w: &[u16], n: usize| -> Vec<Vec<f32>> { w.chunks(n).map(values).collect() };
+        HostExperts {
+            gate: split(&g, di * din),
+            up: split(&u, di * din),
+            down: split(&d, din * di),
+        }
+    };
+    let got = values(&dev.download(&out)?);
+    let (mut idx, mut w) = (
+        vec![0u32; batch * dims.top_k],
+        vec![0f32; batch * dims.top_k],
+    );
+    cpu::route_sigmoid_grouped(&logits, e, &bias, &routing, &mut idx, &mut w);
+    let xv = values(&x);
+    let mut want = vec![0.0f32; batch * din];
+    for b in 0..batch {
+        let xb = &xv[b * din..(b + 1) * din];
+        for j in 0..dims.top_k {
+            let ex = idx[b * dims.top_k + j] as usize;
+            let (mut g, mut u) = (vec![0.0; di], vec![0.0; di]);
+            cpu::linear(xb, 1, din, &host.gate[ex], di, &mut g);
+            cpu::linear(xb, 1, din, &host.up[ex], di, &mut u);
+            let a: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| situ(g, u)).collect();
+            let mut y = vec![0.0; din];
+            cpu::linear(&a, 1, di, &host.down[ex], din, &mut y);
+            for (o, v) in want[b * din..(b + 1) * din].iter_mut().zip(&y) {
+                *o += w[b * dims.top_k + j] * v;
+            }
+        }
+    }
+    let kind = if mxfp4 { "mxfp4" } else { "bf16" };
+    checks.report(
+        &format!(
+            "moe_experts.{kind}.E{e}.k{}.din{din}.di{di}.B{batch}",
+            dims.top_k
+        ),
+        rel_err(&got, &want),
+        1e-2,
+    );
+    Ok(())
+}
+
+/// K3 latent MoE shapes, weights resident for all 896 experts (zeros: values do not change the
+/// traffic), random routing; the floor is the active experts' weight bytes.
+pub(crate) fn bench_moe(dev: &CudaDevice, moe: &MoeDecode, iters: usize) -> Result<(), CudaError> {
+    let mut rng = Rng(99);
+    let dims = MoeDims {
+        experts: 896,
+        top_k: 16,
+        din: 3584,
+        di: 3072,
+    };
+    let routing = MoeRouting {
+        n_group: 1,
+        topk_group: 1,
+        top_k: 16,
+        renormalize: true,
+        scaling: 1.0,
+    };
+    let n = dims.experts * dims.din * dims.di;
+    let bias = dev.upload(&vec![0.0f32; dims.experts])?;
+    for mxfp4 in [false, true] {
+        let s = dev.stream();
+        let bf = if mxfp4 {
+            None
+        } else {
+            Some((
+                s.alloc_zeros::<u16>(n)?,
+                s.alloc_zeros::<u16>(n)?,
+                s.alloc_zeros::<u16>(n)?,
+            ))
+        };
+        let fp = if mxfp4 {
+            let pair = || -> Result<_, CudaError> {
+                Ok((s.alloc_zeros::<u8>(n / 2)?, s.alloc_zeros::<u8>(n / 32)?))
+            };
+            Some((pair()?, pair()?, pair()?))
+        } else {
+            None
+        };
+        let experts = match (&bf, &fp) {
+            (Some((g, u, d)), _) => MoeExperts::Bf16 {
+                gate: g,
+                up: u,
+                down: d,
+            },
+            (_, Some((g, u, d))) => MoeExperts::Mxfp4 {
+                gate: (&g.0, &g.1),
+                up: (&u.0, &u.1),
+                down: (&d.0, &d.1),
+            },
+            _ => unreachable!(),
+        };
+        let kind = if mxfp4 { "mxfp4" } else { "bf16" };
+        for batch in [1usize, 4, 8, 16] {
+            let logits = dev.upload(&fill(batch * dims.experts, rng.next_u64(), |r| r.normal()))?;
+            let x = dev.upload(&bf16_vec(batch * dims.din, &mut rng, 1.0))?;
+            let mut ws = MoeWorkspace::new(dev, dims, batch)?;
+            let mut out = dev.upload(&vec![0u16; batch * dims.din])?;
+            moe.route(dev, &logits, &bias, &routing, &mut ws)?;
+            let active = ws.active_experts(dev)?;
+            let bytes = (active * experts.bytes_per_expert(&dims)) as f64;
+            let shape = format!("B={batch},E=896,k=16,din=3584,di=3072");
+            let us = time_us(dev, 3, iters, || {
+                moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
+            })?;
+            report_time(
+                &format!("moe_experts_{kind}"),
+                &shape,
+                us,
+                bytes,
+                &format!(" active={active}"),
+            );
+            let us = time_us(dev, 3, iters, || {
+                moe.route(dev, &logits, &bias, &routing, &mut ws)?;
+                moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
+            })?;
+            report_time(
+                &format!("moe_decode_{kind}"),
+                &shape,
+                us,
+                bytes,
+                &format!(" active={active}"),
+            );
+        }
+    }
+    Ok(())
+}

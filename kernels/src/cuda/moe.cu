@@ -1,0 +1,377 @@
+// MoE decode for small batches (1-16 tokens): routing, the expert plan, gate+up+SiTU fused, the
+// down projection and the weighted combine. Experts in bf16 or MXFP4 (w4a16: packed E2M1 codes
+// with one E8M0 scale per 32 inputs, dequantised in registers as the weights stream in).
+//
+// moe_route: one warp per token. scores = sigmoid(logits), choice = scores + bias; the top_k
+//   experts by choice (NaN as -inf, ties to the lower index), written in descending order and
+//   weighted by their scores, renormalised by (sum + 1e-20) in slot order, times `scaling` — the
+//   CPU backend's route_sigmoid_grouped with one group (K3's n_group = 1).
+// moe_plan: one block. The distinct experts of the batch in ascending order, each with its
+//   (token, slot) pairs in pair order: every expert's weights are then read once per step.
+// moe_gate_up_*: block (column tile, active expert); a warp per output column streams the gate
+//   and up rows of that column (16-byte vectors over the input) against the inputs of the
+//   expert's tokens, then h = situ(gate, up) in bf16 for each (token, slot) pair.
+// moe_down_*: block (column tile, active expert); y[pair, n] = W2[n, :] · h[pair, :] in f32.
+// moe_combine: out[b, n] = Σ_slot w[b, slot] · y[b·k + slot, n] in slot order, bf16.
+//
+// Layouts: x [B, DIN] bf16; bf16 experts w_gate/w_up [E, DI, DIN], w_down [E, DIN, DI]; MXFP4
+// experts the same shapes as packed u8 [.., in/2] (element j in byte j/2, low nibble first) and
+// scales u8 [.., in/32] (2^(s-127); 0 is 2^-127, 255 NaN).
+
+#ifndef MOE_WARPS
+#define MOE_WARPS 4
+#endif
+#ifndef MOE_COLS_PER_WARP
+#define MOE_COLS_PER_WARP 2
+#endif
+#define MOE_THREADS (MOE_WARPS * 32)
+// Blocks per SM the register budget must allow: enough warps in flight to cover HBM latency.
+#ifndef MOE_MIN_BLOCKS
+#define MOE_MIN_BLOCKS 4
+#endif
+#define MOE_COLS (MOE_WARPS * MOE_COLS_PER_WARP)
+#define MOE_MAXT 16
+#define ROUTE_PER_LANE 32
+
+// ---------------------------------------------------------------------------------------------
+// Routing and plan
+
+extern "C" __global__ void __launch_bounds__(32)
+moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
+          unsigned* __restrict__ idx, float* __restrict__ weight, int experts, int top_k,
+          int renormalize, float scaling) {
+    const int b = blockIdx.x, lane = threadIdx.x;
+    const float* lg = logits + (size_t)b * experts;
+    const float ninf = -__int_as_float(0x7f800000);
+    float choice[ROUTE_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        const int e = i * 32 + lane;
+        choice[i] = ninf;
+        if (e < experts) {
+            const float s = 1.0f / (1.0f + expf(-lg[e]));
+            const float c = s + bias[e];
+            choice[i] = c != c ? ninf : c;
+        }
+    }
+    __shared__ unsigned s_idx[ROUTE_PER_LANE * 32];
+    __shared__ float s_w[ROUTE_PER_LANE * 32];
+    for (int slot = 0; slot < top_k; ++slot) {
+        // This lane's best (lowest expert on ties), then the warp's.
+        float bv = ninf;
+        int be = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+            const int e = i * 32 + lane;
+            if (e < experts && (choice[i] > bv || (choice[i] == bv && e < be))) {
+                bv = choice[i];
+                be = e;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+            if (ov > bv || (ov == bv && oe < be)) {
+                bv = ov;
+                be = oe;
+            }
+        }
+        if ((be & 31) == lane) {
+#pragma unroll
+            for (int i = 0; i < ROUTE_PER_LANE; ++i)
+                if (i == (be >> 5)) choice[i] = __int_as_float(0xff800001);  // below -inf: taken
+        }
+        if (lane == 0) {
+            s_idx[slot] = (unsigned)be;
+            s_w[slot] = 1.0f / (1.0f + expf(-lg[be]));
+        }
+    }
+    __syncwarp();
+    if (lane == 0) {
+        float denom = 0.0f;
+        for (int j = 0; j < top_k; ++j) denom += s_w[j];
+        denom += 1e-20f;
+        for (int j = 0; j < top_k; ++j) {
+            const float w = renormalize ? s_w[j] / denom : s_w[j];
+            idx[(size_t)b * top_k + j] = s_idx[j];
+            weight[(size_t)b * top_k + j] = w * scaling;
+        }
+    }
+}
+
+// plan: n_active, then per active expert a: expert id, token count, and the pair ids (b·k+slot).
+extern "C" __global__ void __launch_bounds__(256)
+moe_plan(const unsigned* __restrict__ idx, int pairs, int experts, int* __restrict__ n_active,
+         int* __restrict__ act_expert, int* __restrict__ act_count, int* __restrict__ act_pairs) {
+    extern __shared__ int s_slot[];  // [experts]: active index of each expert, or -1
+    __shared__ int s_n;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) s_slot[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) s_slot[idx[p]] = 1;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int n = 0;
+        for (int e = 0; e < experts; ++e) {
+            if (s_slot[e]) {
+                act_expert[n] = e;
+                s_slot[e] = n++;
+            } else {
+                s_slot[e] = -1;
+            }
+        }
+        s_n = n;
+        *n_active = n;
+    }
+    __syncthreads();
+    for (int a = threadIdx.x; a < s_n; a += blockDim.x) act_count[a] = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int p = 0; p < pairs; ++p) {
+            const int a = s_slot[idx[p]];
+            const int c = act_count[a];
+            if (c < MOE_MAXT) act_pairs[a * MOE_MAXT + c] = p;
+            act_count[a] = c + 1;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight formats: a 16-byte vector of a weight row and its dot product with bf16 inputs.
+
+struct Bf16Weights {
+    static constexpr int PER_VEC = 8;  // weights per 16-byte vector
+    static constexpr int TG = 4;       // tokens per register group
+    struct Vec {
+        uint4 w;
+    };
+    const uint4* rows;  // [E · out, in / 8]
+    __device__ __forceinline__ Vec load(size_t row, int v, int in_dim) const {
+        return Vec{__ldg(rows + row * (in_dim / 8) + v)};
+    }
+    __device__ __forceinline__ float dot(const Vec& vec, int v, const bf16_t* x) const {
+        const uint4 w = vec.w;
+        const uint4 xv = *reinterpret_cast<const uint4*>(x + v * 8);
+        float s = lo_bf(w.x) * lo_bf(xv.x);
+        s = fmaf(hi_bf(w.x), hi_bf(xv.x), s);
+        s = fmaf(lo_bf(w.y), lo_bf(xv.y), s);
+        s = fmaf(hi_bf(w.y), hi_bf(xv.y), s);
+        s = fmaf(lo_bf(w.z), lo_bf(xv.z), s);
+        s = fmaf(hi_bf(w.z), hi_bf(xv.z), s);
+        s = fmaf(lo_bf(w.w), lo_bf(xv.w), s);
+        return fmaf(hi_bf(w.w), hi_bf(xv.w), s);
+    }
+};
+
+// E2M1 codes (sign in bit 3; magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}) to bf16 by byte lookups:
+// every magnitude is a bf16 whose two bytes come from two 8-entry tables, which prmt indexes
+// with the code's three magnitude bits; the sign bit is then moved onto the high byte.
+#define E2M1_HI0 0x3f3f3f00u
+#define E2M1_HI1 0x40404040u
+#define E2M1_LO0 0xc0800000u
+#define E2M1_LO1 0xc0804000u
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// The 8 codes of one 32-bit word (element k in bits 4k..4k+3) as four bf16x2 words, in order.
+__device__ __forceinline__ void e2m1x8_to_bf16(unsigned w, unsigned out[4]) {
+    const unsigned mag = w & 0x77777777u;
+    const unsigned even = (w << 4) & 0x80808080u;  // signs of elements 0, 2, 4, 6 at bit 7
+    const unsigned odd = w & 0x80808080u;          // signs of elements 1, 3, 5, 7 at bit 7
+    const unsigned hi_a = prmt(E2M1_HI0, E2M1_HI1, mag) | prmt(even, odd, 0x5140u);
+    const unsigned lo_a = prmt(E2M1_LO0, E2M1_LO1, mag);
+    const unsigned hi_b = prmt(E2M1_HI0, E2M1_HI1, mag >> 16) | prmt(even, odd, 0x7362u);
+    const unsigned lo_b = prmt(E2M1_LO0, E2M1_LO1, mag >> 16);
+    out[0] = prmt(lo_a, hi_a, 0x5140u);
+    out[1] = prmt(lo_a, hi_a, 0x7362u);
+    out[2] = prmt(lo_b, hi_b, 0x5140u);
+    out[3] = prmt(lo_b, hi_b, 0x7362u);
+}
+
+__device__ __forceinline__ float e8m0(unsigned s) {
+    return s == 0 ? __uint_as_float(0x00400000u) : (s == 255 ? __int_as_float(0x7fc00000) : __uint_as_float(s << 23));
+}
+
+// 8 codes of one 32-bit word (low nibble first) against 8 bf16 inputs.
+__device__ __forceinline__ float dot8_fp4(unsigned w, uint4 xv, float s) {
+    unsigned b[4];
+    e2m1x8_to_bf16(w, b);
+    s = fmaf(lo_bf(b[0]), lo_bf(xv.x), s);
+    s = fmaf(hi_bf(b[0]), hi_bf(xv.x), s);
+    s = fmaf(lo_bf(b[1]), lo_bf(xv.y), s);
+    s = fmaf(hi_bf(b[1]), hi_bf(xv.y), s);
+    s = fmaf(lo_bf(b[2]), lo_bf(xv.z), s);
+    s = fmaf(hi_bf(b[2]), hi_bf(xv.z), s);
+    s = fmaf(lo_bf(b[3]), lo_bf(xv.w), s);
+    return fmaf(hi_bf(b[3]), hi_bf(xv.w), s);
+}
+
+struct Mxfp4Weights {
+    static constexpr int PER_VEC = 32;  // one scale group per 16-byte vector
+    static constexpr int TG = 1;        // decoded codes take registers too
+    struct Vec {
+        uint4 w;
+        float scale;
+    };
+    const uint4* rows;            // [E · out, in / 32] vectors of packed codes
+    const unsigned char* scales;  // [E · out, in / 32]
+    __device__ __forceinline__ Vec load(size_t row, int v, int in_dim) const {
+        const size_t at = row * (in_dim / 32) + v;
+        return Vec{__ldg(rows + at), e8m0(__ldg(scales + at))};
+    }
+    __device__ __forceinline__ float dot(const Vec& vec, int v, const bf16_t* x) const {
+        const uint4* xv = reinterpret_cast<const uint4*>(x + v * 32);
+        float s = dot8_fp4(vec.w.x, xv[0], 0.0f);
+        s = dot8_fp4(vec.w.y, xv[1], s);
+        s = dot8_fp4(vec.w.z, xv[2], s);
+        s = dot8_fp4(vec.w.w, xv[3], s);
+        return s * vec.scale;
+    }
+};
+
+__device__ __forceinline__ float situ(float g, float u, float b1, float b2) {
+    const float sig = 1.0f / (1.0f + expf(-g));
+    return (b1 * tanhf(g / b1) * sig) * (b2 * tanhf(u / b2));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expert projections, organised by output column.
+
+template <typename W>
+__device__ __forceinline__ void gate_up(W wg, W wu, const bf16_t* __restrict__ x,
+                                        const int* __restrict__ n_active,
+                                        const int* __restrict__ act_expert,
+                                        const int* __restrict__ act_count,
+                                        const int* __restrict__ act_pairs, bf16_t* __restrict__ h,
+                                        int din, int di, int top_k, float b1, float b2) {
+    const int a = blockIdx.y;
+    if (a >= *n_active) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
+    const int* pairs = act_pairs + a * MOE_MAXT;
+    const int vecs = din / W::PER_VEC;
+    for (int cw = 0; cw < MOE_COLS_PER_WARP; ++cw) {
+        const int c = blockIdx.x * MOE_COLS + warp * MOE_COLS_PER_WARP + cw;
+        if (c >= di) return;
+        const size_t row = (size_t)e * di + c;
+        // Tokens in groups of W::TG (accumulators in registers); a later group re-reads the
+        // column's weights from L1/L2, and an expert rarely has more than one group per step.
+        for (int t0 = 0; t0 < nt; t0 += W::TG) {
+            float g[W::TG], u[W::TG];
+#pragma unroll
+            for (int t = 0; t < W::TG; ++t) g[t] = u[t] = 0.0f;
+#pragma unroll 1
+            for (int v = lane; v < vecs; v += 32) {
+                const typename W::Vec gv = wg.load(row, v, din), uv = wu.load(row, v, din);
+#pragma unroll
+                for (int t = 0; t < W::TG; ++t) {
+                    if (t0 + t < nt) {
+                        const bf16_t* xt = x + (size_t)(pairs[t0 + t] / top_k) * din;
+                        g[t] += wg.dot(gv, v, xt);
+                        u[t] += wu.dot(uv, v, xt);
+                    }
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < W::TG; ++t) {
+                if (t0 + t < nt) {
+                    const float gs = warp_sum(g[t]), us = warp_sum(u[t]);
+                    if (lane == 0) h[(size_t)pairs[t0 + t] * di + c] = f2bf(situ(gs, us, b1, b2));
+                }
+            }
+        }
+    }
+}
+
+template <typename W>
+__device__ __forceinline__ void down(W wd, const bf16_t* __restrict__ h,
+                                     const int* __restrict__ n_active,
+                                     const int* __restrict__ act_expert,
+                                     const int* __restrict__ act_count,
+                                     const int* __restrict__ act_pairs, float* __restrict__ y,
+                                     int din, int di) {
+    const int a = blockIdx.y;
+    if (a >= *n_active) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
+    const int* pairs = act_pairs + a * MOE_MAXT;
+    const int vecs = di / W::PER_VEC;
+    for (int cw = 0; cw < MOE_COLS_PER_WARP; ++cw) {
+        const int n = blockIdx.x * MOE_COLS + warp * MOE_COLS_PER_WARP + cw;
+        if (n >= din) return;
+        const size_t row = (size_t)e * din + n;
+        for (int t0 = 0; t0 < nt; t0 += W::TG) {
+            float acc[W::TG];
+#pragma unroll
+            for (int t = 0; t < W::TG; ++t) acc[t] = 0.0f;
+#pragma unroll 1
+            for (int v = lane; v < vecs; v += 32) {
+                const typename W::Vec wv = wd.load(row, v, di);
+#pragma unroll
+                for (int t = 0; t < W::TG; ++t)
+                    if (t0 + t < nt) acc[t] += wd.dot(wv, v, h + (size_t)pairs[t0 + t] * di);
+            }
+#pragma unroll
+            for (int t = 0; t < W::TG; ++t) {
+                if (t0 + t < nt) {
+                    const float s = warp_sum(acc[t]);
+                    if (lane == 0) y[(size_t)pairs[t0 + t] * din + n] = s;
+                }
+            }
+        }
+    }
+}
+
+#define PLAN_ARGS                                                                              \
+    const int *__restrict__ n_active, const int *__restrict__ act_expert,                      \
+        const int *__restrict__ act_count, const int *__restrict__ act_pairs
+
+extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_MIN_BLOCKS)
+moe_gate_up_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
+                 const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din, int di,
+                 int top_k, float b1, float b2) {
+    gate_up(Bf16Weights{reinterpret_cast<const uint4*>(w_gate)},
+            Bf16Weights{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert, act_count,
+            act_pairs, h, din, di, top_k, b1, b2);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_MIN_BLOCKS)
+moe_gate_up_mxfp4(const unsigned char* __restrict__ gate_packed,
+                  const unsigned char* __restrict__ gate_scale,
+                  const unsigned char* __restrict__ up_packed,
+                  const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
+                  PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
+                  float b2) {
+    gate_up(Mxfp4Weights{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
+            Mxfp4Weights{reinterpret_cast<const uint4*>(up_packed), up_scale}, x, n_active,
+            act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_MIN_BLOCKS)
+moe_down_bf16(const bf16_t* __restrict__ w_down, const bf16_t* __restrict__ h, PLAN_ARGS,
+              float* __restrict__ y, int din, int di) {
+    down(Bf16Weights{reinterpret_cast<const uint4*>(w_down)}, h, n_active, act_expert, act_count,
+         act_pairs, y, din, di);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_THREADS, MOE_MIN_BLOCKS)
+moe_down_mxfp4(const unsigned char* __restrict__ down_packed,
+               const unsigned char* __restrict__ down_scale, const bf16_t* __restrict__ h,
+               PLAN_ARGS, float* __restrict__ y, int din, int di) {
+    down(Mxfp4Weights{reinterpret_cast<const uint4*>(down_packed), down_scale}, h, n_active,
+         act_expert, act_count, act_pairs, y, din, di);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+moe_combine(const float* __restrict__ y, const float* __restrict__ weight,
+            bf16_t* __restrict__ out, int din, int top_k) {
+    const int b = blockIdx.y, n = blockIdx.x * 256 + threadIdx.x;
+    if (n >= din) return;
+    float s = 0.0f;
+    for (int j = 0; j < top_k; ++j)
+        s = fmaf(weight[b * top_k + j], y[((size_t)b * top_k + j) * din + n], s);
+    out[(size_t)b * din + n] = f2bf(s);
+}

@@ -1,0 +1,366 @@
+//! MoE decode on CUDA (`moe.cu`) for batches of 1–16 tokens: sigmoid routing with the
+//! correction bias, the per-step expert plan, gate+up+SiTU fused, the down projection and the
+//! weighted combine; experts in bf16 or packed MXFP4 (dequantised in the kernels, w4a16).
+//! Semantics: [`crate::cpu::route_sigmoid_grouped`] with one expert group, then per token
+//! `Σ_slot w · W2 · situ(W1·x, W3·x)` — the routed part of the engine's (latent) MoE, whose `x`
+//! is the latent after the down-projection.
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{CudaDevice, CudaError, MOE_SOURCE};
+use crate::cpu::MoeRouting;
+
+const WARPS: usize = 4;
+const COLS_PER_WARP: usize = 2;
+const COLS: usize = WARPS * COLS_PER_WARP;
+/// Most tokens one decode call takes (and so most tokens one expert serves).
+pub const MOE_MAX_BATCH: usize = 16;
+const MAX_EXPERTS: usize = 1024;
+
+fn shape_err(msg: String) -> CudaError {
+    CudaError::Shape(format!("moe: {msg}"))
+}
+
+fn expect_len(what: &str, got: usize, want: usize) -> Result<(), CudaError> {
+    if got < want {
+        return Err(shape_err(format!(
+            "{what} holds {got} values, needs {want}"
+        )));
+    }
+    Ok(())
+}
+
+/// Expert count, experts per token and widths: `din` is the experts' input and output width
+/// (K3: the latent `routed_expert_hidden_size`, 3584), `di` their intermediate width (3072).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeDims {
+    pub experts: usize,
+    pub top_k: usize,
+    pub din: usize,
+    pub di: usize,
+}
+
+/// The activation between gate/up and down: SiTU with its two clip betas (K3), or SiLU-GLU.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MoeActivation {
+    Situ { gate_beta: f32, up_beta: f32 },
+    Silu,
+}
+
+impl MoeActivation {
+    fn betas(self) -> (f32, f32) {
+        match self {
+            MoeActivation::Situ { gate_beta, up_beta } => (gate_beta, up_beta),
+            // b·tanh(x/b) is x to f32 precision for |x| ≪ b.
+            MoeActivation::Silu => (1e15, 1e15),
+        }
+    }
+}
+
+/// The expert weights, stacked over experts in the checkpoint's `[out, in]` layout.
+pub enum MoeExperts<'a> {
+    /// `gate`, `up`: `[experts, di, din]`; `down`: `[experts, din, di]` (bf16 bits).
+    Bf16 {
+        gate: &'a CudaSlice<u16>,
+        up: &'a CudaSlice<u16>,
+        down: &'a CudaSlice<u16>,
+    },
+    /// The same shapes packed: codes `[.., in/2]` bytes, scales `[.., in/32]` bytes.
+    Mxfp4 {
+        gate: (&'a CudaSlice<u8>, &'a CudaSlice<u8>),
+        up: (&'a CudaSlice<u8>, &'a CudaSlice<u8>),
+        down: (&'a CudaSlice<u8>, &'a CudaSlice<u8>),
+    },
+}
+
+impl MoeExperts<'_> {
+    /// Weight bytes of one expert (gate, up and down).
+    pub fn bytes_per_expert(&self, dims: &MoeDims) -> usize {
+        let n = 3 * dims.din * dims.di;
+        match self {
+            MoeExperts::Bf16 { .. } => 2 * n,
+            MoeExperts::Mxfp4 { .. } => n / 2 + n / 32,
+        }
+    }
+}
+
+/// Routing results, the plan and the intermediates of one batch size.
+pub struct MoeWorkspace {
+    batch: usize,
+    dims: MoeDims,
+    pub idx: CudaSlice<u32>,
+    pub weight: CudaSlice<f32>,
+    n_active: CudaSlice<i32>,
+    act_expert: CudaSlice<i32>,
+    act_count: CudaSlice<i32>,
+    act_pairs: CudaSlice<i32>,
+    h: CudaSlice<u16>,
+    y: CudaSlice<f32>,
+}
+
+impl MoeWorkspace {
+    /// Checks `dims` (experts ≤ 1024, widths multiples of 32) and `batch` (≤ 16).
+    pub fn new(dev: &CudaDevice, dims: MoeDims, batch: usize) -> Result<Self, CudaError> {
+        check_dims(&dims, batch)?;
+        let pairs = batch * dims.top_k;
+        let s = dev.stream();
+        Ok(MoeWorkspace {
+            batch,
+            dims,
+            idx: s.alloc_zeros(pairs.max(1))?,
+            weight: s.alloc_zeros(pairs.max(1))?,
+            n_active: s.alloc_zeros(1)?,
+            act_expert: s.alloc_zeros(pairs.max(1))?,
+            act_count: s.alloc_zeros(pairs.max(1))?,
+            act_pairs: s.alloc_zeros(pairs.max(1) * MOE_MAX_BATCH)?,
+            h: s.alloc_zeros(pairs.max(1) * dims.di)?,
+            y: s.alloc_zeros(pairs.max(1) * dims.din)?,
+        })
+    }
+
+    /// The number of distinct experts of the last planned step (waits for the stream).
+    pub fn active_experts(&self, dev: &CudaDevice) -> Result<usize, CudaError> {
+        Ok(dev.download(&self.n_active)?[0].max(0) as usize)
+    }
+}
+
+/// The compiled MoE decode kernels.
+pub struct MoeDecode {
+    route: CudaFunction,
+    plan: CudaFunction,
+    gate_up_bf16: CudaFunction,
+    gate_up_mxfp4: CudaFunction,
+    down_bf16: CudaFunction,
+    down_mxfp4: CudaFunction,
+    combine: CudaFunction,
+}
+
+impl MoeDecode {
+    pub fn load(dev: &CudaDevice) -> Result<Self, CudaError> {
+        let defines = [
+            ("MOE_WARPS", WARPS.to_string()),
+            ("MOE_COLS_PER_WARP", COLS_PER_WARP.to_string()),
+        ];
+        let m = dev.module("moe", MOE_SOURCE, &defines)?;
+        Ok(MoeDecode {
+            route: m.load_function("moe_route")?,
+            plan: m.load_function("moe_plan")?,
+            gate_up_bf16: m.load_function("moe_gate_up_bf16")?,
+            gate_up_mxfp4: m.load_function("moe_gate_up_mxfp4")?,
+            down_bf16: m.load_function("moe_down_bf16")?,
+            down_mxfp4: m.load_function("moe_down_mxfp4")?,
+            combine: m.load_function("moe_combine")?,
+        })
+    }
+
+    /// Routes `logits [batch, experts]` (f32 router outputs) with the correction `bias
+    /// [experts]` into `ws.idx`/`ws.weight` `[batch, top_k]`, and plans the expert pass.
+    pub fn route(
+        &self,
+        dev: &CudaDevice,
+        logits: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        routing: &MoeRouting,
+        ws: &mut MoeWorkspace,
+    ) -> Result<(), CudaError> {
+        let (dims, batch) = (ws.dims, ws.batch);
+        if routing.n_group > 1 && routing.topk_group < routing.n_group {
+            return Err(shape_err(
+                "grouped top-k (n_group > 1) is not implemented on CUDA".to_string(),
+            ));
+        }
+        if routing.top_k != dims.top_k {
+            return Err(shape_err(format!(
+                "routing top_k {} but workspace top_k {}",
+                routing.top_k, dims.top_k
+            )));
+        }
+        expect_len("logits", logits.len(), batch * dims.experts)?;
+        expect_len("bias", bias.len(), dims.experts)?;
+        if batch == 0 {
+            return Ok(());
+        }
+        let (e_i, k_i) = (dims.experts as i32, dims.top_k as i32);
+        let renorm = routing.renormalize as i32;
+        let mut launch = dev.stream().launch_builder(&self.route);
+        launch
+            .arg(logits)
+            .arg(bias)
+            .arg(&mut ws.idx)
+            .arg(&mut ws.weight)
+            .arg(&e_i)
+            .arg(&k_i)
+            .arg(&renorm)
+            .arg(&routing.scaling);
+        let cfg = LaunchConfig {
+            grid_dim: (batch as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the argument list matches `moe_route`; logits hold `batch` rows of `experts`
+        // (≤ 1024, checked by `check_dims`), idx/weight `batch · top_k` values.
+        unsafe { launch.launch(cfg) }?;
+        self.plan(dev, ws)
+    }
+
+    fn plan(&self, dev: &CudaDevice, ws: &mut MoeWorkspace) -> Result<(), CudaError> {
+        let dims = ws.dims;
+        let (pairs_i, e_i) = ((ws.batch * dims.top_k) as i32, dims.experts as i32);
+        let mut launch = dev.stream().launch_builder(&self.plan);
+        launch
+            .arg(&ws.idx)
+            .arg(&pairs_i)
+            .arg(&e_i)
+            .arg(&mut ws.n_active)
+            .arg(&mut ws.act_expert)
+            .arg(&mut ws.act_count)
+            .arg(&mut ws.act_pairs);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 4 * dims.experts as u32,
+        };
+        // SAFETY: the argument list matches `moe_plan`; idx holds `pairs` expert ids below
+        // `experts` (written by `moe_route`), the plan arrays `pairs` entries (× 16 pairs).
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `out [batch, din] (bf16) = Σ_slot w · down(act(gate(x), up(x)))` over the experts routed
+    /// by the last [`Self::route`] into `ws`, for `x [batch, din]` (bf16).
+    pub fn experts(
+        &self,
+        dev: &CudaDevice,
+        x: &CudaSlice<u16>,
+        experts: &MoeExperts,
+        act: MoeActivation,
+        ws: &mut MoeWorkspace,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), CudaError> {
+        let (d, batch) = (ws.dims, ws.batch);
+        expect_len("x", x.len(), batch * d.din)?;
+        expect_len("out", out.len(), batch * d.din)?;
+        check_weights(experts, &d)?;
+        if batch == 0 {
+            return Ok(());
+        }
+        let pairs = batch * d.top_k;
+        let max_active = pairs.min(d.experts) as u32;
+        let (din_i, di_i, k_i) = (d.din as i32, d.di as i32, d.top_k as i32);
+        let (b1, b2) = act.betas();
+        let s = dev.stream();
+        let cfg = |cols: usize| LaunchConfig {
+            grid_dim: (cols.div_ceil(COLS) as u32, max_active, 1),
+            block_dim: ((WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = match experts {
+            MoeExperts::Bf16 { gate, up, .. } => {
+                let mut l = s.launch_builder(&self.gate_up_bf16);
+                l.arg(*gate).arg(*up);
+                l
+            }
+            MoeExperts::Mxfp4 { gate, up, .. } => {
+                let mut l = s.launch_builder(&self.gate_up_mxfp4);
+                l.arg(gate.0).arg(gate.1).arg(up.0).arg(up.1);
+                l
+            }
+        };
+        launch
+            .arg(x)
+            .arg(&ws.n_active)
+            .arg(&ws.act_expert)
+            .arg(&ws.act_count)
+            .arg(&ws.act_pairs)
+            .arg(&mut ws.h)
+            .arg(&din_i)
+            .arg(&di_i)
+            .arg(&k_i)
+            .arg(&b1)
+            .arg(&b2);
+        // SAFETY: the argument list matches `moe_gate_up_{bf16,mxfp4}`; weights hold `experts`
+        // experts (checked), the plan names at most `max_active` experts, h holds `pairs` rows.
+        unsafe { launch.launch(cfg(d.di)) }?;
+        let mut launch = match experts {
+            MoeExperts::Bf16 { down, .. } => {
+                let mut l = s.launch_builder(&self.down_bf16);
+                l.arg(*down);
+                l
+            }
+            MoeExperts::Mxfp4 { down, .. } => {
+                let mut l = s.launch_builder(&self.down_mxfp4);
+                l.arg(down.0).arg(down.1);
+                l
+            }
+        };
+        launch
+            .arg(&ws.h)
+            .arg(&ws.n_active)
+            .arg(&ws.act_expert)
+            .arg(&ws.act_count)
+            .arg(&ws.act_pairs)
+            .arg(&mut ws.y)
+            .arg(&din_i)
+            .arg(&di_i);
+        // SAFETY: as above for `moe_down_{bf16,mxfp4}`; y holds `pairs` rows of `din`.
+        unsafe { launch.launch(cfg(d.din)) }?;
+        let mut launch = s.launch_builder(&self.combine);
+        launch
+            .arg(&ws.y)
+            .arg(&ws.weight)
+            .arg(out)
+            .arg(&din_i)
+            .arg(&k_i);
+        let ccfg = LaunchConfig {
+            grid_dim: (d.din.div_ceil(256) as u32, batch as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the argument list matches `moe_combine`; y and weight hold `pairs` rows.
+        unsafe { launch.launch(ccfg) }?;
+        Ok(())
+    }
+}
+
+/// Checks the dimensions a workspace is made for.
+fn check_dims(dims: &MoeDims, batch: usize) -> Result<(), CudaError> {
+    if batch > MOE_MAX_BATCH {
+        return Err(shape_err(format!(
+            "batch {batch} above the small-batch path's {MOE_MAX_BATCH}"
+        )));
+    }
+    if dims.experts == 0
+        || dims.experts > MAX_EXPERTS
+        || dims.top_k == 0
+        || dims.top_k > dims.experts
+    {
+        return Err(shape_err(format!(
+            "{dims:?}: experts in 1..=1024, top_k in 1..=experts"
+        )));
+    }
+    if dims.din == 0 || dims.di == 0 || !dims.din.is_multiple_of(32) || !dims.di.is_multiple_of(32)
+    {
+        return Err(shape_err(format!(
+            "{dims:?}: widths must be positive multiples of 32"
+        )));
+    }
+    Ok(())
+}
+
+fn check_weights(experts: &MoeExperts, d: &MoeDims) -> Result<(), CudaError> {
+    let n = d.experts * d.din * d.di;
+    match experts {
+        MoeExperts::Bf16 { gate, up, down } => {
+            expect_len("gate", gate.len(), n)?;
+            expect_len("up", up.len(), n)?;
+            expect_len("down", down.len(), n)
+        }
+        MoeExperts::Mxfp4 { gate, up, down } => {
+            for (what, (codes, scales)) in [("gate", gate), ("up", up), ("down", down)] {
+                expect_len(what, codes.len(), n / 2)?;
+                expect_len(what, scales.len(), n / 32)?;
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! Sampling on CUDA (`sample.cu`): greedy, temperature, top-k and top-p over a `[rows, vocab]`
+//! logits batch with per-row parameters and a per-row uniform draw from the host, so a row gives
+//! the token the engine's CPU sampler gives for the same draw (see [`crate::cpu::sample_row`]).
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{CudaDevice, CudaError, SAMPLE_SOURCE};
+
+const THREADS: usize = 1024;
+
+fn shape_err(msg: String) -> CudaError {
+    CudaError::Shape(format!("sample: {msg}"))
+}
+
+/// Per-row sampling parameters on the device: `temperature` (0 = greedy), `top_k` (0 = off),
+/// `top_p` (1 = off) and the uniform draw in [0, 1) of each row.
+pub struct SamplingRows {
+    pub temperature: CudaSlice<f32>,
+    pub top_k: CudaSlice<u32>,
+    pub top_p: CudaSlice<f32>,
+    pub uniform: CudaSlice<f64>,
+    rows: usize,
+}
+
+impl SamplingRows {
+    /// Uploads the parameters of `temperature.len()` rows; every slice must have that length
+    /// and the values the CPU sampler accepts (temperature finite ≥ 0, top_p in (0, 1],
+    /// uniform in [0, 1)).
+    pub fn upload(
+        dev: &CudaDevice,
+        temperature: &[f32],
+        top_k: &[u32],
+        top_p: &[f32],
+        uniform: &[f64],
+    ) -> Result<Self, CudaError> {
+        let rows = temperature.len();
+        if top_k.len() != rows || top_p.len() != rows || uniform.len() != rows {
+            return Err(shape_err(format!(
+                "parameter lengths differ: {rows} temperatures, {} top_k, {} top_p, {} draws",
+                top_k.len(),
+                top_p.len(),
+                uniform.len()
+            )));
+        }
+        if let Some(t) = temperature.iter().find(|t| !(t.is_finite() && **t >= 0.0)) {
+            return Err(shape_err(format!("temperature {t} must be finite and ≥ 0")));
+        }
+        if let Some(p) = top_p.iter().find(|p| !(**p > 0.0 && **p <= 1.0)) {
+            return Err(shape_err(format!("top_p {p} must be in (0, 1]")));
+        }
+        if let Some(u) = uniform.iter().find(|u| !(**u >= 0.0 && **u < 1.0)) {
+            return Err(shape_err(format!("uniform draw {u} must be in [0, 1)")));
+        }
+        Ok(SamplingRows {
+            temperature: dev.upload(temperature)?,
+            top_k: dev.upload(top_k)?,
+            top_p: dev.upload(top_p)?,
+            uniform: dev.upload(uniform)?,
+            rows,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// The compiled sampling kernels.
+pub struct Sampler {
+    f32_rows: CudaFunction,
+    bf16_rows: CudaFunction,
+}
+
+impl Sampler {
+    pub fn load(dev: &CudaDevice) -> Result<Self, CudaError> {
+        let m = dev.module(
+            "sample",
+            SAMPLE_SOURCE,
+            &[("SAMPLE_THREADS", THREADS.to_string())],
+        )?;
+        Ok(Sampler {
+            f32_rows: m.load_function("sample_f32")?,
+            bf16_rows: m.load_function("sample_bf16")?,
+        })
+    }
+
+    /// One token per row of f32 logits `[params.rows(), vocab]` into `out`.
+    pub fn sample_f32(
+        &self,
+        dev: &CudaDevice,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        params: &SamplingRows,
+        out: &mut CudaSlice<u32>,
+    ) -> Result<(), CudaError> {
+        self.launch(dev, &self.f32_rows, logits, vocab, params, out)
+    }
+
+    /// The same over bf16 logits (raw bits).
+    pub fn sample_bf16(
+        &self,
+        dev: &CudaDevice,
+        logits: &CudaSlice<u16>,
+        vocab: usize,
+        params: &SamplingRows,
+        out: &mut CudaSlice<u32>,
+    ) -> Result<(), CudaError> {
+        self.launch(dev, &self.bf16_rows, logits, vocab, params, out)
+    }
+
+    fn launch<T: cudarc::driver::DeviceRepr>(
+        &self,
+        dev: &CudaDevice,
+        f: &CudaFunction,
+        logits: &CudaSlice<T>,
+        vocab: usize,
+        params: &SamplingRows,
+        out: &mut CudaSlice<u32>,
+    ) -> Result<(), CudaError> {
+        let rows = params.rows;
+        if vocab == 0 || vocab >= i32::MAX as usize {
+            return Err(shape_err(format!("vocab {vocab} out of range")));
+        }
+        if logits.len() < rows * vocab || out.len() < rows {
+            return Err(shape_err(format!(
+                "{rows} rows of {vocab}: logits hold {}, out {}",
+                logits.len(),
+                out.len()
+            )));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let vocab_i = vocab as i32;
+        let mut launch = dev.stream().launch_builder(f);
+        launch
+            .arg(logits)
+            .arg(&params.temperature)
+            .arg(&params.top_k)
+            .arg(&params.top_p)
+            .arg(&params.uniform)
+            .arg(out)
+            .arg(&vocab_i);
+        // SAFETY: the argument list matches `sample_f32`/`sample_bf16` (T is f32 or u16 by the
+        // public entry points); every buffer holds `rows` rows, checked above.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+}
