@@ -3,7 +3,12 @@
 //! passes), then times them against their memory floor (bytes moved / 4.8 TB/s).
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
-//!   target/release/examples/cuda_model_ops_check [--quick]
+//!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|moe]
+//!       [--mla-prefetch N,M,..] [--mla-coalesced]
+//!
+//! MLA decode is checked and timed with every split kernel the device runs (the portable one,
+//! and on Hopper the warpgroup one); `--mla-prefetch` also checks and times each kernel with
+//! those L2 prefetch distances (tiles ahead), `--mla-coalesced` with its wider tile copies.
 //!
 //! Output: `check <name> rel_err=<e> tol=<t> <ok|FAIL>` lines (for sampling the value is the
 //! number of rows whose token differs), then `time <name> <shape> us=<median>
@@ -18,11 +23,13 @@ use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
 use tessera_kernels::cpu;
 use tessera_kernels::cuda::{
     bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, MlaDecode, MlaDecodeShape,
-    MlaDecodeWorkspace, MlaPages, MoeDecode, MoeDims, Sampler, SamplingRows, ShortConv, MLA_RANK,
-    MLA_ROPE,
+    MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MoeDecode, MoeDims, Sampler, SamplingRows,
+    ShortConv, MLA_RANK, MLA_ROPE,
 };
 
 const MLA_D: usize = MLA_RANK + MLA_ROPE;
+/// Dense bf16 tensor-core peak of an H200 (SXM), for the compute floor of MLA decode.
+const BF16_PEAK_FLOPS: f64 = 989.5e12;
 
 pub(crate) fn bf16_vec(n: usize, rng: &mut Rng, scale: f32) -> Vec<u16> {
     fill(n, rng.next_u64(), |r| bf16_bits(r.normal() * scale))
@@ -364,8 +371,13 @@ fn check_mla(
             );
         }
     }
+    let label = match mla.kernel() {
+        MlaKernel::Portable => "mla_decode",
+        MlaKernel::Hopper => "mla_decode_hopper",
+    };
+    let pf = tuning_label(mla.tuning());
     checks.report(
-        &format!("mla_decode.H{heads}.lens{lens:?}.page{page_size}.splits{splits}")
+        &format!("{label}{pf}.H{heads}.lens{lens:?}.page{page_size}.splits{splits}")
             .replace(' ', ""),
         rel_err(&got, &want),
         2e-2,
@@ -373,18 +385,101 @@ fn check_mla(
     Ok(())
 }
 
+/// The MLA checks for one kernel configuration (`load` compiles it for a head count).
+fn check_mla_kernel(
+    dev: &CudaDevice,
+    checks: &mut Checks,
+    rng: &mut Rng,
+    load: impl Fn(usize) -> Result<MlaDecode, CudaError>,
+) -> Result<(), CudaError> {
+    for heads in [16, 32, 96] {
+        let mla = load(heads)?;
+        check_mla(dev, &mla, checks, rng, heads, &[1, 700, 130], 64, 1)?;
+        check_mla(dev, &mla, checks, rng, heads, &[3000, 65, 0, 1], 128, 5)?;
+    }
+    let mla = load(96)?;
+    check_mla(dev, &mla, checks, rng, 96, &[5000, 4097], 64, 16)?;
+    check_mla(dev, &mla, checks, rng, 96, &[777], 16, 3)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Timing
 
-fn bench(dev: &CudaDevice, quick: bool) -> Result<(), CudaError> {
+/// Which parts of the run are wanted (`--only NAME`, else all).
+struct Only(Option<String>);
+
+impl Only {
+    fn wants(&self, part: &str) -> bool {
+        self.0.as_deref().is_none_or(|o| o == part)
+    }
+}
+
+/// A check-name suffix for a kernel's build-time alternative ("" for the default).
+fn tuning_label(t: MlaTuning) -> String {
+    let mut label = String::new();
+    if t.prefetch > 0 {
+        label += &format!(".prefetch{}", t.prefetch);
+    }
+    if t.coalesced {
+        label += ".coalesced";
+    }
+    label
+}
+
+/// The split kernels of MLA decode this device runs.
+fn mla_kernels(dev: &CudaDevice) -> Vec<MlaKernel> {
+    let mut v = vec![MlaKernel::Portable];
+    if dev.arch() == "sm_90" {
+        v.push(MlaKernel::Hopper);
+    }
+    v
+}
+
+fn bench(
+    dev: &CudaDevice,
+    quick: bool,
+    only: &Only,
+    tunings: &[MlaTuning],
+    hopper_ok: bool,
+) -> Result<(), CudaError> {
     let mut rng = Rng(7);
     let iters = if quick { 10 } else { 50 };
+    if only.wants("conv") {
+        bench_conv(dev, &mut rng, iters)?;
+    }
+    if only.wants("sample") {
+        bench_sample(dev, &mut rng, iters)?;
+    }
+    let mut kernels = Vec::new();
+    for kernel in mla_kernels(dev) {
+        let wanted = match kernel {
+            MlaKernel::Portable => only.wants("mla"),
+            MlaKernel::Hopper => hopper_ok && (only.wants("mla") || only.wants("mla-hopper")),
+        };
+        if wanted {
+            kernels.push((String::new(), MlaDecode::load_kernel(dev, 96, kernel)?));
+            for &t in tunings {
+                let tuned = MlaDecode::load_tuned(dev, 96, kernel, t)?;
+                kernels.push((format!(" {}", &tuning_label(t)[1..]), tuned));
+            }
+        }
+    }
+    if !kernels.is_empty() {
+        bench_mla(dev, &mut rng, iters, &kernels)?;
+    }
+    if only.wants("moe") {
+        moe::bench_moe(dev, &MoeDecode::load(dev)?, iters)?;
+    }
+    Ok(())
+}
+
+fn bench_conv(dev: &CudaDevice, rng: &mut Rng, iters: usize) -> Result<(), CudaError> {
     let conv = ShortConv::load(dev, 4)?;
     let channels = 3 * 32 * 128; // q, k, v of 32 KDA heads of 128
     for t in [8192usize, 32768] {
-        let x = dev.upload(&bf16_vec(t * channels, &mut rng, 1.0))?;
-        let w = dev.upload(&bf16_vec(channels * 4, &mut rng, 0.5))?;
-        let s0 = dev.upload(&bf16_vec(channels * 3, &mut rng, 1.0))?;
+        let x = dev.upload(&bf16_vec(t * channels, rng, 1.0))?;
+        let w = dev.upload(&bf16_vec(channels * 4, rng, 0.5))?;
+        let s0 = dev.upload(&bf16_vec(channels * 3, rng, 1.0))?;
         let mut s1 = dev.upload(&vec![0u16; channels * 3])?;
         let mut out = dev.upload(&vec![0u16; t * channels])?;
         let us = time_us(dev, 3, iters, || {
@@ -399,9 +494,9 @@ fn bench(dev: &CudaDevice, quick: bool) -> Result<(), CudaError> {
         );
     }
     for batch in [64usize, 256] {
-        let x = dev.upload(&bf16_vec(batch * channels, &mut rng, 1.0))?;
-        let w = dev.upload(&bf16_vec(channels * 4, &mut rng, 0.5))?;
-        let mut st = dev.upload(&bf16_vec(batch * channels * 3, &mut rng, 1.0))?;
+        let x = dev.upload(&bf16_vec(batch * channels, rng, 1.0))?;
+        let w = dev.upload(&bf16_vec(channels * 4, rng, 0.5))?;
+        let mut st = dev.upload(&bf16_vec(batch * channels * 3, rng, 1.0))?;
         let mut out = dev.upload(&vec![0u16; batch * channels])?;
         let us = time_us(dev, 3, iters, || {
             conv.update(dev, &x, &w, &mut st, &mut out, batch, channels)
@@ -415,7 +510,10 @@ fn bench(dev: &CudaDevice, quick: bool) -> Result<(), CudaError> {
             "",
         );
     }
+    Ok(())
+}
 
+fn bench_sample(dev: &CudaDevice, rng: &mut Rng, iters: usize) -> Result<(), CudaError> {
     let sampler = Sampler::load(dev)?;
     let vocab = 163_840;
     for rows in [1usize, 64, 256] {
@@ -446,17 +544,36 @@ fn bench(dev: &CudaDevice, quick: bool) -> Result<(), CudaError> {
             );
         }
     }
+    Ok(())
+}
 
+/// Times each kernel (with its label suffix) on the same inputs; the last shape keeps the pages
+/// in order (the others are shuffled), to show what scattered pages cost.
+fn bench_mla(
+    dev: &CudaDevice,
+    rng: &mut Rng,
+    iters: usize,
+    kernels: &[(String, MlaDecode)],
+) -> Result<(), CudaError> {
     let heads = 96;
-    let mla = MlaDecode::load(dev, heads)?;
     let scale = 1.0 / (192.0f32).sqrt();
     let page_size = 64;
-    for (batch, ctx) in [(64usize, 16384usize), (64, 4096), (8, 16384), (1, 16384)] {
+    for (batch, ctx, in_order) in [
+        (64usize, 16384usize, false),
+        (64, 4096, false),
+        (8, 16384, false),
+        (1, 16384, false),
+        (64, 16384, true),
+    ] {
         let lens = vec![ctx; batch];
-        let pc = paged_cache(&lens, page_size, &mut rng);
+        let mut pc = paged_cache(&lens, page_size, rng);
+        if in_order {
+            let per = pc.max_pages;
+            pc.table = (0..(batch * per) as i32).collect();
+        }
         let (cache_d, table_d) = (dev.upload(&pc.cache)?, dev.upload(&pc.table)?);
         let lens_d = dev.upload(&vec![ctx as i32; batch])?;
-        let q = dev.upload(&bf16_vec(batch * heads * MLA_D, &mut rng, 1.0))?;
+        let q = dev.upload(&bf16_vec(batch * heads * MLA_D, rng, 1.0))?;
         let pages = MlaPages {
             cache: &cache_d,
             page_table: &table_d,
@@ -464,120 +581,160 @@ fn bench(dev: &CudaDevice, quick: bool) -> Result<(), CudaError> {
             page_size,
             max_pages: pc.max_pages,
         };
-        let splits = mla.splits_for(batch, ctx);
-        let shape = MlaDecodeShape {
-            batch,
-            heads,
-            splits,
-        };
-        let mut ws = MlaDecodeWorkspace::new(dev, shape)?;
         let mut out = dev.upload(&vec![0u16; batch * heads * MLA_RANK])?;
-        let us = time_us(dev, 3, iters, || {
-            mla.decode(dev, &q, &pages, scale, &mut ws, &mut out)
-        })?;
-        let bytes = (batch * ctx * MLA_D * 2) as f64;
-        let flops = 2.0 * (batch * ctx * heads * (MLA_D + MLA_RANK)) as f64;
-        report_time(
-            "mla_decode",
-            &format!("B={batch},ctx={ctx},H={heads}"),
-            us,
-            bytes,
-            &format!(" splits={splits} tflops={:.0}", flops / (us * 1e-6) / 1e12),
-        );
+        for (suffix, mla) in kernels {
+            let name = match mla.kernel() {
+                MlaKernel::Portable => "mla_decode",
+                MlaKernel::Hopper => "mla_decode_hopper",
+            };
+            let splits = mla.splits_for(batch, ctx);
+            let shape = MlaDecodeShape {
+                batch,
+                heads,
+                splits,
+            };
+            let mut ws = MlaDecodeWorkspace::new(dev, shape)?;
+            let us = time_us(dev, 3, iters, || {
+                mla.decode(dev, &q, &pages, scale, &mut ws, &mut out)
+            })?;
+            let bytes = (batch * ctx * MLA_D * 2) as f64;
+            let flops = 2.0 * (batch * ctx * heads * (MLA_D + MLA_RANK)) as f64;
+            // The compute floor: the two products at the dense bf16 peak.
+            let tflops = flops / (us * 1e-6) / 1e12;
+            let order = if in_order { ",pages_in_order" } else { "" };
+            report_time(
+                name,
+                &format!("B={batch},ctx={ctx},H={heads}{order}"),
+                us,
+                bytes,
+                &format!(
+                    " splits={splits} tflops={tflops:.0} compute_floor_us={:.2} pct_peak={:.0}{suffix}",
+                    flops / BF16_PEAK_FLOPS * 1e6,
+                    100.0 * tflops * 1e12 / BF16_PEAK_FLOPS
+                ),
+            );
+        }
     }
-    moe::bench_moe(dev, &MoeDecode::load(dev)?, iters)
+    Ok(())
 }
 
 fn run() -> Result<usize, CudaError> {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let only = Only(flag("--only"));
+    // Build-time alternatives of the MLA split kernels to check and time besides the defaults.
+    let mut tunings: Vec<MlaTuning> = flag("--mla-prefetch")
+        .map(|l| {
+            l.split(',')
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<usize>>()
+        })
+        .unwrap_or_default()
+        .into_iter()
+        .map(|prefetch| MlaTuning {
+            prefetch,
+            ..MlaTuning::default()
+        })
+        .collect();
+    if args.iter().any(|a| a == "--mla-coalesced") {
+        tunings.push(MlaTuning {
+            coalesced: true,
+            ..MlaTuning::default()
+        });
+    }
     let dev = CudaDevice::open(0, default_cache_dir())?;
     println!("device {} ({})", dev.name(), dev.arch());
     let mut checks = Checks { failed: 0 };
     let mut rng = Rng(1234);
 
-    let conv = ShortConv::load(&dev, 4)?;
-    for (t, c) in [(1, 8), (2, 300), (5, 4096), (37, 12288), (1000, 1536)] {
-        check_conv(&dev, &conv, &mut checks, &mut rng, t, c)?;
-    }
-    check_conv_update(&dev, &conv, &mut checks, &mut rng, 5, 4096, 6)?;
-
-    let sampler = Sampler::load(&dev)?;
-    for (rows, vocab, levels, bf16) in [
-        (40, 1, None, false),
-        (40, 37, Some(3), false),
-        (64, 1000, None, false),
-        (64, 5000, Some(7), false),
-        (48, 163_840, None, false),
-        (48, 163_840, None, true),
-        (32, 32_000, Some(40), true),
-    ] {
-        check_sampling(
-            &dev,
-            &sampler,
-            &mut checks,
-            &mut rng,
-            rows,
-            vocab,
-            levels,
-            bf16,
-        )?;
-    }
-
-    for heads in [16, 32, 96] {
-        let mla = MlaDecode::load(&dev, heads)?;
-        check_mla(
-            &dev,
-            &mla,
-            &mut checks,
-            &mut rng,
-            heads,
-            &[1, 700, 130],
-            64,
-            1,
-        )?;
-        check_mla(
-            &dev,
-            &mla,
-            &mut checks,
-            &mut rng,
-            heads,
-            &[3000, 65, 0, 1],
-            128,
-            5,
-        )?;
-    }
-    let mla = MlaDecode::load(&dev, 96)?;
-    check_mla(&dev, &mla, &mut checks, &mut rng, 96, &[5000, 4097], 64, 16)?;
-    check_mla(&dev, &mla, &mut checks, &mut rng, 96, &[777], 16, 3)?;
-
-    let moe_k = MoeDecode::load(&dev)?;
-    let k3_routing = MoeDims {
-        experts: 896,
-        top_k: 16,
-        din: 3584,
-        di: 3072,
-    };
-    for batch in [1, 7, 16] {
-        moe::check_routing(&dev, &moe_k, &mut checks, &mut rng, k3_routing, batch)?;
-    }
-    let small = MoeDims {
-        experts: 40,
-        top_k: 6,
-        din: 512,
-        di: 384,
-    };
-    for mxfp4 in [false, true] {
-        for batch in [1, 5, 16] {
-            moe::check_moe_experts(&dev, &moe_k, &mut checks, &mut rng, small, batch, mxfp4)?;
+    if only.wants("conv") {
+        let conv = ShortConv::load(&dev, 4)?;
+        for (t, c) in [(1, 8), (2, 300), (5, 4096), (37, 12288), (1000, 1536)] {
+            check_conv(&dev, &conv, &mut checks, &mut rng, t, c)?;
         }
-        let k3 = MoeDims {
-            experts: 24,
-            ..k3_routing
+        check_conv_update(&dev, &conv, &mut checks, &mut rng, 5, 4096, 6)?;
+    }
+    if only.wants("sample") {
+        let sampler = Sampler::load(&dev)?;
+        for (rows, vocab, levels, bf16) in [
+            (40, 1, None, false),
+            (40, 37, Some(3), false),
+            (64, 1000, None, false),
+            (64, 5000, Some(7), false),
+            (48, 163_840, None, false),
+            (48, 163_840, None, true),
+            (32, 32_000, Some(40), true),
+        ] {
+            check_sampling(
+                &dev,
+                &sampler,
+                &mut checks,
+                &mut rng,
+                rows,
+                vocab,
+                levels,
+                bf16,
+            )?;
+        }
+    }
+    let mut mla_ok = None;
+    for kernel in mla_kernels(&dev) {
+        let part = match kernel {
+            MlaKernel::Portable => "mla",
+            MlaKernel::Hopper => "mla-hopper",
         };
-        moe::check_moe_experts(&dev, &moe_k, &mut checks, &mut rng, k3, 2, mxfp4)?;
+        if !(only.wants("mla") || only.wants(part)) {
+            continue;
+        }
+        let before = checks.failed;
+        check_mla_kernel(&dev, &mut checks, &mut rng, |h| {
+            MlaDecode::load_kernel(&dev, h, kernel)
+        })?;
+        for &t in &tunings {
+            check_mla_kernel(&dev, &mut checks, &mut rng, |h| {
+                MlaDecode::load_tuned(&dev, h, kernel, t)
+            })?;
+        }
+        if kernel == MlaKernel::Hopper {
+            mla_ok = Some(checks.failed == before);
+        }
+    }
+    if only.wants("moe") {
+        let moe_k = MoeDecode::load(&dev)?;
+        let k3_routing = MoeDims {
+            experts: 896,
+            top_k: 16,
+            din: 3584,
+            di: 3072,
+        };
+        for batch in [1, 7, 16] {
+            moe::check_routing(&dev, &moe_k, &mut checks, &mut rng, k3_routing, batch)?;
+        }
+        let small = MoeDims {
+            experts: 40,
+            top_k: 6,
+            din: 512,
+            di: 384,
+        };
+        for mxfp4 in [false, true] {
+            for batch in [1, 5, 16] {
+                moe::check_moe_experts(&dev, &moe_k, &mut checks, &mut rng, small, batch, mxfp4)?;
+            }
+            let k3 = MoeDims {
+                experts: 24,
+                ..k3_routing
+            };
+            moe::check_moe_experts(&dev, &moe_k, &mut checks, &mut rng, k3, 2, mxfp4)?;
+        }
     }
 
-    bench(&dev, quick)?;
+    // A Hopper kernel that failed its checks is not timed.
+    bench(&dev, quick, &only, &tunings, mla_ok != Some(false))?;
     Ok(checks.failed)
 }
 

@@ -4,7 +4,8 @@
 //!   cargo run -p tessera-kernels --features cuda --example cuda_ptx -- OUT_DIR [sm_90]
 
 use tessera_kernels::cuda::{
-    compile, kda_defines, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SOURCE, MOE_SOURCE, SAMPLE_SOURCE,
+    compile, kda_defines, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE,
+    MOE_SOURCE, SAMPLE_SOURCE,
 };
 
 /// One PTX file to write: its name, the source and the `-D` macros.
@@ -35,7 +36,16 @@ fn main() {
             vec![("MLA_MT", mt.to_string())],
         ));
     }
+    if arch == "sm_90" {
+        units.push(("mla_decode_sm90".into(), MLA_DECODE_SM90_SOURCE, vec![]));
+    }
     for (name, source, defines) in units {
+        // The warpgroup kernel needs the architecture-specific target.
+        let arch = if name == "mla_decode_sm90" {
+            "sm_90a".to_string()
+        } else {
+            arch.clone()
+        };
         let ptx = compile(&arch, &name, source, &defines).unwrap_or_else(|e| panic!("{e}"));
         let path = out.join(format!("{name}-{arch}.ptx"));
         std::fs::write(&path, ptx.to_src()).expect("write ptx");

@@ -4,8 +4,8 @@
 #![cfg(feature = "cuda")]
 
 use tessera_kernels::cuda::{
-    compile, kda_defines, CudaError, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SOURCE, MOE_SOURCE,
-    OPS_SOURCE, SAMPLE_SOURCE,
+    compile, kda_defines, CudaError, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE,
+    MLA_DECODE_SOURCE, MOE_SOURCE, OPS_SOURCE, SAMPLE_SOURCE,
 };
 
 fn nvrtc_required() -> bool {
@@ -152,9 +152,15 @@ fn sampling_compiles_for_hopper_and_ampere() {
 
 #[test]
 fn mla_decode_compiles_with_tensor_cores_for_every_head_block() {
-    let configs: Vec<Vec<(&str, String)>> = [1, 2, 3]
+    let configs: Vec<Vec<(&str, String)>> = [(1, 0, 0), (2, 0, 0), (3, 0, 0), (3, 4, 0), (3, 0, 1)]
         .iter()
-        .map(|mt| vec![("MLA_MT", mt.to_string())])
+        .map(|(mt, pf, co)| {
+            vec![
+                ("MLA_MT", mt.to_string()),
+                ("MLA_PREFETCH", pf.to_string()),
+                ("MLA_COALESCED", co.to_string()),
+            ]
+        })
         .collect();
     compiles_with(
         "mla_decode",
@@ -167,6 +173,32 @@ fn mla_decode_compiles_with_tensor_cores_for_every_head_block() {
             "cp.async",
         ],
     );
+}
+
+#[test]
+fn mla_decode_warpgroup_kernel_compiles_for_sm90a_in_every_tuning() {
+    for (prefetch, coalesced) in [(0, 0), (3, 0), (0, 1)] {
+        let defines = [
+            ("MLA_PREFETCH", format!("{prefetch}")),
+            ("MLA_COALESCED", format!("{coalesced}")),
+        ];
+        match compile(
+            "sm_90a",
+            "mla_decode_sm90",
+            MLA_DECODE_SM90_SOURCE,
+            &defines,
+        ) {
+            Ok(ptx) => {
+                let text = ptx.to_src();
+                assert!(text.contains(".entry mla_decode_split_wg"));
+                assert!(text.contains("wgmma.mma_async.sync.aligned.m64n32k16"));
+                assert!(text.contains("wgmma.mma_async.sync.aligned.m64n64k16"));
+                assert_eq!(text.contains("cp.async.bulk.prefetch.L2"), prefetch > 0);
+            }
+            Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
+            Err(e) => panic!("{defines:?}: {e}"),
+        }
+    }
 }
 
 #[test]

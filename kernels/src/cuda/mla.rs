@@ -7,7 +7,7 @@
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::{CudaDevice, CudaError, MLA_DECODE_SOURCE};
+use super::{CudaDevice, CudaError, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE};
 
 /// Latent width (kv_lora_rank) and the rope-slot width of one cached token.
 pub const MLA_RANK: usize = 512;
@@ -46,9 +46,44 @@ pub struct MlaDecode {
     combine: CudaFunction,
     heads: usize,
     heads_per_block: usize,
+    threads: u32,
     smem: u32,
     sms: usize,
+    hopper: bool,
+    tuning: MlaTuning,
 }
+
+/// The split kernels: `Portable` (mma.sync, every architecture from `sm_80`; what
+/// [`MlaDecode::load`] picks) and `Hopper` (warpgroup MMAs, `sm_90` only). On an H200 at K3's
+/// 96 heads the Hopper kernel is as exact but 1-10% slower: it pads 96 heads to 128, and both
+/// run at about 150 TFLOP/s, far from the MMAs' peak, so the MMAs are not what limits them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlaKernel {
+    Portable,
+    Hopper,
+}
+
+/// Build-time choices of a split kernel, for measuring alternatives (`load_tuned`).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MlaTuning {
+    /// Tiles prefetched into L2 ahead of the shared-memory stages (`MLA_PREFETCH`). The default
+    /// is none: on an H200 prefetching 2 to 8 tiles ahead made both kernels up to 10% slower.
+    pub prefetch: usize,
+    /// Tile copies with wider contiguous runs per warp instruction (`MLA_COALESCED`).
+    pub coalesced: bool,
+}
+
+impl MlaTuning {
+    fn defines(&self) -> [(&'static str, String); 2] {
+        [
+            ("MLA_PREFETCH", self.prefetch.to_string()),
+            ("MLA_COALESCED", u8::from(self.coalesced).to_string()),
+        ]
+    }
+}
+/// Shared memory of `mla_decode_split_wg`: Q, two tiles, P and the row exchange (`WgSmem`).
+const HOPPER_SMEM: usize = 64 * D * 2 + 2 * BN * D * 2 + 64 * BN * 2 + 2 * 64 * 4;
 
 /// Per-split partial outputs and log-sum-exps for one shape (reuse across calls).
 pub struct MlaDecodeWorkspace {
@@ -75,10 +110,83 @@ fn smem_bytes(mt: usize) -> usize {
     hb * qld * 2 + 2 * BN * qld * 2 + hb * sld * 4 + hb * pld * 2 + 3 * hb * 4
 }
 
+fn sm_count(dev: &CudaDevice) -> Result<usize, CudaError> {
+    Ok(dev
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize)
+}
+
 impl MlaDecode {
-    /// Compiles the kernels for `heads` query heads (a multiple of 16): blocks of 48 heads when
-    /// `heads / 16` is a multiple of 3 (K3's 96), else 32 or 16.
+    /// Compiles the kernels for `heads` query heads (a multiple of 16): the portable split
+    /// kernel (see [`MlaKernel`]).
     pub fn load(dev: &CudaDevice, heads: usize) -> Result<Self, CudaError> {
+        Self::load_kernel(dev, heads, MlaKernel::Portable)
+    }
+
+    /// [`MlaDecode::load`] with the split kernel chosen by the caller (Hopper needs `sm_90`).
+    pub fn load_kernel(
+        dev: &CudaDevice,
+        heads: usize,
+        kernel: MlaKernel,
+    ) -> Result<Self, CudaError> {
+        Self::load_tuned(dev, heads, kernel, MlaTuning::default())
+    }
+
+    /// [`MlaDecode::load_kernel`] built with `tuning` (for measuring alternatives).
+    #[doc(hidden)]
+    pub fn load_tuned(
+        dev: &CudaDevice,
+        heads: usize,
+        kernel: MlaKernel,
+        tuning: MlaTuning,
+    ) -> Result<Self, CudaError> {
+        match kernel {
+            MlaKernel::Portable => Self::load_portable(dev, heads, tuning),
+            MlaKernel::Hopper => Self::load_hopper(dev, heads, tuning),
+        }
+    }
+
+    /// The warpgroup kernel: blocks of 64 heads (the last block's rows past `heads` idle).
+    fn load_hopper(dev: &CudaDevice, heads: usize, tuning: MlaTuning) -> Result<Self, CudaError> {
+        if heads == 0 || !heads.is_multiple_of(16) {
+            return Err(shape_err(format!(
+                "{heads} heads: must be a positive multiple of 16"
+            )));
+        }
+        let combine = dev
+            .module(
+                "mla_decode",
+                MLA_DECODE_SOURCE,
+                &[("MLA_MT", "1".to_string())],
+            )?
+            .load_function("mla_decode_combine")?;
+        let m = dev.module_for(
+            "sm_90a",
+            "mla_decode_sm90",
+            MLA_DECODE_SM90_SOURCE,
+            &tuning.defines(),
+        )?;
+        let split = m.load_function("mla_decode_split_wg")?;
+        split.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            HOPPER_SMEM as i32,
+        )?;
+        Ok(MlaDecode {
+            split,
+            combine,
+            heads,
+            heads_per_block: 64,
+            threads: 256,
+            smem: HOPPER_SMEM as u32,
+            sms: sm_count(dev)?,
+            hopper: true,
+            tuning,
+        })
+    }
+
+    /// The portable kernel: blocks of 48 heads when `heads / 16` is a multiple of 3 (K3's 96),
+    /// else 32 or 16.
+    fn load_portable(dev: &CudaDevice, heads: usize, tuning: MlaTuning) -> Result<Self, CudaError> {
         if heads == 0 || !heads.is_multiple_of(16) {
             return Err(shape_err(format!(
                 "{heads} heads: must be a positive multiple of 16"
@@ -92,7 +200,7 @@ impl MlaDecode {
         let m = dev.module(
             "mla_decode",
             MLA_DECODE_SOURCE,
-            &[("MLA_MT", mt.to_string())],
+            &[[("MLA_MT", mt.to_string())].as_slice(), &tuning.defines()].concat(),
         )?;
         let split = m.load_function("mla_decode_split")?;
         let combine = m.load_function("mla_decode_combine")?;
@@ -101,24 +209,42 @@ impl MlaDecode {
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
         )?;
-        let sms = dev
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
-            as usize;
         Ok(MlaDecode {
             split,
             combine,
             heads,
             heads_per_block: 16 * mt,
+            threads: 128 * mt as u32,
             smem,
-            sms,
+            sms: sm_count(dev)?,
+            hopper: false,
+            tuning,
         })
+    }
+
+    /// The split kernel in use.
+    pub fn kernel(&self) -> MlaKernel {
+        if self.hopper {
+            MlaKernel::Hopper
+        } else {
+            MlaKernel::Portable
+        }
+    }
+
+    /// The build-time choices of the split kernel.
+    #[doc(hidden)]
+    pub fn tuning(&self) -> MlaTuning {
+        self.tuning
+    }
+
+    fn head_blocks(&self) -> usize {
+        self.heads.div_ceil(self.heads_per_block)
     }
 
     /// A context split for `batch` sequences of up to `max_context` tokens: the fewest splits
     /// whose blocks fill the SMs in whole waves to within 10%, keeping ≥ 4 tiles per split.
     pub fn splits_for(&self, batch: usize, max_context: usize) -> usize {
-        let blocks = batch * (self.heads / self.heads_per_block);
+        let blocks = batch * self.head_blocks();
         let max_splits = (max_context.div_ceil(BN) / 4).clamp(1, 64);
         (1..=max_splits)
             .find(|&s| {
@@ -178,12 +304,8 @@ impl MlaDecode {
             return Err(shape_err(format!("{capacity} tokens per sequence")));
         }
         let cfg = LaunchConfig {
-            grid_dim: (
-                sh.splits as u32,
-                (sh.heads / self.heads_per_block) as u32,
-                sh.batch as u32,
-            ),
-            block_dim: (8 * self.heads_per_block as u32, 1, 1),
+            grid_dim: (sh.splits as u32, self.head_blocks() as u32, sh.batch as u32),
+            block_dim: (self.threads, 1, 1),
             shared_mem_bytes: self.smem,
         };
         let (heads_i, ps_i, mp_i, np_i) = (

@@ -30,6 +30,21 @@
 
 static_assert(MLA_THREADS / MLA_HB == 8, "softmax maps 8 threads to a head");
 
+// Tiles ahead whose cache lines are prefetched into L2 (0: none), so that more of the stream is
+// in flight than the two shared-memory stages hold.
+#ifndef MLA_PREFETCH
+#define MLA_PREFETCH 0
+#endif
+// 1: tiles are copied chunk-major (a warp's lanes take consecutive 16-byte chunks); 0: row-major
+// (TPR threads per token row, each taking every TPR-th chunk).
+#ifndef MLA_COALESCED
+#define MLA_COALESCED 0
+#endif
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // Four 8x8 bf16 matrices from shared memory, transposed: lane l gives the row address of matrix
 // l / 8, row l % 8; register i receives matrix i in the B-fragment layout of mma m16n8k16.
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const bf16_t* p) {
@@ -86,6 +101,24 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cache,
     // (one dependent load) and then issues its 16-byte copies back to back.
     constexpr int TPR = MLA_THREADS / MLA_BN;
     static_assert(MLA_THREADS % MLA_BN == 0 && CHUNKS % TPR == 0, "tile rows split evenly");
+#if MLA_COALESCED
+    // Chunk-major instead: the 32 lanes of a warp copy 32 consecutive chunks (512 contiguous
+    // bytes, mostly of one row) per instruction, each lane looking up the page of its row.
+    static_assert(MLA_BN * CHUNKS % MLA_THREADS == 0, "tile chunks split evenly");
+    auto load_tile = [&](int stage, int tile) {
+#pragma unroll
+        for (int i = 0; i < MLA_BN * CHUNKS / MLA_THREADS; ++i) {
+            const int idx = tid + i * MLA_THREADS;
+            const int r = idx / CHUNKS, c = idx - r * CHUNKS;
+            const int tok = tile * MLA_BN + r;
+            const int page = tok < len ? pages[tok / page_size] : -1;
+            const bool valid = page >= 0 && page < num_pages;
+            const bf16_t* src =
+                valid ? cache + ((size_t)page * page_size + tok % page_size) * MLA_D : cache;
+            cp_async16_zfill(sm.kv[stage] + r * QLD + c * 8, valid ? src + c * 8 : src, valid);
+        }
+    };
+#else
     auto load_tile = [&](int stage, int tile) {
         const int r = tid / TPR, c0 = tid - r * TPR;
         const int tok = tile * MLA_BN + r;
@@ -97,6 +130,21 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cache,
 #pragma unroll
         for (int c = c0; c < CHUNKS; c += TPR) cp_async16_zfill(dst + c * 8, valid ? src + c * 8 : src, valid);
     };
+#endif
+
+#if MLA_PREFETCH > 0
+    // The 128-byte lines of a tile's rows: TPR threads per row, nine lines per 1152-byte row.
+    auto prefetch_tile = [&](int tile) {
+        const int r = tid / TPR, c0 = tid - r * TPR;
+        const int tok = tile * MLA_BN + r;
+        const int page = tok < len ? pages[tok / page_size] : -1;
+        if (page < 0 || page >= num_pages) return;
+        const char* src = reinterpret_cast<const char*>(
+            cache + ((size_t)page * page_size + tok % page_size) * MLA_D);
+        for (int line = c0; line < MLA_D * 2 / 128; line += TPR) prefetch_l2(src + line * 128);
+    };
+    for (int t = tile0 + 1; t < min(tile1, tile0 + MLA_PREFETCH); ++t) prefetch_tile(t);
+#endif
 
     for (int i = tid; i < MLA_HB * CHUNKS; i += MLA_THREADS) {
         const int r = i / CHUNKS, c = i - r * CHUNKS;
@@ -117,6 +165,9 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cache,
         const int st = (tile - tile0) & 1;
         if (tile + 1 < tile1) load_tile(st ^ 1, tile + 1);
         cp_async_commit();
+#if MLA_PREFETCH > 0
+        if (tile + MLA_PREFETCH < tile1) prefetch_tile(tile + MLA_PREFETCH);
+#endif
         cp_async_wait<1>();
         __syncthreads();
         const bf16_t* kv = sm.kv[st];

@@ -26,7 +26,10 @@ pub use crate::gpu::{
 };
 pub use conv::ShortConv;
 pub use kda::{KdaInputs, KdaKernels, KdaPrefillWorkspace};
-pub use mla::{MlaDecode, MlaDecodeShape, MlaDecodeWorkspace, MlaPages, MLA_RANK, MLA_ROPE};
+pub use mla::{
+    MlaDecode, MlaDecodeShape, MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MLA_RANK,
+    MLA_ROPE,
+};
 pub use moe::{MoeActivation, MoeDecode, MoeDims, MoeExperts, MoeWorkspace, MOE_MAX_BATCH};
 pub use ops::{Linear, RowOps};
 pub use sample::{Sampler, SamplingRows};
@@ -38,6 +41,8 @@ pub const CONV_SOURCE: &str = include_str!("conv.cu");
 pub const SAMPLE_SOURCE: &str = include_str!("sample.cu");
 /// MLA decode in absorbed form over the paged latent cache (split context + combine).
 pub const MLA_DECODE_SOURCE: &str = include_str!("mla_decode.cu");
+/// The split kernel of MLA decode on warpgroup MMAs; Hopper only (compiled for `sm_90a`).
+pub const MLA_DECODE_SM90_SOURCE: &str = include_str!("mla_decode_sm90.cu");
 /// MoE decode for small batches: routing, plan, gate+up+SiTU, down, combine (bf16 and MXFP4).
 pub const MOE_SOURCE: &str = include_str!("moe.cu");
 
@@ -133,20 +138,27 @@ impl CudaDevice {
         source: &str,
         defines: &[(&str, String)],
     ) -> Result<Arc<CudaModule>, CudaError> {
-        let key = crate::gpu::cache_file_name(
-            name,
-            &self.arch,
-            source,
-            &nvrtc_options(&self.arch, defines),
-            "ptx",
-        );
+        self.module_for(&self.arch, name, source, defines)
+    }
+
+    /// [`CudaDevice::module`] for an architecture other than the device's own, such as the
+    /// architecture-specific `sm_90a` on an `sm_90` device.
+    pub fn module_for(
+        &self,
+        arch: &str,
+        name: &str,
+        source: &str,
+        defines: &[(&str, String)],
+    ) -> Result<Arc<CudaModule>, CudaError> {
+        let key =
+            crate::gpu::cache_file_name(name, arch, source, &nvrtc_options(arch, defines), "ptx");
         let cached = self.cache_dir.as_ref().map(|d| d.join(&key));
         if let Some(path) = &cached {
             if let Ok(ptx) = std::fs::read_to_string(path) {
                 return Ok(self.ctx.load_module(Ptx::from_src(ptx))?);
             }
         }
-        let ptx = compile(&self.arch, name, source, defines)?;
+        let ptx = compile(arch, name, source, defines)?;
         if let Some(path) = &cached {
             crate::gpu::write_cache_file(path, ptx.to_src().as_bytes()).map_err(|source| {
                 CudaError::Cache {

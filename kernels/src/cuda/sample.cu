@@ -14,6 +14,17 @@
 // per pass over the row (histograms of count and, for mass targets, f64 mass in shared memory: sums
 // in f64 like the CPU's, so the two differ only where u is within ~1e-15 of a boundary), then one ordered pass to
 // pick the tie (equal values carry equal mass) by id. One block per row; rows are independent.
+//
+// Prefix path: one pass counts the row into the first-level bins (and, without a truncating
+// top-k, sums the f64 mass of the whole row). From the counts, and each bin's smallest value as a
+// lower bound on its elements' masses, the scan picks the bins that must hold the answer: through
+// the top-k bin when k truncates, else through the first bin whose bounded running mass reaches
+// the top-p target, or without top-p the draw's. Their elements are compacted into shared memory
+// (at most SAMPLE_CAP), sorted by (key, id), and the three rules run exactly on that sorted
+// prefix with f64 prefix sums, the row's total mass standing for the untruncated set. Rows whose
+// prefix is larger than SAMPLE_CAP, or whose answer lies past it, take the radix path above.
+// sample_row sends only rows whose top-k truncates this way: without one, the mass bound is too
+// loose on flat logits (tens of thousands of candidates) and the fallback costs more than it saves.
 
 #ifndef SAMPLE_THREADS
 #define SAMPLE_THREADS 1024
@@ -249,6 +260,236 @@ __device__ Pos select(const T* row, int vocab, float temp, float vmax, Pos bound
     return Pos{key, sh.found_id};
 }
 
+#ifndef SAMPLE_CAP
+#define SAMPLE_CAP 4096
+#endif
+#define PER_THREAD (SAMPLE_CAP / SAMPLE_THREADS)
+static_assert(SAMPLE_CAP % SAMPLE_THREADS == 0 && (SAMPLE_CAP & (SAMPLE_CAP - 1)) == 0,
+              "the candidate capacity is a power of two and a multiple of the block");
+
+// The compacted prefix: (key << 32 | id) ascending is the sampling order, then the inclusive
+// prefix sums of the masses in that order.
+struct PrefixShared {
+    unsigned long long cand[SAMPLE_CAP];
+    double cum[SAMPLE_CAP];
+    unsigned count;
+    int hit;
+};
+
+__device__ __forceinline__ float key_value(unsigned key) {
+    const unsigned x = ~key;
+    return __uint_as_float((x >> 31) ? (x ^ 0x80000000u) : (x ^ 0xffffffffu));
+}
+
+// The first index i < len with cum[i] ≥ target (or > when strict), or -1.
+__device__ int first_reaching(PrefixShared& ps, int len, double target, bool strict) {
+    const int tid = threadIdx.x;
+    int& hit = ps.hit;
+    if (tid == 0) hit = 0x7fffffff;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+        const int i = tid * PER_THREAD + j;
+        if (i < len && (strict ? ps.cum[i] > target : ps.cum[i] >= target)) {
+            atomicMin(&hit, i);
+            break;
+        }
+    }
+    __syncthreads();
+    const int h = hit;
+    __syncthreads();
+    return h == 0x7fffffff ? -1 : h;
+}
+
+// Samples the row from its compacted prefix; false (nothing written) when the row needs the
+// radix path. n > 0 non-NaN values, the largest vmax.
+template <typename T>
+__device__ bool sample_prefix(const T* row, int vocab, float temp, float vmax, unsigned n,
+                              unsigned k, float p, double u, SampleShared& sh, unsigned* out) {
+    extern __shared__ __align__(16) unsigned char sample_dyn[];
+    PrefixShared& ps = *reinterpret_cast<PrefixShared*>(sample_dyn);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int i = tid; i < BINS; i += SAMPLE_THREADS) sh.cnt[i] = 0;
+    __syncthreads();
+    // The row's total mass is needed only when top-k does not truncate.
+    const bool truncate_k = k > 0 && k < n;
+    double own = 0.0;
+    for_row(row, vocab, [&](int i, float raw) {
+        const float v = raw / temp;
+        const bool take = i < vocab && v == v;
+        const unsigned b = take ? order_key(v) >> 21 : BINS;
+        if (__ballot_sync(0xffffffffu, take) == 0) return;
+        const unsigned peers = __match_any_sync(0xffffffffu, b);
+        if (take && lane == __ffs(peers) - 1) atomicAdd(&sh.cnt[b], (unsigned)__popc(peers));
+        if (!truncate_k && take) own += exp((double)(v - vmax));
+    });
+    for (int o = 16; o > 0; o >>= 1) own += __shfl_xor_sync(0xffffffffu, own, o);
+    __shared__ double warp_sum[SAMPLE_WARPS];
+    if (lane == 0) warp_sum[warp] = own;
+    __syncthreads();
+    if (tid < 32) {
+        // The last bin of the prefix: the top-k bin when k truncates (the top-k set is then all
+        // there), else the first bin whose lower-bounded running mass reaches the top-p target,
+        // or without top-p the draw's (each at most its value over the whole row). Only a speed
+        // choice: the exact rules below fall back when their answer lies past the prefix.
+        constexpr int PER = BINS / 32;
+        double total = 0.0;
+        for (int w = 0; w < SAMPLE_WARPS; ++w) total += warp_sum[w];
+        unsigned c = 0;
+        double m = 0.0;
+        for (int j = 0; j < PER; ++j) {
+            const unsigned b = lane * PER + j, nb = sh.cnt[b];
+            c += nb;
+            if (nb > 0 && !truncate_k) {
+                // The bin's smallest value: its largest key (NaN patterns bound nothing).
+                const float lo = key_value((b << 21) | 0x1fffffu);
+                m += lo == lo ? nb * exp((double)(lo - vmax)) : 0.0;
+            }
+            sh.mass[b] = m;
+        }
+        __syncwarp();
+        unsigned ci = c;
+        double mi = m;
+        warp_scan(ci, mi);
+        // The first non-empty bin whose running count or bounded mass reaches the goal, and the
+        // count through it; the last bin when none does.
+        auto reach = [&](bool by_mass, double goal, unsigned& cnt_through) {
+            const bool r = by_mass ? mi >= goal : (double)ci >= goal;
+            const unsigned any = __ballot_sync(0xffffffffu, r && c > 0);
+            int bin = BINS - 1;
+            cnt_through = __shfl_sync(0xffffffffu, ci, 31);
+            if (any) {
+                const int l = __ffs(any) - 1;
+                unsigned rc = __shfl_sync(0xffffffffu, ci - c, l);
+                const double rm = __shfl_sync(0xffffffffu, mi - m, l);
+                bin = l * PER + PER - 1;
+                unsigned through = rc;
+                for (int j = 0; j < PER; ++j) {
+                    const int b = l * PER + j;
+                    through += sh.cnt[b];
+                    // sh.mass holds the lane's running bounded mass within its bins.
+                    const bool r = by_mass ? rm + sh.mass[b] >= goal : (double)through >= goal;
+                    if (sh.cnt[b] > 0 && r) {
+                        bin = b;
+                        break;
+                    }
+                }
+                cnt_through = through;
+            }
+            return bin;
+        };
+        unsigned cnt_through = n;
+        int last = BINS - 1;
+        if (truncate_k) {
+            last = reach(false, (double)k, cnt_through);
+        } else {
+            // A top-p set must lie within the prefix whole (its mass scales the draw).
+            if (p < 1.0f)
+                last = reach(true, (double)p * total * (1.0 + 1e-9), cnt_through);
+            else
+                last = reach(true, u * total * (1.0 + 1e-9), cnt_through);
+        }
+        if (lane == 0) {
+            sh.prefix = (unsigned)last;
+            sh.before_cnt = cnt_through;
+            sh.before_mass = total;
+            ps.count = 0;
+        }
+    }
+    __syncthreads();
+    const unsigned last = sh.prefix;
+    const unsigned len = (unsigned)sh.before_cnt;
+    const double row_mass = sh.before_mass;
+    const bool more = len < n;
+    __syncthreads();
+    if (len > SAMPLE_CAP) return false;
+
+    // Compact the prefix's elements, in any order.
+    for_row(row, vocab, [&](int i, float raw) {
+        const float v = raw / temp;
+        const unsigned key = order_key(v);
+        const bool take = i < vocab && v == v && (key >> 21) <= last;
+        const unsigned bal = __ballot_sync(0xffffffffu, take);
+        if (bal == 0) return;
+        unsigned base = 0;
+        if (lane == __ffs(bal) - 1) base = atomicAdd(&ps.count, (unsigned)__popc(bal));
+        base = __shfl_sync(0xffffffffu, base, __ffs(bal) - 1);
+        if (take) {
+            const unsigned slot = base + __popc(bal & ((1u << lane) - 1u));
+            if (slot < SAMPLE_CAP) ps.cand[slot] = ((unsigned long long)key << 32) | (unsigned)i;
+        }
+    });
+    __syncthreads();
+    if (ps.count != len) return false;
+    const int cnt = (int)len;
+    int pow2 = 32;
+    while (pow2 < cnt) pow2 <<= 1;
+    for (int i = cnt + tid; i < pow2; i += SAMPLE_THREADS) ps.cand[i] = ~0ull;
+    __syncthreads();
+    // Bitonic sort of the first pow2 entries, ascending.
+    for (int size = 2; size <= pow2; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = tid; i < pow2; i += SAMPLE_THREADS) {
+                const int j = i ^ stride;
+                if (j > i) {
+                    const unsigned long long a = ps.cand[i], b = ps.cand[j];
+                    if ((a > b) == ((i & size) == 0)) {
+                        ps.cand[i] = b;
+                        ps.cand[j] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    // Inclusive prefix sums of exp(value - max) in order: PER_THREAD consecutive per thread.
+    double run[PER_THREAD];
+    double local = 0.0;
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+        const int i = tid * PER_THREAD + j;
+        const double mj =
+            i < cnt ? exp((double)(key_value((unsigned)(ps.cand[i] >> 32)) - vmax)) : 0.0;
+        local += mj;
+        run[j] = local;
+    }
+    double scan = local;
+    for (int o = 1; o < 32; o <<= 1) {
+        const double x = __shfl_up_sync(0xffffffffu, scan, o);
+        if (lane >= o) scan += x;
+    }
+    __syncthreads();
+    if (lane == 31) warp_sum[warp] = scan;
+    __syncthreads();
+    double offset = scan - local;
+    for (int w = 0; w < warp; ++w) offset += warp_sum[w];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) ps.cum[tid * PER_THREAD + j] = offset + run[j];
+    __syncthreads();
+
+    // The kept prefix [0, keep) and its mass; `open` while elements past the compacted prefix
+    // still belong to it.
+    int keep = cnt;
+    bool open = more;
+    if (truncate_k) {
+        if ((unsigned)cnt < k) return false;
+        keep = (int)k;
+        open = false;
+    }
+    double mass = open ? row_mass : ps.cum[keep - 1];
+    if (p < 1.0f) {
+        const int i = first_reaching(ps, keep, (double)p * mass, false);
+        if (i < 0 && open) return false;
+        keep = i < 0 ? keep : i + 1;
+        open = false;
+        mass = ps.cum[keep - 1];
+    }
+    const int i = first_reaching(ps, keep, u * mass, true);
+    if (i < 0 && open) return false;
+    if (tid == 0) out[0] = (unsigned)(ps.cand[i < 0 ? keep - 1 : i] & 0xffffffffu);
+    return true;
+}
+
 template <typename T>
 __device__ void sample_row(const T* __restrict__ logits, const float* __restrict__ temperature,
                            const unsigned* __restrict__ top_k, const float* __restrict__ top_p,
@@ -308,8 +549,12 @@ __device__ void sample_row(const T* __restrict__ logits, const float* __restrict
         return;
     } else {
         const unsigned k = top_k[r];
-        if (k > 0 && k < n) bound = select(row, vocab, temp, vmax, bound, false, (double)k, sh);
         const float p = top_p[r];
+        // The prefix path for a truncating top-k (see the top of the file).
+        if (k > 0 && k < n &&
+            sample_prefix(row, vocab, temp, vmax, n, k, p, uniform[r], sh, out + r))
+            return;
+        if (k > 0 && k < n) bound = select(row, vocab, temp, vmax, bound, false, (double)k, sh);
         if (p < 1.0f) bound = select(row, vocab, temp, vmax, bound, true, (double)p, sh);
         bound = select(row, vocab, temp, vmax, bound, true, uniform[r], sh);
     }

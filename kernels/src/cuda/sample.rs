@@ -2,11 +2,17 @@
 //! logits batch with per-row parameters and a per-row uniform draw from the host, so a row gives
 //! the token the engine's CPU sampler gives for the same draw (see [`crate::cpu::sample_row`]).
 
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaError, SAMPLE_SOURCE};
 
 const THREADS: usize = 1024;
+/// Candidates a row's compacted prefix may hold (`SAMPLE_CAP`); larger prefixes take the radix
+/// path.
+const CAP: usize = 4096;
+/// Dynamic shared memory: `PrefixShared` (keys and prefix sums, a count and a hit index).
+const DYN_SMEM: usize = CAP * 16 + 16;
 
 fn shape_err(msg: String) -> CudaError {
     CudaError::Shape(format!("sample: {msg}"))
@@ -76,11 +82,22 @@ impl Sampler {
         let m = dev.module(
             "sample",
             SAMPLE_SOURCE,
-            &[("SAMPLE_THREADS", THREADS.to_string())],
+            &[
+                ("SAMPLE_THREADS", THREADS.to_string()),
+                ("SAMPLE_CAP", CAP.to_string()),
+            ],
         )?;
+        let f32_rows = m.load_function("sample_f32")?;
+        let bf16_rows = m.load_function("sample_bf16")?;
+        for f in [&f32_rows, &bf16_rows] {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                DYN_SMEM as i32,
+            )?;
+        }
         Ok(Sampler {
-            f32_rows: m.load_function("sample_f32")?,
-            bf16_rows: m.load_function("sample_bf16")?,
+            f32_rows,
+            bf16_rows,
         })
     }
 
@@ -134,7 +151,7 @@ impl Sampler {
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
             block_dim: (THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: DYN_SMEM as u32,
         };
         let vocab_i = vocab as i32;
         let mut launch = dev.stream().launch_builder(f);
