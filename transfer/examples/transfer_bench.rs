@@ -4,8 +4,8 @@
 //!
 //!     cargo run --release -p tessera-transfer [--features ucx] --example transfer_bench -- \
 //!         [--seconds 3] [--batch 16] [--extent 1769472] [--conns 4] [--inflight 1] \
-//!         [--threads 2] [--socket-buffer BYTES|auto] [--processes 1|2] \
-//!         [--backend tcp|tcp-nocrc|local|ucx|ucx-crc] [--ucx-memory ucx|heap] [--tsv]
+//!         [--rotate 4] [--threads 2] [--socket-buffer BYTES|auto] [--processes 1|2] \
+//!         [--backend tcp|tcp-nocrc|local|ucx|ucx-crc|raw-tcp] [--ucx-memory ucx|heap] [--tsv]
 //!
 //! Without `--backend` every backend built in runs (`--only` is an old name of `--backend`).
 //! `ucx` (with the `ucx` feature) puts without checksums, as release builds do by default;
@@ -14,7 +14,15 @@
 //! with `--ucx-memory heap` from the heap. `--processes 2` puts the destination in a
 //! child process, as between two workers of one host (UCX can then use cross-memory attach);
 //! `local` always runs in one process. `--tsv` prints one `backend<TAB>GB/s` line per backend
-//! instead of the table (for scripts).
+//! instead of the table (for scripts). `raw-tcp` is no transport but context for the TCP rows:
+//! the plainest copy loop over loopback, one blocking socket, one `write` per block from the
+//! same source group, a receiver in another process reading straight into its destination
+//! groups, no checksums and no protocol.
+//!
+//! As between a prefill and a decode worker, each batch writes pages the previous batches did
+//! not: `--inflight` lanes (requests in flight to the peer at once) each own one source group of
+//! `--batch` extents (reused, as a prefill worker reuses its source regions) and cycle through
+//! `--rotate` destination groups of the destination region (a decode worker's staging slots).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -30,7 +38,7 @@ use tessera_transfer::{
     Secret, TcpTransport, TransferId, Transport, TransportConfig, WriteBatch,
 };
 
-const BACKENDS: [&str; 5] = ["tcp", "tcp-nocrc", "local", "ucx", "ucx-crc"];
+const BACKENDS: [&str; 6] = ["tcp", "tcp-nocrc", "local", "ucx", "ucx-crc", "raw-tcp"];
 
 struct Args {
     seconds: f64,
@@ -38,6 +46,7 @@ struct Args {
     extent: u64,
     conns: usize,
     inflight: usize,
+    rotate: u64,
     threads: usize,
     socket_buffer: Option<u32>,
     processes: usize,
@@ -56,6 +65,7 @@ fn parse_args() -> Args {
         extent: 1_769_472,
         conns: 4,
         inflight: 1,
+        rotate: 4,
         threads: 2,
         socket_buffer: TransportConfig::new(Secret::new("")).socket_buffer_bytes,
         processes: 1,
@@ -73,6 +83,7 @@ fn parse_args() -> Args {
             "--extent" => a.extent = value().parse().expect("extent"),
             "--conns" => a.conns = value().parse().expect("conns"),
             "--inflight" => a.inflight = value().parse().expect("inflight"),
+            "--rotate" => a.rotate = value().parse::<u64>().expect("rotate").max(1),
             "--threads" => a.threads = value().parse().expect("threads"),
             "--socket-buffer" => {
                 a.socket_buffer = match value().as_str() {
@@ -164,7 +175,7 @@ async fn run(
     desc: RegionDescriptor,
     dst: Option<(Arc<dyn Transport>, RegionHandle)>,
 ) -> f64 {
-    let src = (src_t.alloc)(region_len(args));
+    let src = (src_t.alloc)(src_len(args));
     pattern(&src);
     let src_t = src_t.t.clone();
     src_t.register(&src).unwrap();
@@ -181,12 +192,15 @@ async fn run(
             desc.clone(),
             next_id.clone(),
         );
-        let (batch, extent) = (args.batch, args.extent);
+        let (batch, extent, rotate) = (args.batch, args.extent, args.rotate);
         workers.push(tokio::spawn(async move {
             let mut moved = 0u64;
             let base = lane * batch * extent;
+            let mut k = 0u64;
             while start.elapsed() < run_for {
                 let id = TransferId(next_id.fetch_add(1, Ordering::Relaxed));
+                let dst_base = (lane * rotate + k % rotate) * batch * extent;
+                k += 1;
                 let b = WriteBatch {
                     transfer_id: id,
                     dst_region: desc.clone(),
@@ -195,7 +209,7 @@ async fn run(
                         .map(|i| Extent {
                             src_region: src.id(),
                             src_offset: base + i * extent,
-                            dst_offset: base + (batch - 1 - i) * extent,
+                            dst_offset: dst_base + (batch - 1 - i) * extent,
                             len: extent,
                         })
                         .collect(),
@@ -227,8 +241,14 @@ async fn run(
     moved as f64 / secs / 1e9
 }
 
-fn region_len(args: &Args) -> usize {
+/// One source group per lane.
+fn src_len(args: &Args) -> usize {
     (args.batch * args.extent) as usize * args.inflight
+}
+
+/// `--rotate` destination groups per lane.
+fn region_len(args: &Args) -> usize {
+    src_len(args) * args.rotate as usize
 }
 
 /// Source and destination in this process.
@@ -307,6 +327,68 @@ async fn serve_target(args: &Args) {
     .unwrap();
 }
 
+/// `raw-tcp`: blocks written for the configured time to a child process, over one socket.
+fn raw_tcp(args: &Args) -> f64 {
+    use std::io::Read;
+    let me = std::env::current_exe().expect("own path");
+    let mut child = Command::new(me)
+        .args(["--target", "--backend", "raw-tcp"])
+        .args([
+            "--batch",
+            &args.batch.to_string(),
+            "--extent",
+            &args.extent.to_string(),
+        ])
+        .args(["--rotate", &args.rotate.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the receiving process");
+    let line = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map(|l| l.expect("receiver output"))
+        .find(|l| l.starts_with("READY "))
+        .expect("the receiver announces itself");
+    let mut s = std::net::TcpStream::connect(&line[6..]).expect("connect");
+    let src = vec![7u8; src_len(args)];
+    let block = args.extent as usize;
+    let run_for = Duration::from_secs_f64(args.seconds);
+    let start = std::time::Instant::now();
+    let mut at = 0;
+    while start.elapsed() < run_for {
+        s.write_all(&src[at..at + block]).expect("write");
+        at = (at + block) % src.len();
+    }
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    // The receiver answers with the bytes it read once it read them all.
+    let mut got = [0u8; 8];
+    s.read_exact(&mut got).expect("byte count");
+    let secs = start.elapsed().as_secs_f64();
+    let _ = child.wait();
+    u64::from_le_bytes(got) as f64 / secs / 1e9
+}
+
+/// The receiving child of `raw-tcp`.
+fn raw_tcp_target(args: &Args) {
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    println!("READY {}", listener.local_addr().unwrap());
+    std::io::stdout().flush().unwrap();
+    let (mut s, _) = listener.accept().expect("accept");
+    let mut dst = vec![0u8; region_len(args)];
+    let (mut at, mut total) = (0usize, 0u64);
+    loop {
+        let end = (at + args.extent as usize).min(dst.len());
+        match s.read(&mut dst[at..end]).expect("read") {
+            0 => break,
+            n => {
+                total += n as u64;
+                at = if at + n == dst.len() { 0 } else { at + n };
+            }
+        }
+    }
+    s.write_all(&total.to_le_bytes()).expect("byte count");
+}
+
 fn crc_rate(extent: usize) -> f64 {
     let buf: Vec<u8> = (0..extent).map(|i| (i * 31) as u8).collect();
     let start = Instant::now();
@@ -327,18 +409,23 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    if args.target && args.backend.as_deref() == Some("raw-tcp") {
+        raw_tcp_target(&args);
+        return;
+    }
     if args.target {
         rt.block_on(serve_target(&args));
         return;
     }
     if !args.tsv {
         println!(
-            "transfer_bench: {} extents of {} B per batch ({:.1} MB), {} connection(s), {} batch(es) in flight, socket buffer {}, {} process(es), {} s each, {} cores",
+            "transfer_bench: {} extents of {} B per batch ({:.1} MB), {} connection(s), {} batch(es) in flight, {} destination group(s) per lane, socket buffer {}, {} process(es), {} s each, {} cores",
             args.batch,
             args.extent,
             (args.batch * args.extent) as f64 / 1e6,
             args.conns,
             args.inflight,
+            args.rotate,
             args.socket_buffer.map_or("auto".to_string(), |b| b.to_string()),
             args.processes,
             args.seconds,
@@ -355,6 +442,7 @@ fn main() {
         ("local", "local (memcpy + checksum):"),
         ("ucx", "ucx (RMA put):"),
         ("ucx-crc", "ucx, checksums on:"),
+        ("raw-tcp", "raw tcp, one socket:"),
     ];
     for (backend, label) in labels {
         let built = cfg!(feature = "ucx") || !backend.starts_with("ucx");
@@ -362,7 +450,9 @@ fn main() {
         if !built || !wanted {
             continue;
         }
-        let gbps = if args.processes == 2 && backend != "local" {
+        let gbps = if backend == "raw-tcp" {
+            raw_tcp(&args)
+        } else if args.processes == 2 && backend != "local" {
             rt.block_on(two_processes(&args, backend))
         } else {
             rt.block_on(in_process(&args, backend))

@@ -27,7 +27,7 @@ use self::wire::{
     FLAG_CHECKSUMS, HELLO_BAD_VERSION, HELLO_OK, HELLO_WRONG_INCARNATION, VERSION,
 };
 use crate::auth::{nonce, Side, Transcript, PROOF_LEN};
-use crate::checksum::{self, STREAM_CHUNK};
+use crate::checksum;
 use crate::endpoint::Endpoint;
 use crate::incoming::IncomingTable;
 use crate::plan;
@@ -38,6 +38,12 @@ use crate::{
 };
 
 const SCHEME: &str = "tcp";
+
+/// Bytes checksummed and then written at a time (a 1.77 MB page plane in one piece): fewer,
+/// larger writes cost the sender fewer wake-ups, and the last-level cache still holds the chunk
+/// when the kernel copies it. On the 2-core development VM, 2 MiB beat 256 KiB by about 8%
+/// between two processes, in interleaved runs.
+const SEND_CHUNK: usize = 2 << 20;
 
 /// What the sending and the receiving halves of one worker share.
 struct Node {
@@ -258,8 +264,9 @@ async fn send_part(
         pending.extend_from_slice(&head.encode());
         let mut crc = 0;
         if checksums {
-            // Checksum each chunk just before the kernel copies it: one pass from memory.
-            for chunk in bytes.chunks(STREAM_CHUNK) {
+            // Checksum each chunk just before the kernel copies it: the pass leaves it in the
+            // last-level cache for that copy.
+            for chunk in bytes.chunks(SEND_CHUNK) {
                 crc = checksum::extend(crc, chunk);
                 write_two(&mut stream, &pending, chunk).await?;
                 pending.clear();

@@ -795,7 +795,7 @@ impl Rkey {
     /// range must lie inside the peer's mapped memory. Callers pass only ranges the destination
     /// itself checked against the region behind the key (it answered Ready for exactly those
     /// extents), trusting the authenticated peer as UCX's own puts do.
-    fn local_range(&self, remote_addr: u64, len: usize) -> Option<*mut u8> {
+    pub(crate) fn local_range(&self, remote_addr: u64, len: usize) -> Option<*mut u8> {
         let at = |addr: u64| -> Option<usize> {
             let mut p: *mut c_void = ptr::null_mut();
             // SAFETY: a live key; `p` is an out-pointer.

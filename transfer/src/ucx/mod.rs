@@ -20,7 +20,8 @@
 //!
 //! Between processes of one host the fast path is shared memory: regions from
 //! [`UcxTransport::alloc_region`] are UCX allocations (sysv/posix), which a sender maps through
-//! the remote key (`ucp_rkey_ptr`) and fills with one streaming copy (`copy.rs`). Puts into memory
+//! the remote key (`ucp_rkey_ptr`) and fills with one streaming copy (`copy.rs`), made by the
+//! sending task itself rather than the progress thread (`mapping.rs`). Puts into memory
 //! the caller allocated go through UCX (software emulation between processes of one host in UCX
 //! 1.13; RDMA across hosts). A new endpoint is flushed before its first put, so that UCX resolves
 //! remote keys against its final transports rather than those of the half-made connection.
@@ -38,6 +39,7 @@
 
 mod api;
 mod copy;
+mod mapping;
 mod server;
 pub(crate) mod wire;
 mod worker;
@@ -54,6 +56,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use self::api::UcxError;
+use self::mapping::Mapping;
 use self::wire::{
     Begin, Commit, DstExtent, Ready, UcxHello, COMMIT_ABORTED, COMMIT_LANDED, FLAG_CHECKSUMS,
     MAX_RKEY, READY,
@@ -112,6 +115,15 @@ impl Node {
 struct CachedKey {
     generation: u64,
     rkey: RkeyId,
+    /// The region mapped into this process (shared memory on this host).
+    mapping: Option<Mapping>,
+}
+
+/// How a batch reaches the destination region: through UCX, or by a copy into its mapping.
+struct Access {
+    ep: EpId,
+    rkey: RkeyId,
+    mapping: Option<Mapping>,
 }
 
 /// The UCX endpoint to a peer and the remote keys unpacked on it.
@@ -140,14 +152,15 @@ impl Peer {
         link.rkeys.get(&region).map_or(0, |k| k.generation)
     }
 
-    /// The endpoint and the remote key to write into `region`, from `ready` (which carries the
+    /// The endpoint and the remote key to write into `dst`, from `ready` (which carries the
     /// packed key when this side lacks it); connects the endpoint first when there is none.
     async fn access(
         &self,
-        region: RegionId,
+        dst: &RegionDescriptor,
         ready: &Ready,
         deadline: Instant,
-    ) -> Result<(EpId, RkeyId), TransferError> {
+    ) -> Result<Access, TransferError> {
+        let region = dst.region_id;
         let mut link = self.link.lock().await;
         let ep = match link.ep {
             Some(ep) => ep,
@@ -163,7 +176,11 @@ impl Peer {
         if let Some(k) = link.rkeys.get(&region) {
             // A concurrent batch may have unpacked this very registration's key already.
             if k.generation == ready.generation {
-                return Ok((ep, k.rkey));
+                return Ok(Access {
+                    ep,
+                    rkey: k.rkey,
+                    mapping: k.mapping.clone(),
+                });
             }
         }
         if ready.rkey.is_empty() {
@@ -172,17 +189,22 @@ impl Peer {
                 "no remote key for the destination region",
             ));
         }
-        let rkey = self.ucx.unpack(ep, ready.rkey.clone()).await.map_err(io)?;
+        let (rkey, mapping) = self
+            .ucx
+            .unpack(ep, ready.rkey.clone(), (ready.base, dst.len))
+            .await
+            .map_err(io)?;
         let cached = CachedKey {
             generation: ready.generation,
             rkey,
+            mapping: mapping.clone(),
         };
         if let Some(old) = link.rkeys.insert(region, cached) {
             // The key of a registration the destination replaced (a batch still about to use it
             // fails its puts with an I/O error and is retried).
             self.ucx.forget_rkey(old.rkey);
         }
-        Ok((ep, rkey))
+        Ok(Access { ep, rkey, mapping })
     }
 
     /// Drops a broken endpoint (and its keys); the next batch connects afresh.
@@ -494,7 +516,7 @@ async fn send_attempt(
         }
     };
     // The destination now holds leases on the extents until our Commit: always send one.
-    let landed = put_extents(node, peer, dst.region_id, &ready, sources, deadline).await;
+    let landed = put_extents(node, peer, dst, &ready, sources, deadline).await;
     let commit = Commit {
         transfer_id,
         attempt,
@@ -523,11 +545,12 @@ async fn send_attempt(
 }
 
 /// Puts every extent and waits for the flush; returns the extents' checksums (empty when
-/// checksums are off), computed while the puts run.
+/// checksums are off), computed while the puts run. Into a region mapped here, the task copies
+/// the extents itself instead (see `mapping.rs`).
 async fn put_extents(
     node: &Node,
     peer: &Peer,
-    region: RegionId,
+    dst: &RegionDescriptor,
     ready: &Ready,
     sources: &[Source],
     deadline: Instant,
@@ -549,7 +572,17 @@ async fn put_extents(
     if sources.iter().all(|s| s.lease.is_empty()) {
         return Ok(sums(sources));
     }
-    let (ep, rkey) = peer.access(region, ready, deadline).await?;
+    let Access { ep, rkey, mapping } = peer.access(dst, ready, deadline).await?;
+    if let Some(mapping) = mapping {
+        let puts: Vec<(&[u8], u64)> = sources
+            .iter()
+            .map(|s| (&s.lease[..], ready.base + s.dst_offset))
+            .collect();
+        let bytes: usize = puts.iter().map(|(b, _)| b.len()).sum();
+        if let Some(sums) = blocking(bytes, || mapping.copy_all(&puts, checksums)) {
+            return Ok(sums);
+        }
+    }
     let puts = sources
         .iter()
         .map(|s| PutSource {
@@ -568,6 +601,23 @@ async fn put_extents(
             }
             Err(io(e))
         }
+    }
+}
+
+/// Copies of at least this many bytes leave the runtime's worker thread to others meanwhile
+/// (`block_in_place`); shorter ones (a page plane takes about 100 µs) run inline.
+const BLOCKING_COPY: usize = 4 << 20;
+
+/// Runs `copy` (of `bytes` bytes) on this task, handing the worker thread's other tasks to
+/// another thread first when it is long and the runtime can.
+fn blocking<R>(bytes: usize, copy: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    let multi =
+        Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
+    if bytes >= BLOCKING_COPY && multi {
+        tokio::task::block_in_place(copy)
+    } else {
+        copy()
     }
 }
 

@@ -23,6 +23,7 @@ use tokio::sync::oneshot;
 use super::api::{
     Context, Endpoint, Flush, Listener, MemHandle, Put, Rkey, Signal, UcxError, Worker,
 };
+use super::mapping::Mapping;
 use crate::region::{ExtentRef, RegionHandle, RegionId};
 
 /// Names an endpoint the progress thread holds.
@@ -62,7 +63,9 @@ enum Command {
     Unpack {
         ep: EpId,
         packed: Vec<u8>,
-        reply: Reply<RkeyId>,
+        /// The peer's region behind the key (address, length), to map when it is shared memory.
+        span: (u64, u64),
+        reply: Reply<(RkeyId, Option<Mapping>)>,
     },
     ForgetRkey(RkeyId),
     Put {
@@ -180,9 +183,22 @@ impl UcxWorker {
         self.call(|reply| Command::Connect { addr, reply }).await
     }
 
-    pub async fn unpack(&self, ep: EpId, packed: Vec<u8>) -> Result<RkeyId, UcxError> {
-        self.call(|reply| Command::Unpack { ep, packed, reply })
-            .await
+    /// Unpacks a peer's remote key for the region at `span` (its address and length) there;
+    /// with the key, the region's mapping into this process when it is shared memory mapped
+    /// whole (see [`Mapping`]).
+    pub async fn unpack(
+        &self,
+        ep: EpId,
+        packed: Vec<u8>,
+        span: (u64, u64),
+    ) -> Result<(RkeyId, Option<Mapping>), UcxError> {
+        self.call(|reply| Command::Unpack {
+            ep,
+            packed,
+            span,
+            reply,
+        })
+        .await
     }
 
     pub fn forget_rkey(&self, rkey: RkeyId) {
@@ -267,7 +283,9 @@ struct State {
     flushes: Vec<(Flush, Reply<()>)>,
     /// Endpoints being wired up: the flush that completes when they are.
     connecting: Vec<(EpId, Flush, Reply<EpId>)>,
-    rkeys: HashMap<RkeyId, (EpId, Rc<Rkey>)>,
+    rkeys: HashMap<RkeyId, HeldKey>,
+    /// Keys destroyed by their owner while a sender may still copy into their mapping.
+    retired: Vec<HeldKey>,
     eps: HashMap<EpId, Rc<Endpoint>>,
     accepted: Vec<Rc<Endpoint>>,
     listener: Option<Listener>,
@@ -295,6 +313,7 @@ impl State {
             flushes: Vec::new(),
             connecting: Vec::new(),
             rkeys: HashMap::new(),
+            retired: Vec::new(),
             eps: HashMap::new(),
             accepted: Vec::new(),
             listener: Some(listener),
@@ -345,7 +364,7 @@ impl State {
                 std::hint::spin_loop();
                 continue;
             }
-            if !self.flushes.is_empty() || !self.connecting.is_empty() {
+            if !self.flushes.is_empty() || !self.connecting.is_empty() || !self.retired.is_empty() {
                 std::thread::sleep(NAP);
                 continue;
             }
@@ -404,19 +423,33 @@ impl State {
                     }
                 }
             }
-            Command::Unpack { ep, packed, reply } => {
+            Command::Unpack {
+                ep,
+                packed,
+                span,
+                reply,
+            } => {
                 let r = match self.eps.get(&ep) {
                     None => Err(gone()),
                     Some(endpoint) => endpoint.unpack_rkey(&packed).map(|rkey| {
                         let id = RkeyId(self.next());
-                        self.rkeys.insert(id, (ep, rkey));
-                        id
+                        let (remote, len) = span;
+                        let mapped = usize::try_from(len)
+                            .ok()
+                            .filter(|&l| l > 0)
+                            .and_then(|l| rkey.local_range(remote, l))
+                            .map(|local| Mapping::new(local, remote, len));
+                        let (mapping, pin) = mapped.unzip();
+                        self.rkeys.insert(id, HeldKey { ep, rkey, pin });
+                        (id, mapping)
                     }),
                 };
                 let _ = reply.send(r);
             }
             Command::ForgetRkey(id) => {
-                self.rkeys.remove(&id);
+                if let Some(k) = self.rkeys.remove(&id) {
+                    self.retire(k);
+                }
             }
             Command::Put {
                 ep,
@@ -425,10 +458,27 @@ impl State {
                 reply,
             } => self.put(ep, rkey, puts, reply),
             Command::Close(ep) => {
-                self.rkeys.retain(|_, (owner, _)| *owner != ep);
+                let closed: Vec<RkeyId> = self
+                    .rkeys
+                    .iter()
+                    .filter(|(_, k)| k.ep == ep)
+                    .map(|(id, _)| *id)
+                    .collect();
+                for id in closed {
+                    if let Some(k) = self.rkeys.remove(&id) {
+                        self.retire(k);
+                    }
+                }
                 self.eps.remove(&ep);
             }
             Command::Shutdown => {}
+        }
+    }
+
+    /// Destroys a remote key now, or once no sender copies into its mapping any more.
+    fn retire(&mut self, key: HeldKey) {
+        if key.pinned() {
+            self.retired.push(key);
         }
     }
 
@@ -460,7 +510,9 @@ impl State {
     }
 
     fn put(&mut self, ep: EpId, rkey: RkeyId, sources: Vec<PutSource>, reply: Reply<()>) {
-        let (Some(endpoint), Some((_, rkey))) = (self.eps.get(&ep), self.rkeys.get(&rkey)) else {
+        let (Some(endpoint), Some(HeldKey { rkey, .. })) =
+            (self.eps.get(&ep), self.rkeys.get(&rkey))
+        else {
             let _ = reply.send(Err(gone()));
             return;
         };
@@ -533,6 +585,9 @@ impl State {
                 }
             }
         }
+        let before = self.retired.len();
+        self.retired.retain(HeldKey::pinned);
+        busy |= self.retired.len() != before;
         busy |= self.worker.reap_closed();
         if let Some(listener) = &self.listener {
             for request in listener.take_requests() {
@@ -551,6 +606,21 @@ impl State {
     }
 }
 
+/// A remote key the thread holds: the endpoint it was unpacked on and, when the peer's region
+/// is mapped here, the pin its [`Mapping`]s share.
+struct HeldKey {
+    ep: EpId,
+    rkey: Rc<Rkey>,
+    pin: Option<Arc<()>>,
+}
+
+impl HeldKey {
+    /// Whether a [`Mapping`] of this key is still alive somewhere (a sender may be copying).
+    fn pinned(&self) -> bool {
+        self.pin.as_ref().is_some_and(|p| Arc::strong_count(p) > 1)
+    }
+}
+
 /// How long shutdown waits for endpoint closes (a live peer answers within a round trip).
 const SHUTDOWN_CLOSE_LIMIT: Duration = Duration::from_secs(1);
 
@@ -566,7 +636,17 @@ impl Drop for State {
         for (_, flush, _) in self.connecting.drain(..) {
             flush.cancel();
         }
-        self.rkeys.clear();
+        // A key whose mapping a sender may still copy into is leaked, never unmapped under it.
+        for (_, key) in self.rkeys.drain() {
+            if key.pinned() {
+                std::mem::forget(key);
+            }
+        }
+        for key in self.retired.drain(..) {
+            if key.pinned() {
+                std::mem::forget(key);
+            }
+        }
         self.eps.clear();
         self.accepted.clear();
         // Give the closes a moment so that peers learn of them and requests go back to UCX.
