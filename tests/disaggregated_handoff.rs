@@ -44,6 +44,7 @@ fn req(
         cache_salt: None,
         prefill_only,
         resumed_tokens: 0,
+        images: Vec::new(),
     }
 }
 

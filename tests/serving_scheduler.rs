@@ -64,6 +64,7 @@ fn submit(
         cache_salt: None,
         prefill_only: false,
         resumed_tokens: 0,
+        images: Vec::new(),
     };
     s.submit(
         req,

@@ -352,6 +352,7 @@ impl DecodeWorker for DecodeGrpc {
             cache_salt: (!req.cache_salt.is_empty()).then_some(req.cache_salt),
             prefill_only: false,
             resumed_tokens: resumed as usize,
+            images: Vec::new(),
         };
         let cancelled = Arc::new(AtomicBool::new(false));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();

@@ -2,7 +2,8 @@
 //! (each also from `TESSERA_*` env).
 
 use clap::Parser;
-use tessera_prefill::runtime::{self, DaemonArgs};
+use tessera_encoder::EncoderArgs;
+use tessera_prefill::runtime;
 
 /// Tessera encoder worker: runs a vision model's image tower for the router's encoder pool.
 /// Refuses to start for a text-only model (one without a vision tower). Stops gracefully on
@@ -11,7 +12,7 @@ use tessera_prefill::runtime::{self, DaemonArgs};
 #[command(name = "tessera-encoder", version)]
 struct Cli {
     #[command(flatten)]
-    daemon: DaemonArgs,
+    encoder: EncoderArgs,
 }
 
 #[tokio::main]
@@ -19,7 +20,7 @@ async fn main() -> std::process::ExitCode {
     runtime::init_tracing();
     let cli = Cli::parse();
     let served = async {
-        let running = tessera_encoder::start(cli.daemon, runtime::shutdown_signal()).await?;
+        let running = tessera_encoder::start(cli.encoder, runtime::shutdown_signal()).await?;
         running.server.await?
     };
     match served.await {

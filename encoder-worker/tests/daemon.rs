@@ -1,13 +1,15 @@
 //! The `tessera-encoder` binary as an operator runs it: it refuses a text-only model with a clear
-//! error, and for a model that declares a vision tower it serves the worker runtime (health,
-//! cluster-secret check, `Stats`, `/metrics`, drain on SIGTERM) with `Encode` answering
-//! UNIMPLEMENTED.
+//! error, and for a model with a vision tower (the `k25_tiny` fixture) it serves the worker
+//! runtime (health, cluster-secret check, `Stats`, `/metrics` with its own encode metrics, drain
+//! on SIGTERM) and encodes images, keeping the embeddings under handles until `Release`. Its
+//! flags come from `TESSERA_*` env too.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use sha2::{Digest, Sha256};
 use tessera_prefill::runtime::ClusterToken;
 use tessera_proto::health::pb::{health_client::HealthClient, HealthCheckRequest};
 use tessera_proto::tonic::transport::Channel;
@@ -24,19 +26,16 @@ fn text_only_fixture() -> PathBuf {
     ))
 }
 
-/// A model directory whose config declares a vision tower (the tower's weights are not needed:
-/// the encoder cannot run one yet).
-fn vision_model(dir: &Path) -> PathBuf {
-    let model = dir.join("tiny-vl");
-    std::fs::create_dir(&model).unwrap();
-    let config = serde_json::json!({
-        "architectures": ["KimiK25ForConditionalGeneration"],
-        "model_type": "kimi_k25",
-        "text_config": {"model_type": "kimi_linear", "vocab_size": 384, "hidden_size": 64},
-        "vision_config": {"hidden_size": 32, "patch_size": 14, "num_hidden_layers": 2},
-    });
-    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
-    model
+/// The tiny Kimi-K2.5 fixture (vision tower, projector, Kimi Linear text model).
+fn vision_model() -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/k25_tiny"
+    ))
+}
+
+fn image(name: &str) -> Vec<u8> {
+    std::fs::read(vision_model().join("images").join(name)).unwrap()
 }
 
 struct Daemon(Child);
@@ -115,9 +114,10 @@ fn http_get(addr: &str, path: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_the_worker_runtime_for_a_model_with_a_vision_tower() {
-    let tmp = tempfile::tempdir().unwrap();
-    let mut child = encoder(&vision_model(tmp.path()))
+    let mut child = encoder(&vision_model())
         .args(["--metrics-listen", "127.0.0.1:0"])
+        // Flags from the environment: the big WebP (134 KB) is over this limit.
+        .env("TESSERA_MAX_IMAGE_BYTES", "100000")
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -168,48 +168,154 @@ async fn serves_the_worker_runtime_for_a_model_with_a_vision_tower() {
         .into_inner();
     let info = stats.info.unwrap();
     assert_eq!(info.role, v1::Role::Encoder as i32);
-    assert_eq!(info.model_id, "tiny-vl");
+    assert_eq!(info.model_id, "k25_tiny");
     assert!(info.transfer_endpoint.starts_with("tcp://"));
 
-    let e = client
-        .encode(v1::EncodeRequest {
-            request_id: "img".into(),
-            images: vec![v1::ImageData {
-                data: vec![0x89, b'P', b'N', b'G'],
-                mime_type: "image/png".into(),
-            }],
-            ..Default::default()
-        })
+    // Two images, kept here (no destination): one handle each, in order.
+    let (png, jpg) = (image("rgb_84x56.png"), image("photo_60x50.jpg"));
+    let encode = |id: &str, images: Vec<Vec<u8>>| v1::EncodeRequest {
+        request_id: id.into(),
+        images: images
+            .into_iter()
+            .map(|data| v1::ImageData {
+                data,
+                mime_type: String::new(),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let reply = client
+        .encode(encode("img", vec![png.clone(), jpg.clone()]))
         .await
-        .expect_err("no vision tower to run");
-    assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
-    assert!(
-        e.message()
-            .contains("vision tower of model `tiny-vl` (kimi_k25)"),
-        "{e:?}"
-    );
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.handles.len(), 2);
+    for (h, bytes) in reply.handles.iter().zip([&png, &jpg]) {
+        assert_eq!((h.n_tokens, h.hidden), (6, 64), "{h:?}");
+        assert_eq!(h.dtype, v1::Dtype::F32 as i32);
+        assert_eq!(h.content_hash, Sha256::digest(bytes).to_vec());
+        assert_eq!(h.holder_worker_id, info.worker_id);
+        assert_eq!(h.holder_incarnation_id, info.incarnation_id);
+    }
+    // The same image again comes from the embedding cache.
+    client
+        .encode(encode("img2", vec![png.clone()]))
+        .await
+        .unwrap();
+
+    // Bad images: INVALID_ARGUMENT with the reason; nothing is held for them.
+    for (data, want) in [
+        (b"not an image at all".to_vec(), "not recognised"),
+        (png[..png.len() / 3].to_vec(), "cannot decode"),
+        (image("big_300x200.webp"), "limit"),
+        (Vec::new(), "empty"),
+    ] {
+        let e = client
+            .encode(encode("bad", vec![png.clone(), data]))
+            .await
+            .expect_err("a bad image");
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        assert!(
+            e.message().contains("image 1") && e.message().contains(want),
+            "{e:?}"
+        );
+    }
     let e = client
         .encode(v1::EncodeRequest::default())
         .await
         .expect_err("no image");
     assert_eq!(e.code(), Code::InvalidArgument);
-    let released = client
-        .release(v1::ReleaseEmbeddingsRequest {
-            request_id: "img".into(),
-            handle_ids: vec!["h0".into()],
-            ..Default::default()
-        })
+
+    let held = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("tessera_embeddings_held{"))
+            .map(|l| l.rsplit(' ').next().unwrap().to_string())
+    };
+    let m = metrics.clone();
+    let text = tokio::task::spawn_blocking(move || http_get(&m, "/metrics"))
         .await
-        .unwrap()
-        .into_inner()
-        .released;
-    assert_eq!(released, 0);
+        .unwrap();
+    assert_eq!(held(&text).as_deref(), Some("3"), "{text}");
+    let release = |id: &str, handles: Vec<String>| v1::ReleaseEmbeddingsRequest {
+        request_id: id.into(),
+        handle_ids: handles,
+        ..Default::default()
+    };
+    let first = reply.handles[0].handle_id.clone();
+    let released = |r: v1::ReleaseEmbeddingsReply| r.released;
+    assert_eq!(
+        released(
+            client
+                .release(release("other", vec![first.clone()]))
+                .await
+                .unwrap()
+                .into_inner()
+        ),
+        0,
+        "another request's handle"
+    );
+    assert_eq!(
+        released(
+            client
+                .release(release("img", vec![first.clone()]))
+                .await
+                .unwrap()
+                .into_inner()
+        ),
+        1
+    );
+    assert_eq!(
+        released(
+            client
+                .release(release("img", vec![first]))
+                .await
+                .unwrap()
+                .into_inner()
+        ),
+        0,
+        "idempotent"
+    );
+    assert_eq!(
+        released(
+            client
+                .release(release("img", vec![]))
+                .await
+                .unwrap()
+                .into_inner()
+        ),
+        1,
+        "no handle named: all of the request's"
+    );
+    assert_eq!(
+        released(
+            client
+                .release(release("img2", vec![]))
+                .await
+                .unwrap()
+                .into_inner()
+        ),
+        1
+    );
 
     let text = tokio::task::spawn_blocking(move || http_get(&metrics, "/metrics"))
         .await
         .unwrap();
+    assert_eq!(held(&text).as_deref(), Some("0"), "{text}");
+    // 3 encoded, then 4 requests with a good and a bad image (the good one from the cache).
     assert!(
-        text.contains("tessera_encode_images_total{role=\"encoder\"} 1"),
+        text.contains("tessera_encode_images_total{role=\"encoder\"} 11"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tessera_encode_failures_total{role=\"encoder\"} 4"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tessera_encode_cache_hits_total{role=\"encoder\"} 5"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tessera_encode_seconds_count{role=\"encoder\"} 2"),
         "{text}"
     );
     assert!(

@@ -14,7 +14,10 @@ use crate::error::{EngineError, Result};
 
 #[path = "config_k3.rs"]
 mod k3;
-pub use k3::{Activation, ArchSwitches, LatentMoe, QuantizationConfig, VisionConfig};
+#[path = "config_vision.rs"]
+mod vision;
+pub use k3::{Activation, ArchSwitches, LatentMoe, QuantizationConfig};
+pub use vision::VisionConfig;
 
 /// Most layers a config may declare: far above any published model, low enough that the
 /// per-layer tables built at load are never a runaway allocation.
@@ -138,6 +141,22 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// The vision tower's config of `dir` (`None` for a text-only model), read without parsing
+    /// the text model: the image path does not depend on the text family.
+    pub fn vision_from_dir(dir: &Path) -> Result<Option<VisionConfig>> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| EngineError::io(&path, e))?;
+        let root: Value = serde_json::from_str(&text).map_err(|e| EngineError::Config {
+            path: path.clone(),
+            message: format!("not valid JSON: {e}"),
+        })?;
+        Fields {
+            v: &root,
+            path: &path,
+        }
+        .vision_only()
+    }
+
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
         let root: Value = serde_json::from_str(text).map_err(|e| EngineError::Config {
             path: path.to_path_buf(),
@@ -241,12 +260,12 @@ impl Fields<'_> {
 
     fn parse(&self) -> Result<ModelConfig> {
         let model_type = self.str_or(&["model_type"], "")?.to_string();
-        if model_type == k3::MODEL_TYPE {
-            return self.parse_k3();
+        if model_type == k3::MODEL_TYPE || model_type == k3::K25_MODEL_TYPE {
+            return self.parse_k3(&model_type);
         }
         if model_type != "kimi_linear" {
             return Err(self.err(format!(
-                "model_type `{model_type}` is not supported (supported: kimi_linear, kimi_k3)"
+                "model_type `{model_type}` is not supported (supported: kimi_linear, kimi_k25, kimi_k3)"
             )));
         }
         self.reject_k3_fields()?;

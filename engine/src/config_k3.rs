@@ -1,7 +1,9 @@
 //! Kimi K3 configs (`model_type: kimi_k3`, K3-SPEC §1): a multimodal wrapper whose `text_config`
 //! is a Kimi Linear config plus the K3 extensions. The text model is read by the same parser as
 //! Kimi Linear and the extensions become [`ArchSwitches`] on the one [`ModelConfig`]: K3 is Kimi
-//! Linear with switches on, never a second model.
+//! Linear with switches on, never a second model. Kimi K2.5's wrapper (`model_type: kimi_k25`)
+//! takes the same path with a plain Kimi Linear text model; `vision_config` is read by
+//! `config_vision.rs` for both.
 //!
 //! Resolved K3-SPEC §6 points that concern the config:
 //! - §6.2 (vision width): nothing is assumed; `vision_config` is read as written, with vLLM's
@@ -24,6 +26,9 @@ use super::{Fields, ModelConfig};
 use crate::error::Result;
 
 pub const MODEL_TYPE: &str = "kimi_k3";
+/// Kimi K2.5's wrapper (`Kimi_K25ForConditionalGeneration`): the same layout with a plain
+/// Kimi Linear text model and the K2.5 vision defaults (LayerNorm, `patchmerger`).
+pub const K25_MODEL_TYPE: &str = "kimi_k25";
 
 /// Fields that only a K3 text model has (in `text_config` or in `linear_attn_config`).
 const K3_TEXT_FIELDS: [&str; 6] = [
@@ -95,38 +100,6 @@ impl Default for ArchSwitches {
     }
 }
 
-/// `vision_config` (MoonViT3d + patch-merger projector, K3-SPEC §1, §3.5).
-#[derive(Clone, Debug, PartialEq)]
-pub struct VisionConfig {
-    pub patch_size: usize,
-    /// `init_pos_emb_{height,width,time}`.
-    pub pos_emb: [usize; 3],
-    pub pos_emb_type: String,
-    pub num_layers: usize,
-    pub hidden_size: usize,
-    pub num_heads: usize,
-    /// Width of each of q, k, v (`heads · head_dim`).
-    pub qkv_hidden_size: usize,
-    pub intermediate_size: usize,
-    pub norm_type: String,
-    pub activation: String,
-    pub merge_kernel: [usize; 2],
-    pub merge_type: String,
-    pub projector_type: String,
-    pub projector_activation: String,
-    pub projector_ln_eps: f32,
-    /// Width of the projector's output: the text model's `hidden_size`.
-    pub text_hidden_size: usize,
-    /// `media_placeholder_token_id` (top level): the token whose embeddings images replace.
-    pub placeholder_token_id: Option<u32>,
-}
-
-impl VisionConfig {
-    pub fn head_dim(&self) -> usize {
-        self.qkv_hidden_size / self.num_heads
-    }
-}
-
 /// `quantization_config` of the quantized release: compressed-tensors MXFP4 (K3-SPEC §2).
 #[derive(Clone, Debug, PartialEq)]
 pub struct QuantizationConfig {
@@ -144,12 +117,13 @@ pub struct QuantizationConfig {
 impl Fields<'_> {
     /// The `kimi_k3` wrapper: `text_config` through the Kimi Linear parser with the K3 switches,
     /// then `vision_config`, `quantization_config` and the top-level token ids.
-    pub(super) fn parse_k3(&self) -> Result<ModelConfig> {
+    pub(super) fn parse_k3(&self, wrapper: &str) -> Result<ModelConfig> {
+        let k25 = wrapper == K25_MODEL_TYPE;
         let text_v = self
             .v
             .get("text_config")
             .filter(|v| v.is_object())
-            .ok_or_else(|| self.err("kimi_k3: missing required object `text_config`"))?;
+            .ok_or_else(|| self.err(format!("{wrapper}: missing required object `text_config`")))?;
         let text = Fields {
             v: text_v,
             path: self.path,
@@ -157,11 +131,16 @@ impl Fields<'_> {
         let inner = text.str_or(&["model_type"], "kimi_linear")?;
         if inner != "kimi_linear" {
             return Err(self.err(format!(
-                "text_config.model_type `{inner}` is not supported for kimi_k3 (expected kimi_linear)"
+                "text_config.model_type `{inner}` is not supported for {wrapper} (expected kimi_linear)"
             )));
         }
-        let mut cfg = text.parse_text(MODEL_TYPE.to_string())?;
-        cfg.model_type = MODEL_TYPE.to_string();
+        let mut cfg = if k25 {
+            text.reject_k3_fields()?;
+            text.parse_text("kimi_linear".to_string())?
+        } else {
+            text.parse_text(MODEL_TYPE.to_string())?
+        };
+        cfg.model_type = wrapper.to_string();
 
         // Top-level ids and tying win over the text config's copies.
         if let Some(id) = self.token_ids("bos_token_id")?.first() {
@@ -191,14 +170,7 @@ impl Fields<'_> {
             (None, None) => None,
         };
 
-        let placeholder = self
-            .token_ids("media_placeholder_token_id")?
-            .first()
-            .copied();
-        cfg.vision = match self.v.get("vision_config").filter(|v| !v.is_null()) {
-            None => None,
-            Some(v) => Some(Fields { v, path: self.path }.vision(cfg.hidden_size, placeholder)?),
-        };
+        cfg.vision = self.wrapper_vision(k25, cfg.hidden_size)?;
         Ok(cfg)
     }
 
@@ -326,81 +298,6 @@ impl Fields<'_> {
             kda_gate_lower_bound,
             kda_full_rank_gate,
         })
-    }
-
-    fn vision(&self, text_hidden: usize, placeholder: Option<u32>) -> Result<VisionConfig> {
-        let s = |name: &str, default: &str| -> Result<String> {
-            Ok(self.str_or(&[name], default)?.to_string())
-        };
-        let pair = |name: &str, default: [usize; 2]| -> Result<[usize; 2]> {
-            match self.v.get(name) {
-                None | Some(Value::Null) => Ok(default),
-                Some(Value::Array(a)) if a.len() == 2 => {
-                    let get = |x: &Value| {
-                        x.as_u64()
-                            .filter(|&x| x > 0)
-                            .map(|x| x as usize)
-                            .ok_or_else(|| {
-                                self.err(format!(
-                                    "vision_config.{name} must hold positive integers"
-                                ))
-                            })
-                    };
-                    Ok([get(&a[0])?, get(&a[1])?])
-                }
-                Some(other) => Err(self.err(format!(
-                    "vision_config.{name} must be a list of 2 integers, got {other}"
-                ))),
-            }
-        };
-        let v = VisionConfig {
-            patch_size: self.usize_or(&["patch_size"], 14)?,
-            pos_emb: [
-                self.usize_or(&["init_pos_emb_height"], 64)?,
-                self.usize_or(&["init_pos_emb_width"], 64)?,
-                self.usize_or(&["init_pos_emb_time"], 4)?,
-            ],
-            pos_emb_type: s("pos_emb_type", "divided_fixed")?,
-            num_layers: self.usize_or(&["vt_num_hidden_layers"], 27)?,
-            hidden_size: self.usize_or(&["vt_hidden_size"], 1024)?,
-            num_heads: self.usize_or(&["vt_num_attention_heads"], 12)?,
-            qkv_hidden_size: self.usize_or(&["qkv_hidden_size"], 1536)?,
-            intermediate_size: self.usize_or(&["vt_intermediate_size"], 4096)?,
-            norm_type: s("norm_type", "rmsnorm")?,
-            activation: s("activation", "gelu_pytorch_tanh")?,
-            merge_kernel: pair("merge_kernel_size", [2, 2])?,
-            merge_type: s("merge_type", "sd2_tpool")?,
-            projector_type: s("mm_projector_type", "patchmergerv2")?,
-            projector_activation: s("projector_hidden_act", "gelu")?,
-            projector_ln_eps: self.f32_or(&["projector_ln_eps"], 1e-5)?,
-            text_hidden_size: self.usize_or(&["text_hidden_size"], text_hidden)?,
-            placeholder_token_id: placeholder,
-        };
-        for (name, x) in [
-            ("patch_size", v.patch_size),
-            ("vt_num_hidden_layers", v.num_layers),
-            ("vt_hidden_size", v.hidden_size),
-            ("vt_num_attention_heads", v.num_heads),
-            ("qkv_hidden_size", v.qkv_hidden_size),
-            ("vt_intermediate_size", v.intermediate_size),
-        ] {
-            if x == 0 {
-                return Err(self.err(format!("vision_config.{name} must be positive")));
-            }
-        }
-        if !v.qkv_hidden_size.is_multiple_of(v.num_heads) {
-            return Err(self.err(format!(
-                "vision_config.qkv_hidden_size {} is not divisible by vt_num_attention_heads {}",
-                v.qkv_hidden_size, v.num_heads
-            )));
-        }
-        if v.text_hidden_size != text_hidden {
-            return Err(self.err(format!(
-                "vision_config.text_hidden_size {} differs from text_config.hidden_size {text_hidden}",
-                v.text_hidden_size
-            )));
-        }
-        Ok(v)
     }
 
     fn quantization(&self, q: &Value) -> Result<QuantizationConfig> {

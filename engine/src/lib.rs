@@ -14,6 +14,7 @@ pub mod rng;
 pub mod sampler;
 pub mod serving;
 pub mod state;
+pub mod vision;
 
 /// Tokenizers and chat templates live in their own crate so the router can use them without
 /// linking the engine.

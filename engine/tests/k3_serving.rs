@@ -63,6 +63,7 @@ fn req(prompt: &[u32], max_new: usize, prefill_only: bool) -> EngineRequest {
         cache_salt: None,
         prefill_only,
         resumed_tokens: 0,
+        images: Vec::new(),
     }
 }
 

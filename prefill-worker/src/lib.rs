@@ -22,8 +22,14 @@
 //! A transfer that misses its deadline (`KvDestination.transfer_timeout_ms`) fails the call with
 //! TRANSFER_TIMEOUT after freeing both sides: the handoff's pages here, and the reservation on
 //! decode (`ReleaseReservation`), so neither waits for the reservation's TTL.
+//!
+//! Images: encoders push a request's image embeddings into buffers of this worker
+//! (`ReserveEmbeddings`, [`embeddings`]); `Prefill` takes them by handle and the engine splices
+//! them at the image placeholders. A request's buffers are freed on every exit of its
+//! `Prefill`, by `Cancel`, or after their TTL.
 
 pub mod discovery;
+pub mod embeddings;
 pub mod runtime;
 
 use std::collections::HashMap;
@@ -34,6 +40,7 @@ use std::time::{Duration, Instant as StdInstant};
 use tessera_engine::kv::PageId;
 use tessera_engine::serving::handoff::transfer_pairs;
 use tessera_engine::serving::{EngineEvent, EngineHandle, EngineRequest, EventSink, Reservation};
+use tessera_engine::vision::PlacedImage;
 use tessera_proto::tonic::service::interceptor::InterceptedService;
 use tessera_proto::tonic::transport::Channel;
 use tessera_proto::tonic::{self, Request, Response, Status};
@@ -45,6 +52,7 @@ use tessera_transfer::{
     WriteBatch,
 };
 
+use embeddings::{EmbeddingStore, ReleaseOnDrop};
 use runtime::{ClusterToken, Drain, TestHooks, Withhold, WorkerArgs};
 
 fn err(code: v1::ErrorCode, msg: impl Into<String>) -> Status {
@@ -93,6 +101,8 @@ pub struct PrefillService {
     transfers: AtomicU64,
     /// Time spent in page transfers (write to acknowledgement), in microseconds.
     transfer_us: AtomicU64,
+    /// Image embeddings encoders pushed here, waiting for their prefill.
+    embeddings: Arc<EmbeddingStore>,
 }
 
 /// A handoff whose pages the engine holds for this worker. Dropping it without `done()` — the
@@ -441,12 +451,53 @@ impl PrefillService {
         pairs
     }
 
+    /// The embeddings of the request's images, taken out of their buffers (which are freed).
+    async fn take_images(
+        &self,
+        req: &v1::PrefillRequest,
+        timeout: Duration,
+    ) -> Result<Vec<PlacedImage>, Status> {
+        let deadline = StdInstant::now() + timeout;
+        let mut placed = Vec::with_capacity(req.images.len());
+        let mut end = 0usize;
+        for (i, image) in req.images.iter().enumerate() {
+            let handle = image
+                .handle
+                .as_ref()
+                .ok_or_else(|| err(v1::ErrorCode::InvalidArgument, "an image has no handle"))?;
+            let position = image.position as usize;
+            let last = position + handle.n_tokens as usize;
+            if position < end || last > req.prompt_token_ids.len() {
+                return Err(err(
+                    v1::ErrorCode::InvalidArgument,
+                    format!(
+                        "image {i} at {position}..{last} overlaps another image or the end of \
+                         the prompt of {} tokens",
+                        req.prompt_token_ids.len()
+                    ),
+                ));
+            }
+            end = last;
+            let embedding = self
+                .embeddings
+                .take(&req.request_id, handle, deadline)
+                .await?;
+            placed.push(PlacedImage {
+                position,
+                embedding: Arc::new(embedding),
+            });
+        }
+        Ok(placed)
+    }
+
     fn stats_now(&self) -> anyhow::Result<(v1::PoolStats, v1::LoadStats)> {
         runtime::worker_stats(&self.engine, &self.drain, 0, self.max_running)
     }
 
     /// Prometheus text for `/metrics` (blocking).
     pub fn metrics_text(&self) -> String {
+        let (held, held_bytes) = self.embeddings.usage();
+        let c = &self.embeddings.counters;
         runtime::engine_metrics(
             "prefill",
             self.stats_now(),
@@ -466,6 +517,36 @@ impl PrefillService {
                     "counter",
                     "Time spent in page transfers to decode workers, write to acknowledgement.",
                     self.transfer_us.load(Ordering::Relaxed) as f64 / 1e6,
+                ),
+                runtime::gauge(
+                    "tessera_embedding_buffers",
+                    "Image embedding buffers held, waiting for their prefill.",
+                    held as f64,
+                ),
+                runtime::gauge(
+                    "tessera_embedding_buffer_bytes",
+                    "Bytes of the image embedding buffers held.",
+                    held_bytes as f64,
+                ),
+                runtime::counter(
+                    "tessera_embedding_buffers_reserved_total",
+                    "Image embedding buffers reserved by encoders.",
+                    c.reserved.load(Ordering::Relaxed),
+                ),
+                runtime::counter(
+                    "tessera_embedding_buffers_consumed_total",
+                    "Image embedding buffers a prefill consumed.",
+                    c.consumed.load(Ordering::Relaxed),
+                ),
+                runtime::counter(
+                    "tessera_embedding_buffers_released_total",
+                    "Image embedding buffers freed unused (cancel, failed prefill).",
+                    c.released.load(Ordering::Relaxed),
+                ),
+                runtime::counter(
+                    "tessera_embedding_buffers_expired_total",
+                    "Image embedding buffers freed because their TTL passed.",
+                    c.expired.load(Ordering::Relaxed),
                 ),
             ],
         )
@@ -493,12 +574,11 @@ impl PrefillWorker for PrefillGrpc {
         let _guard = self.drain.admit(&self.info.worker_id)?;
         let req = request.into_inner();
         runtime::check_target(&self.info, req.target_incarnation)?;
-        if !req.images.is_empty() {
-            return Err(err(
-                v1::ErrorCode::InvalidArgument,
-                "images are not supported yet",
-            ));
-        }
+        // Whatever this call leaves of the request's embedding buffers is freed on return.
+        let _free = ReleaseOnDrop {
+            store: &self.embeddings,
+            request_id: &req.request_id,
+        };
         if req.resumed_tokens as usize >= req.prompt_token_ids.len().max(1) {
             return Err(err(
                 v1::ErrorCode::InvalidArgument,
@@ -526,6 +606,7 @@ impl PrefillWorker for PrefillGrpc {
             ms => Duration::from_millis(ms as u64),
         };
         let peer = self.decode_peer(&dest).await?;
+        let images = self.take_images(&req, timeout).await?;
         let started = StdInstant::now();
         let cancelled = Arc::new(AtomicBool::new(false));
         self.inflight
@@ -542,6 +623,7 @@ impl PrefillWorker for PrefillGrpc {
             cache_salt: (!req.cache_salt.is_empty()).then(|| req.cache_salt.clone()),
             prefill_only: true,
             resumed_tokens: req.resumed_tokens as usize,
+            images,
         };
         let sink = HandoffSink {
             tx: Some(tx),
@@ -618,6 +700,7 @@ impl PrefillWorker for PrefillGrpc {
         request: Request<v1::CancelRequest>,
     ) -> Result<Response<v1::CancelReply>, Status> {
         let req = request.into_inner();
+        self.embeddings.release_request(&req.request_id);
         let found = match self.inflight.lock().unwrap().get(&req.request_id) {
             Some(f) => {
                 f.store(true, Ordering::Release);
@@ -629,6 +712,22 @@ impl PrefillWorker for PrefillGrpc {
             found,
             pages_freed: 0,
         }))
+    }
+
+    async fn reserve_embeddings(
+        &self,
+        request: Request<v1::ReserveEmbeddingsRequest>,
+    ) -> Result<Response<v1::ReserveEmbeddingsReply>, Status> {
+        let _guard = self.drain.admit(&self.info.worker_id)?;
+        let req = request.into_inner();
+        runtime::check_target(&self.info, req.target_incarnation)?;
+        if let Some(encoder) = &req.initiator {
+            runtime::transports_compatible(&self.info, encoder)
+                .map_err(|m| err(v1::ErrorCode::LayoutMismatch, m))?;
+        }
+        let mut reply = self.embeddings.reserve(&req)?;
+        reply.responder = Some(self.info.clone());
+        Ok(Response::new(reply))
     }
 
     async fn stats(
@@ -658,6 +757,8 @@ pub async fn start(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<RunningPrefill> {
     let f = runtime::foundation(&args, v1::Role::Prefill).await?;
+    let embeddings = Arc::new(EmbeddingStore::new(f.transport.clone(), &f.info));
+    embeddings.spawn_sweeper();
     let service = Arc::new(PrefillService {
         engine: f.engine,
         transport: f.transport,
@@ -674,6 +775,7 @@ pub async fn start(
         bytes_sent: AtomicU64::new(0),
         transfers: AtomicU64::new(0),
         transfer_us: AtomicU64::new(0),
+        embeddings,
     });
     let grpc = PrefillWorkerServer::new(PrefillGrpc(service.clone()));
     runtime::serve(

@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | `worker.proto` | — (shared messages: [`v1::WorkerInfo`], [`v1::PageLayoutDescriptor`], [`v1::ErrorDetail`], …) | everyone |
 //! | `decode.proto` | [`v1::decode_worker_server::DecodeWorker`]: `ReservePages`, `ReleaseReservation`, `StartDecode` (server stream), `Cancel`, `Stats`, `TransferHandshake` | router, prefill → decode |
-//! | `prefill.proto` | [`v1::prefill_worker_server::PrefillWorker`]: `Prefill`, `Cancel`, `Stats` | router → prefill |
+//! | `prefill.proto` | [`v1::prefill_worker_server::PrefillWorker`]: `Prefill`, `Cancel`, `Stats`, `ReserveEmbeddings` | router → prefill, encoder → prefill |
 //! | `encoder.proto` | [`v1::encoder_worker_server::EncoderWorker`]: `Encode`, `Release`, `Stats` | router → encoder |
 //! | `generate.proto` | [`v1::generate_server::Generate`]: `Generate` (server stream), `ListModels` | gRPC clients → router |
 //!

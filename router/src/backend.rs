@@ -44,6 +44,11 @@ pub struct GenerationRequest {
     pub stop_token_ids: Vec<u32>,
     /// The client asked to ignore EOS; backends with their own EOS notion must honour it.
     pub ignore_eos: bool,
+    /// Images, in prompt order: image `k` goes at the `k`-th run of the model's image
+    /// placeholder token in `prompt_ids` (one token per image, widened by the backend once the
+    /// image's embedding rows are known; the prompt and `max_tokens` limits are checked again
+    /// then).
+    pub images: Vec<crate::images::ImageInput>,
 }
 
 /// Why a generation ended.

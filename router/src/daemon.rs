@@ -54,6 +54,10 @@ pub struct RouterArgs {
         required_unless_present = "etcd"
     )]
     pub decode: Vec<String>,
+    /// gRPC address of an encoder worker (repeatable, or comma-separated): images of chat
+    /// requests are encoded there. Without one, requests with images get 503.
+    #[arg(long = "encoder", env = "TESSERA_ENCODER", value_delimiter = ',')]
+    pub encoder: Vec<String>,
     /// Cluster secret, sent to workers as `authorization: Bearer` metadata.
     #[arg(
         long,
@@ -104,12 +108,16 @@ pub struct ModelInfo {
     /// `eos_token_id` of `config.json` and `generation_config.json` (int or list), united.
     pub eos_ids: Vec<u32>,
     pub vocab_size: Option<usize>,
+    /// The token images replace (`media_placeholder_token_id` or `image_token_id`), for a model
+    /// with a vision tower (`vision_config`); `None` for a text-only model.
+    pub image_token_id: Option<u32>,
 }
 
 /// Reads [`ModelInfo`] with serde_json (no engine).
 pub fn read_model_info(dir: &Path) -> anyhow::Result<ModelInfo> {
     let mut eos = Vec::new();
     let mut vocab_size = None;
+    let mut image_token_id = None;
     for (name, required) in [("config.json", true), ("generation_config.json", false)] {
         let path = dir.join(name);
         let text = match std::fs::read_to_string(&path) {
@@ -133,6 +141,12 @@ pub fn read_model_info(dir: &Path) -> anyhow::Result<ModelInfo> {
                 .get("vocab_size")
                 .and_then(Value::as_u64)
                 .map(|n| n as usize);
+            if v.get("vision_config").is_some_and(Value::is_object) {
+                image_token_id = ["media_placeholder_token_id", "image_token_id"]
+                    .iter()
+                    .find_map(|k| v.get(*k).or_else(|| lm.get(*k)).and_then(Value::as_u64))
+                    .map(|n| n as u32);
+            }
         }
     }
     let mut eos_ids: Vec<u32> = eos.into_iter().map(|n| n as u32).collect();
@@ -141,6 +155,7 @@ pub fn read_model_info(dir: &Path) -> anyhow::Result<ModelInfo> {
     Ok(ModelInfo {
         eos_ids,
         vocab_size,
+        image_token_id,
     })
 }
 
@@ -197,6 +212,8 @@ pub async fn start(
             ..PoolOptions::default()
         },
         reserve_ttl_ms: 0,
+        encoder: args.encoder.clone(),
+        image_token_id: info.image_token_id,
     };
     let backend = crate::discovery::build_backend(&args.etcd, &args.cluster, cluster)?;
     let backend = Arc::new(backend);
@@ -208,6 +225,7 @@ pub async fn start(
         FrontOptions {
             served_model_name: Some(model_id.clone()),
             vocab_size: info.vocab_size,
+            image_token_id: info.image_token_id,
             ..front_options
         },
     );
@@ -221,7 +239,7 @@ pub async fn start(
         .with_context(|| format!("binding {}:{grpc_port} (gRPC)", args.host))?;
     let grpc_addr: SocketAddr = grpc_listener.local_addr()?;
     let grpc = front.grpc();
-    tracing::info!(%addr, %grpc_addr, prefill = ?args.prefill, decode = ?args.decode, "router listening");
+    tracing::info!(%addr, %grpc_addr, prefill = ?args.prefill, decode = ?args.decode, encoder = ?args.encoder, "router listening");
     println!("tessera router: model `{model_id}` at http://{addr}/v1");
     println!("tessera router: gRPC Generate at {grpc_addr}");
     println!("TESSERA_READY role=router http={addr} grpc={grpc_addr}");

@@ -137,6 +137,7 @@ impl GrpcFront {
         let mut generation = state.start(
             request_id.clone(),
             prompt_ids,
+            Vec::new(),
             &opts,
             Some(state.default_completion_max_tokens),
             arrived,

@@ -3,9 +3,10 @@
 //! The OpenAI-compatible HTTP front ([`HttpFront`]) over a [`GenerationBackend`], used by the
 //! single-process `tessera serve` (an in-process engine behind the trait) and by the router
 //! daemon ([`daemon`], binary `tessera-router`) with [`ClusterBackend`]: gRPC clients of the
-//! prefill and decode pools, static and etcd discovery ([`discovery`]), routing policies and P→D orchestration. The public
-//! gRPC `tessera.v1.Generate` service ([`GrpcFront`]) shares the HTTP front's request path. Still
-//! to come: encoders. It never links the engine.
+//! encoder, prefill and decode pools, static and etcd discovery ([`discovery`]), routing policies
+//! and E→P→D orchestration. The public gRPC `tessera.v1.Generate` service ([`GrpcFront`]) shares
+//! the HTTP front's request path. Images of chat requests ([`images`]) go to the encoder pool.
+//! It never links the engine.
 
 pub mod backend;
 pub mod cluster;
@@ -14,6 +15,7 @@ pub mod discovery;
 pub mod fake;
 pub mod grpc_front;
 pub mod http;
+pub mod images;
 pub mod metrics;
 pub mod text;
 
@@ -25,5 +27,7 @@ pub use daemon::RouterArgs;
 pub use grpc_front::GrpcFront;
 pub use http::access::{ApiKeys, RateLimit};
 pub use http::args::FrontArgs;
+pub use http::images::ImageRules;
 pub use http::{ApiError, FrontOptions, HttpFront};
+pub use images::ImageInput;
 pub use metrics::Metrics;

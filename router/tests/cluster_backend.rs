@@ -151,6 +151,8 @@ async fn backend_with_ttl(
             ..PoolOptions::default()
         },
         reserve_ttl_ms,
+        encoder: vec![],
+        image_token_id: None,
     })
     .unwrap();
     b.pool().probe_all().await;
@@ -169,6 +171,7 @@ fn greedy(id: &str, prompt: &[u32], max_tokens: usize) -> GenerationRequest {
         },
         stop_token_ids: vec![],
         ignore_eos: true,
+        images: vec![],
     }
 }
 
@@ -238,6 +241,7 @@ async fn live_pages(addr: &str, role: Role) -> u64 {
             .await
             .unwrap()
             .into_inner(),
+        Role::Encoder => unreachable!("encoders hold no pages"),
     };
     let p = stats.pool.unwrap();
     p.groups.iter().map(|g| g.live_pages).sum::<u64>() - p.cached_pages + p.reserved_pages
@@ -839,6 +843,8 @@ async fn mutual_tls_between_router_and_workers_refuses_strangers() {
             ..PoolOptions::default()
         },
         reserve_ttl_ms: 0,
+        encoder: vec![],
+        image_token_id: None,
     })
     .unwrap();
     b.pool().probe_all().await;
@@ -886,6 +892,7 @@ async fn start_on(role: Role, transport: &str) -> Result<Worker, String> {
         Role::Prefill => tessera_prefill::start(worker_args_with("8M", &flags), stop)
             .await
             .map(|p| (p.grpc, p.server)),
+        Role::Encoder => unreachable!("only page-transfer workers here"),
     }
     .map_err(|e| format!("{e:#}"))?;
     Ok(Worker {
@@ -922,6 +929,7 @@ async fn worker_info(addr: &str, role: Role) -> v1::WorkerInfo {
                 .stats(req)
                 .await
         }
+        Role::Encoder => unreachable!("only page-transfer workers here"),
     };
     stats.unwrap().into_inner().info.unwrap()
 }

@@ -140,6 +140,7 @@ fn greedy(id: &str, prompt: &[u32], max_tokens: usize) -> GenerationRequest {
         },
         stop_token_ids: vec![],
         ignore_eos: true,
+        images: vec![],
     }
 }
 
@@ -214,6 +215,8 @@ async fn etcd_discovery_adds_and_drains_workers_live() {
                 ..PoolOptions::default()
             },
             reserve_ttl_ms: 0,
+            encoder: vec![],
+            image_token_id: None,
         },
     )
     .unwrap();

@@ -1,7 +1,11 @@
+use std::path::PathBuf;
+use std::sync::Arc;
+
 use anyhow::Context;
 use clap::Args;
-use tessera_engine::generate::{generate, GenerateRequest};
+use tessera_engine::generate::{generate_with_images, GenerateRequest};
 use tessera_engine::tokenizer::Tokenizer;
+use tessera_engine::vision::{expand_placeholders, PlacedImage};
 use tessera_engine::SamplingParams;
 
 use super::model_arg::{parse_ids, ModelArg, TokenIds};
@@ -40,6 +44,11 @@ pub struct GenerateArgs {
     /// Print `{"token_ids": [...]}` (generated tokens only) instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Image file (PNG, JPEG or WebP), repeatable: the n-th image goes to the prompt's n-th run
+    /// of image placeholder tokens, written once (expanded to the image's token count) or
+    /// already expanded.
+    #[arg(long = "image", env = "TESSERA_IMAGES", value_delimiter = ',')]
+    pub images: Vec<PathBuf>,
 }
 
 pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
@@ -54,6 +63,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         (None, None) => anyhow::bail!("give --prompt-ids or --prompt"),
     };
     anyhow::ensure!(!prompt.is_empty(), "the prompt has no tokens");
+    let (prompt, images) = place_images(&dir, prompt, &a.images)?;
     let req = GenerateRequest {
         prompt,
         max_new_tokens: a.max_new_tokens,
@@ -70,11 +80,49 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         },
         prefill_chunk: a.prefill_chunk,
     };
-    let out = generate(&model, &req)?;
+    let out = generate_with_images(&model, &req, &images)?;
     if a.json {
         println!("{}", serde_json::json!({ "token_ids": out }));
     } else {
         println!("{}", tokenizer()?.decode(&out, true)?);
     }
     Ok(())
+}
+
+/// Encodes `files` and widens their placeholders in `prompt`.
+fn place_images(
+    dir: &std::path::Path,
+    prompt: Vec<u32>,
+    files: &[PathBuf],
+) -> anyhow::Result<(Vec<u32>, Vec<PlacedImage>)> {
+    if files.is_empty() {
+        return Ok((prompt, Vec::new()));
+    }
+    let vision = super::encode::load_vision(dir)?;
+    let mut embeds = Vec::with_capacity(files.len());
+    for f in files {
+        let bytes = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
+        let e = vision
+            .encode_image(&bytes)
+            .with_context(|| format!("encoding {}", f.display()))?;
+        embeds.push(Arc::new(e));
+    }
+    let counts: Vec<usize> = embeds.iter().map(|e| e.n_tokens).collect();
+    let (prompt, positions) = expand_placeholders(&prompt, vision.placeholder_token_id(), &counts)
+        .with_context(|| {
+            format!(
+                "placing {} image(s) on placeholder token {}",
+                files.len(),
+                vision.placeholder_token_id()
+            )
+        })?;
+    let images = positions
+        .into_iter()
+        .zip(embeds)
+        .map(|(position, embedding)| PlacedImage {
+            position,
+            embedding,
+        })
+        .collect();
+    Ok((prompt, images))
 }

@@ -4,6 +4,7 @@
 mod bench;
 mod bench_http;
 mod bench_plot;
+mod encode;
 mod generate;
 mod init_model;
 mod logits;
@@ -38,8 +39,11 @@ pub struct Cli {
 pub enum Command {
     /// Write the prompt logits of a model to a .npy file (f32 [T, vocab]).
     Logits(logits::LogitsArgs),
-    /// Generate tokens from a prompt (token IDs or text).
+    /// Generate tokens from a prompt (token IDs or text), optionally with images.
     Generate(generate::GenerateArgs),
+    /// Write an image's embeddings (vision tower + projector) to a .npy file
+    /// (f32 [n_image_tokens, text_hidden]).
+    Encode(encode::EncodeArgs),
     /// Serve the OpenAI-compatible HTTP API from one process (engine, page pool, prefix cache).
     Serve(serve::ServeArgs),
     /// Start a local cluster: router, prefill and decode workers as separate processes on
@@ -66,6 +70,7 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
     match cmd {
         Command::Logits(a) => logits::run(a),
         Command::Generate(a) => generate::run(a),
+        Command::Encode(a) => encode::run(a),
         Command::InitModel(a) => init_model::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Up(a) => up::run(a),

@@ -5,6 +5,7 @@ use anyhow::Context;
 use clap::Args;
 use tessera_engine::serving::{EngineHandle, SchedulerConfig};
 use tessera_engine::tokenizer::{ChatTemplate, Tokenizer};
+use tessera_engine::vision::{ImageLimits, VisionModel};
 use tessera_router::{FrontArgs, FrontOptions, HttpFront};
 
 use super::model_arg::ModelArg;
@@ -78,14 +79,23 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         max_running: a.max_running,
         prefix_cache: !a.no_prefix_cache,
     };
+    let vision = VisionModel::load(&dir)
+        .with_context(|| format!("loading the vision tower of {}", dir.display()))?
+        .map(|mut v| {
+            v.set_limits(ImageLimits {
+                max_bytes: a.front.max_image_bytes,
+                ..v.limits().clone()
+            });
+            v
+        });
+    let image_token_id = vision.as_ref().map(VisionModel::placeholder_token_id);
     let engine = EngineHandle::spawn(model, cfg).context("starting the engine")?;
     eprintln!("{}", engine.layout_report());
-    let backend = Arc::new(EngineBackend::new(
-        engine,
-        model_id.clone(),
-        a.max_model_len,
-        a.max_waiting,
-    ));
+    let mut backend = EngineBackend::new(engine, model_id.clone(), a.max_model_len, a.max_waiting);
+    if let Some(v) = vision {
+        backend = backend.with_vision(v);
+    }
+    let backend = Arc::new(backend);
     let front = HttpFront::new(
         backend,
         tokenizer,
@@ -94,6 +104,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         FrontOptions {
             served_model_name: Some(model_id.clone()),
             vocab_size: Some(vocab),
+            image_token_id,
             ..front_options
         },
     );

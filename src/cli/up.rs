@@ -38,6 +38,10 @@ pub struct UpArgs {
     /// Decode worker processes.
     #[arg(long, default_value_t = 1, env = "TESSERA_DECODE_WORKERS")]
     pub decode: usize,
+    /// Encoder worker processes (default: one when the model has a vision tower, else none; a
+    /// text-only model takes none).
+    #[arg(long, env = "TESSERA_ENCODER_WORKERS")]
+    pub encoders: Option<usize>,
     /// Address the router's HTTP API listens on.
     #[arg(long, default_value = "127.0.0.1", env = "TESSERA_HOST")]
     pub host: String,
@@ -241,11 +245,20 @@ fn supervise(
     Ok(())
 }
 
-/// Encoder processes to start: one when the model has a vision tower (images need an encoder
-/// pool, DESIGN §4 step 2); none for a text-only model, which an encoder refuses anyway. Every
-/// model the engine runs today is text-only.
-fn encoder_workers(model: &Path) -> anyhow::Result<usize> {
-    Ok(usize::from(tessera_encoder::vision_tower(model)?.is_some()))
+/// Encoder processes to start: `asked`, or one when the model has a vision tower (images need an
+/// encoder pool, DESIGN §4 step 2); none for a text-only model, which an encoder refuses.
+fn encoder_workers(model: &Path, asked: Option<usize>) -> anyhow::Result<usize> {
+    let vision = tessera_encoder::vision_tower(model)?.is_some();
+    match asked {
+        Some(n) if n > 0 && !vision => {
+            bail!(
+                "--encoders {n}: the model at {} has no vision tower",
+                model.display()
+            )
+        }
+        Some(n) => Ok(n),
+        None => Ok(usize::from(vision)),
+    }
 }
 
 fn random_secret() -> String {
@@ -329,8 +342,7 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
             }
             Ok(addrs)
         };
-        // The router routes no images yet, so it is not told where an encoder is.
-        start("encoder-worker", encoder_workers(&model)?)?;
+        let encoder_addrs = start("encoder-worker", encoder_workers(&model, a.encoders)?)?;
         let decode_addrs = start("decode-worker", a.decode)?;
         let prefill_addrs = start("prefill-worker", a.prefill)?;
         let mut router = vec![
@@ -349,6 +361,9 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         }
         for p in &prefill_addrs {
             router.extend(["--prefill".to_string(), p.clone()]);
+        }
+        for e in &encoder_addrs {
+            router.extend(["--encoder".to_string(), e.clone()]);
         }
         let (mut p, f) = spawn_ready(&exe, "router", &router, &secret, timeout)?;
         let http = field(&f, "http")?.to_string();
@@ -417,13 +432,16 @@ mod tests {
     #[test]
     fn an_encoder_only_for_a_model_with_a_vision_tower() {
         let text_only = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kl_mixed");
-        assert_eq!(encoder_workers(&text_only).unwrap(), 0);
+        assert_eq!(encoder_workers(&text_only, None).unwrap(), 0);
+        assert_eq!(encoder_workers(&text_only, Some(0)).unwrap(), 0);
+        assert!(encoder_workers(&text_only, Some(1)).is_err());
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(
             dir.path().join("config.json"),
             r#"{"model_type": "kimi_k25", "vision_config": {"hidden_size": 32}}"#,
         )
         .unwrap();
-        assert_eq!(encoder_workers(dir.path()).unwrap(), 1);
+        assert_eq!(encoder_workers(dir.path(), None).unwrap(), 1);
+        assert_eq!(encoder_workers(dir.path(), Some(3)).unwrap(), 3);
     }
 }

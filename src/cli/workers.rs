@@ -3,7 +3,7 @@
 //! `tessera-encoder` are the same daemons as stand-alone binaries for deployments.
 
 use clap::Args;
-use tessera_prefill::runtime::{self, DaemonArgs, WorkerArgs};
+use tessera_prefill::runtime::{self, WorkerArgs};
 
 #[derive(Args, Debug)]
 pub struct WorkerCmd {
@@ -36,11 +36,14 @@ pub fn run_decode(a: WorkerCmd) -> anyhow::Result<()> {
 #[derive(Args, Debug)]
 pub struct EncoderCmd {
     #[command(flatten)]
-    pub daemon: DaemonArgs,
+    pub encoder: tessera_encoder::EncoderArgs,
 }
 
 pub fn run_encoder(a: EncoderCmd) -> anyhow::Result<()> {
-    run_daemon(tessera_encoder::start(a.daemon, runtime::shutdown_signal()))
+    run_daemon(tessera_encoder::start(
+        a.encoder,
+        runtime::shutdown_signal(),
+    ))
 }
 
 #[derive(Args, Debug)]

@@ -1,4 +1,7 @@
-//! The in-process engine behind the HTTP front's `GenerationBackend` seam.
+//! The in-process engine behind the HTTP front's `GenerationBackend` seam. Images are encoded
+//! here, on the blocking pool, with the model's vision tower; their placeholders are widened to
+//! the images' rows before the request reaches the engine (what the encoder worker and the
+//! router do in a cluster).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -6,9 +9,10 @@ use std::sync::Arc;
 use tessera_engine::serving::{
     EngineEvent, EngineHandle, EngineRequest, EventSink, FinishReason as EngineFinish,
 };
+use tessera_engine::vision::{expand_placeholders, PlacedImage, VisionModel};
 use tessera_engine::SamplingParams;
 use tessera_router::{
-    BackendError, FinishReason, GenerationBackend, GenerationRequest, TokenEvent, Usage,
+    BackendError, FinishReason, GenerationBackend, GenerationRequest, ImageInput, TokenEvent, Usage,
 };
 use tokio::sync::mpsc;
 
@@ -18,6 +22,7 @@ pub struct EngineBackend {
     max_model_len: usize,
     max_waiting: usize,
     seeds: AtomicU64,
+    vision: Option<Arc<VisionModel>>,
 }
 
 impl EngineBackend {
@@ -36,8 +41,52 @@ impl EngineBackend {
             max_model_len,
             max_waiting,
             seeds: AtomicU64::new(t),
+            vision: None,
         }
     }
+
+    /// Takes images with `vision` (the model's vision tower).
+    pub fn with_vision(mut self, vision: VisionModel) -> Self {
+        self.vision = Some(Arc::new(vision));
+        self
+    }
+}
+
+/// Encodes `images` and widens their placeholders in `prompt`; returns the prompt, the placed
+/// images and `max_tokens` cut to the context left.
+fn place_images(
+    vision: &VisionModel,
+    prompt: &[u32],
+    images: &[ImageInput],
+    max_tokens: usize,
+    max_model_len: usize,
+) -> Result<(Vec<u32>, Vec<PlacedImage>, usize), BackendError> {
+    let mut embeddings = Vec::with_capacity(images.len());
+    for (i, image) in images.iter().enumerate() {
+        let e = vision
+            .encode_image(&image.data)
+            .map_err(|e| BackendError::InvalidRequest(format!("image {i}: {e}")))?;
+        embeddings.push(Arc::new(e));
+    }
+    let rows: Vec<usize> = embeddings.iter().map(|e| e.n_tokens).collect();
+    let (prompt, positions) = expand_placeholders(prompt, vision.placeholder_token_id(), &rows)
+        .map_err(|e| BackendError::InvalidRequest(e.to_string()))?;
+    let room = max_model_len.saturating_sub(prompt.len());
+    if room == 0 {
+        return Err(BackendError::PromptTooLong {
+            prompt_tokens: prompt.len(),
+            limit: max_model_len,
+        });
+    }
+    let placed = positions
+        .into_iter()
+        .zip(embeddings)
+        .map(|(position, embedding)| PlacedImage {
+            position,
+            embedding,
+        })
+        .collect();
+    Ok((prompt, placed, max_tokens.min(room)))
 }
 
 /// Forwards engine events to the HTTP request's channel; a closed channel is a cancellation.
@@ -106,6 +155,57 @@ impl GenerationBackend for EngineBackend {
             .sampling
             .seed
             .unwrap_or_else(|| self.seeds.fetch_add(0x9E37_79B9, Ordering::Relaxed));
+        if !req.images.is_empty() {
+            let Some(vision) = self.vision.clone() else {
+                return Err(BackendError::InvalidRequest(format!(
+                    "the model `{}` takes no images",
+                    self.model_id
+                )));
+            };
+            let (engine, max_model_len) = (self.engine.clone(), self.max_model_len);
+            // Encoding takes a while: off the async threads, and the request is answered
+            // through the channel like any other.
+            tokio::task::spawn_blocking(move || {
+                let placed = place_images(
+                    &vision,
+                    &req.prompt_ids,
+                    &req.images,
+                    req.max_tokens,
+                    max_model_len,
+                );
+                let (prompt, images, max_new_tokens) = match placed {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let _ = tx.try_send(TokenEvent::Failed(e));
+                        return;
+                    }
+                };
+                if tx.is_closed() {
+                    return;
+                }
+                let engine_req = EngineRequest {
+                    prompt,
+                    max_new_tokens,
+                    sampling: SamplingParams {
+                        temperature: req.sampling.temperature,
+                        top_p: req.sampling.top_p,
+                        top_k: req.sampling.top_k as usize,
+                        seed,
+                    },
+                    stop_ids: req.stop_token_ids,
+                    cache_salt: None,
+                    prefill_only: false,
+                    resumed_tokens: 0,
+                    images,
+                };
+                let fail = tx.clone();
+                if let Err(e) = engine.submit(engine_req, Box::new(ChannelSink { tx })) {
+                    let _ =
+                        fail.try_send(TokenEvent::Failed(BackendError::Unavailable(e.to_string())));
+                }
+            });
+            return Ok(rx);
+        }
         let engine_req = EngineRequest {
             prompt: req.prompt_ids,
             max_new_tokens: req.max_tokens,
@@ -119,6 +219,7 @@ impl GenerationBackend for EngineBackend {
             cache_salt: None,
             prefill_only: false,
             resumed_tokens: 0,
+            images: Vec::new(),
         };
         self.engine
             .submit(engine_req, Box::new(ChannelSink { tx }))

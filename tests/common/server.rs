@@ -41,14 +41,23 @@ impl Server {
 
     /// `tessera <args> --model <copy of model>`; returns once it prints its `http://` address.
     pub fn launch(model: &Path, args: &[&str]) -> Server {
-        let copy = with_tokenizer(model);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(args)
+        Self::launch_prepared(with_tokenizer(model), args, None)
+    }
+
+    /// `tessera <args> --model <copy>` for a model directory the caller prepared; with
+    /// `secret`, the cluster secret `tessera up` gives its children (else a random one).
+    pub fn launch_prepared(copy: tempfile::TempDir, args: &[&str], secret: Option<&str>) -> Server {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+        cmd.args(args)
             .arg("--model")
             .arg(copy.path())
-            .env("TESSERA_LOG", "warn")
+            .env("TESSERA_LOG", "warn");
+        match secret {
+            Some(s) => cmd.env("TESSERA_AUTH_SECRET", s),
             // Hermetic: `tessera up` generates its own cluster secret.
-            .env_remove("TESSERA_AUTH_SECRET")
+            None => cmd.env_remove("TESSERA_AUTH_SECRET"),
+        };
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

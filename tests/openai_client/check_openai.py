@@ -4,13 +4,16 @@
 Runs completions and chat, plain and streamed (greedy), with vLLM's
 `return_token_ids` extension, and checks that outputs are non-empty, that
 streamed and non-streamed runs agree on text and token ids, that usage adds
-up, and that bad requests raise the client's typed errors. Exits non-zero on
-any failure.
+up, and that bad requests raise the client's typed errors. With `--image F`, a
+chat request also carries that image as a data URL (plain and streamed agree,
+a broken image is a BadRequestError). Exits non-zero on any failure.
 
     python tests/openai_client/check_openai.py --base-url http://127.0.0.1:8000/v1
 """
 
 import argparse
+import base64
+import mimetypes
 import sys
 import traceback
 
@@ -121,6 +124,47 @@ def chat_stream(client, model, max_tokens):
     return text, ids
 
 
+def chat_image(client, model, max_tokens, path):
+    """An image as a data URL, plain and streamed: both complete and agree."""
+    with open(path, "rb") as f:
+        data = base64.b64encode(f.read()).decode()
+    mime = mimetypes.guess_type(path)[0] or "image/png"
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in this image?"},
+                {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{data}"}},
+            ],
+        }
+    ]
+    r = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, extra_body=EXTRA
+    )
+    ids = extra(r.choices[0], "token_ids")
+    assert ids and r.choices[0].message.content, r
+    check_usage(r.usage, len(ids))
+    streamed = []
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body=EXTRA,
+    ):
+        for choice in chunk.choices:
+            streamed += extra(choice, "token_ids") or []
+    assert streamed == ids, f"token ids differ: {streamed} vs {ids}"
+    bad = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    try:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}])
+    except openai.BadRequestError as e:
+        assert e.body and e.body.get("message"), e.body
+    else:
+        raise AssertionError("a broken image was accepted")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
@@ -130,6 +174,7 @@ def main():
     ap.add_argument(
         "--multimodal", action="store_true", help="the model takes images: skip the rejection check"
     )
+    ap.add_argument("--image", help="an image file to send as a data URL in a chat request")
     args = ap.parse_args()
 
     client = OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=120)
@@ -210,6 +255,8 @@ def main():
     check("chat: plain == streamed (greedy)", chat)
     check("completions: token-id prompt, stop string", token_prompt_and_stop)
     check("errors map to the client's exceptions", errors)
+    if args.image:
+        check("chat with an image", lambda: chat_image(client, model, args.max_tokens, args.image))
 
     failed = sum(1 for _, e in results if e is not None)
     print(f"{len(results) - failed} passed, {failed} failed")

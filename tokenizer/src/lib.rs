@@ -13,6 +13,7 @@
 
 mod chat_template;
 mod hf;
+mod placeholders;
 mod tiktoken;
 pub mod tiny;
 
@@ -20,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use chat_template::{ChatMessage, ChatTemplate, MessageContent, KIMI_CHAT_TEMPLATE};
+pub use placeholders::{expand_placeholders, placeholder_runs, PlaceholderMismatch};
 pub use tiktoken::{KIMI_NUM_RESERVED_SPECIAL, KIMI_PAT_STR};
 pub use tiny::{
     special_ids as tiny_special_ids, write_tiny_tokenizer, TinySpecialIds, TINY_MIN_VOCAB,

@@ -21,7 +21,7 @@ mod tests;
 
 pub use layout::{Field, GroupKind, GroupLayout, KvDims, KvLayout, StateDtypes};
 pub use pool::{GroupUsage, HostArena, KvArena, PagePool};
-pub use prefix::{BlockHash, PrefixHit, PrefixIndex, PrefixStats};
+pub use prefix::{page_hashes_marked, BlockHash, PageMark, PrefixHit, PrefixIndex, PrefixStats};
 
 use std::fmt;
 

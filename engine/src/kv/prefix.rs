@@ -32,6 +32,25 @@ pub struct BlockHash(pub [u8; 32]);
 
 /// The chain of hashes of every *full* page of `tokens`.
 pub fn page_hashes(page_tokens: usize, tokens: &[u32], extra: Option<&[u8]>) -> Vec<BlockHash> {
+    page_hashes_marked(page_tokens, tokens, extra, &[])
+}
+
+/// Content that a token's id does not tell, keyed by the token's position: an image over its
+/// placeholder tokens. It enters the hash of the page holding `position` (and so, through the
+/// chain, of every later page), never the pages before it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PageMark {
+    pub position: usize,
+    pub bytes: Vec<u8>,
+}
+
+/// [`page_hashes`] with `marks` mixed into the pages that hold their positions.
+pub fn page_hashes_marked(
+    page_tokens: usize,
+    tokens: &[u32],
+    extra: Option<&[u8]>,
+    marks: &[PageMark],
+) -> Vec<BlockHash> {
     let mut root = Sha256::new();
     root.update(b"tessera.kv.prefix.v1");
     root.update((page_tokens as u64).to_le_bytes());
@@ -44,12 +63,19 @@ pub fn page_hashes(page_tokens: usize, tokens: &[u32], extra: Option<&[u8]>) -> 
         }
     }
     let mut prev: [u8; 32] = root.finalize().into();
-    let mut out = Vec::with_capacity(tokens.len() / page_tokens.max(1));
-    for page in tokens.chunks_exact(page_tokens.max(1)) {
+    let p = page_tokens.max(1);
+    let mut out = Vec::with_capacity(tokens.len() / p);
+    for (i, page) in tokens.chunks_exact(p).enumerate() {
         let mut h = Sha256::new();
         h.update(prev);
         for t in page {
             h.update(t.to_le_bytes());
+        }
+        for m in marks.iter().filter(|m| m.position / p == i) {
+            h.update(b"mark");
+            h.update((m.position as u64).to_le_bytes());
+            h.update((m.bytes.len() as u64).to_le_bytes());
+            h.update(&m.bytes);
         }
         prev = h.finalize().into();
         out.push(BlockHash(prev));
@@ -171,9 +197,20 @@ impl PrefixIndex {
         extra: Option<&[u8]>,
     ) -> Result<PrefixHit, KvError> {
         let hashes = self.hashes(tokens, extra);
+        self.lookup_hashed(pool, tokens.len(), &hashes)
+    }
+
+    /// [`lookup`](Self::lookup) of a prefix of `n_tokens` tokens whose page hashes the caller
+    /// computed (with [`page_hashes_marked`]).
+    pub fn lookup_hashed<A: KvArena>(
+        &mut self,
+        pool: &mut PagePool<A>,
+        n_tokens: usize,
+        hashes: &[BlockHash],
+    ) -> Result<PrefixHit, KvError> {
         self.stats.lookups += 1;
-        self.stats.lookup_tokens += tokens.len() as u64;
-        let Some(b) = self.best(&hashes) else {
+        self.stats.lookup_tokens += n_tokens as u64;
+        let Some(b) = self.best(hashes) else {
             self.stats.misses += 1;
             return Ok(PrefixHit::default());
         };
@@ -223,10 +260,20 @@ impl PrefixIndex {
         extra: Option<&[u8]>,
         pages: &[PageId],
     ) -> Result<usize, KvError> {
+        let hashes = self.hashes(tokens, extra);
+        self.insert_mla_hashed(pool, &hashes, pages)
+    }
+
+    /// [`insert_mla`](Self::insert_mla) with page hashes the caller computed.
+    pub fn insert_mla_hashed<A: KvArena>(
+        &mut self,
+        pool: &mut PagePool<A>,
+        hashes: &[BlockHash],
+        pages: &[PageId],
+    ) -> Result<usize, KvError> {
         let mla = self
             .mla
             .ok_or_else(|| KvError::Prefix("the layout has no MLA group".into()))?;
-        let hashes = self.hashes(tokens, extra);
         let n = pages.len().min(hashes.len());
         for &p in pages[..n].iter().filter(|p| !p.is_null()) {
             let g = pool.group_of(p)?;
@@ -285,6 +332,24 @@ impl PrefixIndex {
                 self.page_tokens
             )));
         }
+        let hashes = self.hashes(tokens, extra);
+        self.publish_snapshot_hashed(pool, &hashes, group, page)
+    }
+
+    /// [`publish_snapshot`](Self::publish_snapshot) after the pages whose hashes the caller
+    /// computed (the boundary is the end of the last one).
+    pub fn publish_snapshot_hashed<A: KvArena>(
+        &mut self,
+        pool: &mut PagePool<A>,
+        hashes: &[BlockHash],
+        group: GroupId,
+        page: PageId,
+    ) -> Result<bool, KvError> {
+        if hashes.is_empty() {
+            return Err(KvError::Prefix(
+                "a snapshot needs at least one full page".into(),
+            ));
+        }
         let slot = self
             .kda
             .iter()
@@ -298,7 +363,6 @@ impl PrefixIndex {
                 actual,
             });
         }
-        let hashes = self.hashes(tokens, extra);
         let h = hashes[hashes.len() - 1];
         let tick = self.tick();
         let kinds = self.kda.len();

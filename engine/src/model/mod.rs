@@ -46,6 +46,15 @@ pub struct Segment<'a> {
     pub logits: LogitsWanted,
 }
 
+/// Input embeddings given for some rows of a segment instead of looked up from its tokens
+/// (image embeddings over their placeholder tokens): `values` holds whole rows of
+/// `hidden_size` floats, the first of which is the segment's row `row`.
+#[derive(Clone, Copy, Debug)]
+pub struct EmbedSplice<'a> {
+    pub row: usize,
+    pub values: &'a [f32],
+}
+
 /// Row offsets of the segments inside the stacked batch.
 pub(crate) struct Rows {
     starts: Vec<usize>,
@@ -117,14 +126,16 @@ impl Model {
     pub fn load(dir: &Path) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
         let ck = Checkpoint::open(dir)?;
-        // K3 is a multimodal wrapper: its text model lives under `language_model.`.
-        let prefix = if config.model_type == "kimi_k3" {
+        // K2.5 and K3 are multimodal wrappers: their text model lives under `language_model.`.
+        let prefix = if config.model_type == "kimi_k3" || config.model_type == "kimi_k25" {
             "language_model.model."
         } else {
             "model."
         };
         let model = Self::from_checkpoint(config, &ck, prefix)?;
-        let unused = ck.unused();
+        let mut unused = ck.unused();
+        // The vision tower and projector are loaded on their own (`vision::VisionModel`).
+        unused.retain(|n| !n.starts_with("vision_tower.") && !n.contains("mm_projector."));
         if !unused.is_empty() {
             tracing::warn!(count = unused.len(), first = %unused[0], "checkpoint tensors not used by the model");
         }
@@ -138,9 +149,18 @@ impl Model {
         let attn_res = config.switches.attn_res_block_size.is_some();
         let embed_name = format!("{prefix}embed_tokens.weight");
         let embed = ck.f32(&embed_name, &[v, d])?;
+        // Layers are `layers.N` as published; transformers' `kimi_k25` save writes `blocks.N`.
+        let layers_key = if config.num_layers() > 0
+            && !ck.contains(&format!("{prefix}layers.0.input_layernorm.weight"))
+            && ck.contains(&format!("{prefix}blocks.0.input_layernorm.weight"))
+        {
+            "blocks"
+        } else {
+            "layers"
+        };
         let mut layers = Vec::with_capacity(config.num_layers());
         for l in 0..config.num_layers() {
-            let p = format!("{prefix}layers.{l}.");
+            let p = format!("{prefix}{layers_key}.{l}.");
             let attn_prefix = format!("{p}self_attn.");
             let mixer = match config.attn[l] {
                 AttnKind::Kda => Mixer::Kda(KdaLayer::load(ck, &attn_prefix, &config)?),
@@ -243,7 +263,22 @@ impl Model {
     /// Runs every segment's new tokens through the model, updating each state. Returns, per
     /// segment, the logits it asked for (`[rows, vocab]` flattened; empty for `None`).
     pub fn forward(&self, segments: &mut [Segment<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.forward_spliced(segments, &[])
+    }
+
+    /// [`forward`](Self::forward) with, per segment (`splices[i]` for `segments[i]`; missing
+    /// entries mean none), rows whose input embeddings replace the token embeddings.
+    pub fn forward_spliced(
+        &self,
+        segments: &mut [Segment<'_>],
+        splices: &[Vec<EmbedSplice<'_>>],
+    ) -> Result<Vec<Vec<f32>>> {
         let d = self.config.hidden_size;
+        if splices.len() > segments.len() {
+            return Err(EngineError::InvalidInput(
+                "more embedding splices than segments".into(),
+            ));
+        }
         for seg in segments.iter() {
             if seg.tokens.is_empty() {
                 return Err(EngineError::InvalidInput("a segment has no tokens".into()));
@@ -262,6 +297,22 @@ impl Model {
             .collect();
         let mut h = vec![0.0; n * d];
         cpu::embedding(&self.embed, d, &ids, &mut h)?;
+        for ((seg, range), seg_splices) in segments.iter().zip(rows.ranges()).zip(splices) {
+            for sp in seg_splices {
+                let k = sp.values.len() / d;
+                if sp.values.len() % d != 0 || sp.row + k > seg.tokens.len() {
+                    return Err(EngineError::InvalidInput(format!(
+                        "an embedding splice of {} floats at row {} does not fit a segment of {} \
+                         tokens with hidden size {d}",
+                        sp.values.len(),
+                        sp.row,
+                        seg.tokens.len()
+                    )));
+                }
+                let at = (range.start + sp.row) * d;
+                h[at..at + sp.values.len()].copy_from_slice(sp.values);
+            }
+        }
         let mut attn_res = self
             .config
             .switches

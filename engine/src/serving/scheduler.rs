@@ -14,9 +14,13 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::kv::{Field, GroupKind, KvError, KvLayout, PageId, PagePool, PrefixIndex, StateDtypes};
+use crate::kv::{
+    page_hashes_marked, BlockHash, Field, GroupKind, KvError, KvLayout, PageId, PageMark, PagePool,
+    PrefixIndex, StateDtypes,
+};
 use crate::model::{LogitsWanted, Model, Segment};
 use crate::sampler::{Sampler, SamplingParams};
+use crate::vision::{self, PlacedImage};
 
 use super::paged::{LayerSlots, PagedSeq, Reserved};
 
@@ -65,6 +69,13 @@ pub struct EngineRequest {
     /// migrated after a worker failure): sampling continues the seeded random stream as though
     /// it had drawn those tokens itself.
     pub resumed_tokens: usize,
+    /// Images whose embeddings replace the embeddings of their placeholder tokens in the prompt
+    /// (positions index the expanded prompt). Each image's content hash enters the prefix-cache
+    /// hash of the page holding its first token and so of every later page: the same text with
+    /// another image shares only the pages before that one. A worker that holds this request's
+    /// pages must be given the same images (or at least their hashes and positions, see
+    /// [`vision::page_marks`]) for its cache keys to match.
+    pub images: Vec<PlacedImage>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,12 +152,28 @@ struct Seq {
     cached_tokens: usize,
     /// MLA pages already offered to the prefix index.
     indexed_pages: usize,
+    /// Its images' prefix-cache marks (see [`vision::page_marks`]).
+    marks: Vec<PageMark>,
+    /// False for a handed-off prompt with image placeholders but without the images: its state
+    /// came as pages and cannot be computed again here.
+    recomputable: bool,
     sink: Box<dyn EventSink>,
 }
 
 impl Seq {
     fn generated(&self) -> usize {
         self.tokens.len() - self.req.prompt.len()
+    }
+
+    /// Prefix-cache hashes of the full pages of `tokens` (a prefix of this sequence): its salt
+    /// at the root, its images' marks in the pages that hold them.
+    fn hashes(&self, page_tokens: usize, tokens: &[u32]) -> Vec<BlockHash> {
+        page_hashes_marked(
+            page_tokens,
+            tokens,
+            self.req.cache_salt.as_deref(),
+            &self.marks,
+        )
     }
 }
 
@@ -250,7 +277,7 @@ impl Scheduler {
         } else if req.max_new_tokens == 0 {
             Some("max_new_tokens must be at least 1".to_string())
         } else {
-            None
+            self.check_images(&req).err()
         };
         let sampler = Sampler::new(req.sampling.clone()).map(|mut s| {
             s.skip(req.resumed_tokens);
@@ -266,6 +293,8 @@ impl Scheduler {
             (None, Ok(sampler)) => self.waiting.push_back(Seq {
                 id,
                 tokens: req.prompt.clone(),
+                marks: self.marks(id, &req),
+                recomputable: true,
                 req,
                 paged: PagedSeq::new(&self.slots),
                 sampler,
@@ -275,6 +304,47 @@ impl Scheduler {
             }),
         }
         id
+    }
+
+    /// Prefix-cache marks of request `id`: its images'. Placeholder tokens without images (a
+    /// decode worker given a handed-off image request's prompt alone) do not say which image
+    /// their pages hold, so from the first one's page on the pages are keyed to this request
+    /// alone: never reused, and never given to a request with or without images.
+    fn marks(&self, id: u64, req: &EngineRequest) -> Vec<PageMark> {
+        if !req.images.is_empty() {
+            return vision::page_marks(&req.images);
+        }
+        let placeholder = self
+            .model_cfg
+            .vision
+            .as_ref()
+            .and_then(|v| v.placeholder_token_id);
+        match placeholder.and_then(|p| req.prompt.iter().position(|&t| t == p)) {
+            Some(position) => vec![PageMark {
+                position,
+                bytes: [b"tessera.unplaced-image".as_slice(), &id.to_le_bytes()].concat(),
+            }],
+            None => Vec::new(),
+        }
+    }
+
+    /// Images must sit on placeholder tokens of the prompt and match the model's hidden size.
+    fn check_images(&self, req: &EngineRequest) -> std::result::Result<(), String> {
+        if req.images.is_empty() {
+            return Ok(());
+        }
+        let placeholder = self
+            .model_cfg
+            .vision
+            .as_ref()
+            .and_then(|v| v.placeholder_token_id);
+        vision::check_placed(
+            &req.prompt,
+            placeholder,
+            self.model_cfg.hidden_size,
+            &req.images,
+        )
+        .map_err(|e| e.to_string())
     }
 
     /// Reserves destination pages for a `prompt_len`-token prompt arriving from a prefill
@@ -348,15 +418,23 @@ impl Scheduler {
                 "the reservation was made for another prompt length".into(),
             ));
         }
+        if let Err(e) = self.check_images(&req) {
+            let mut paged = paged;
+            paged.release_all(&mut self.pool)?;
+            return Err(EngineError::InvalidInput(e));
+        }
         let mut sampler = Sampler::new(req.sampling.clone())?;
         // The first token (and any resumed ones) were drawn elsewhere.
         sampler.skip(1 + req.resumed_tokens);
         let mut tokens = req.prompt.clone();
         tokens.push(first_token);
         let done = req.stop_ids.contains(&first_token) || req.max_new_tokens <= 1;
+        let marks = self.marks(id, &req);
         let mut seq = Seq {
             id,
             tokens,
+            recomputable: !req.images.is_empty() || marks.is_empty(),
+            marks,
             req,
             paged,
             sampler,
@@ -606,6 +684,19 @@ impl Scheduler {
             );
         }
         let logits = {
+            // Image rows of each prefill chunk (an image may straddle chunks).
+            let splices: Vec<_> = plan
+                .iter()
+                .map(|&(i, end)| {
+                    let s = &self.running[i];
+                    let end = end.min(s.req.prompt.len());
+                    if s.req.images.is_empty() || s.paged.len >= end {
+                        Vec::new()
+                    } else {
+                        vision::splices_in(&s.req.images, s.paged.len, end)
+                    }
+                })
+                .collect();
             let mut segs: Vec<Segment> = plan
                 .iter()
                 .zip(states.iter_mut())
@@ -622,7 +713,7 @@ impl Scheduler {
                     }
                 })
                 .collect();
-            model.forward(&mut segs)?
+            model.forward_spliced(&mut segs, &splices)?
         };
         let mut processed = 0;
         let mut sampled = Vec::with_capacity(plan.len());
@@ -690,9 +781,10 @@ impl Scheduler {
             if s.paged.len == 0 && self.cfg.prefix_cache && s.tokens.len() > 1 {
                 // Never hit the whole sequence: the last token must run to produce logits.
                 let probe = &s.tokens[..s.tokens.len() - 1];
+                let hashes = s.hashes(self.cfg.page_tokens, probe);
                 let hit = self
                     .index
-                    .lookup(&mut self.pool, probe, s.req.cache_salt.as_deref())?;
+                    .lookup_hashed(&mut self.pool, probe.len(), &hashes)?;
                 if hit.tokens > 0 {
                     s.paged.len = hit.tokens;
                     s.paged.mla_pages = hit.mla_pages;
@@ -739,6 +831,14 @@ impl Scheduler {
     fn preempt(&mut self, idx: usize) -> Result<()> {
         let mut s = self.running.remove(idx);
         s.paged.release_all(&mut self.pool)?;
+        if !s.recomputable {
+            s.sink.send(EngineEvent::Failed(
+                "preempted, and its prompt holds image placeholders whose images this worker \
+                 was not given: it cannot be recomputed here"
+                    .into(),
+            ));
+            return Ok(());
+        }
         s.indexed_pages = 0;
         self.preemptions += 1;
         tracing::debug!(request = s.id, "preempted: pages released, will recompute");
@@ -861,23 +961,29 @@ fn publish(
     end: usize,
 ) -> Result<()> {
     let p = cfg.page_tokens;
-    let salt = s.req.cache_salt.as_deref();
     let full = end / p;
-    if slots.mla_group.is_some() && full > s.indexed_pages {
-        index.insert_mla(
-            pool,
-            &s.tokens[..full * p],
-            salt,
-            &s.paged.mla_pages[..full],
-        )?;
-        s.indexed_pages = full;
-    }
     let on_boundary = end.is_multiple_of(p) && end > 0;
     let wanted = (was_prefill && on_boundary)
         || (cfg.snapshot_interval > 0 && end.is_multiple_of(cfg.snapshot_interval) && end > 0);
-    if wanted && !slots.kda_groups.is_empty() {
+    let insert_mla = slots.mla_group.is_some() && full > s.indexed_pages;
+    let snapshot = wanted && !slots.kda_groups.is_empty();
+    if !insert_mla && !snapshot {
+        return Ok(());
+    }
+    if snapshot && !on_boundary {
+        return Err(KvError::Prefix(format!(
+            "snapshot boundary {end} is not a multiple of the page size {p}"
+        ))
+        .into());
+    }
+    let hashes = s.hashes(p, &s.tokens[..full * p]);
+    if insert_mla {
+        index.insert_mla_hashed(pool, &hashes, &s.paged.mla_pages[..full])?;
+        s.indexed_pages = full;
+    }
+    if snapshot {
         for (gi, &g) in slots.kda_groups.iter().enumerate() {
-            index.publish_snapshot(pool, &s.tokens[..end], salt, g, s.paged.kda_pages[gi])?;
+            index.publish_snapshot_hashed(pool, &hashes, g, s.paged.kda_pages[gi])?;
         }
     }
     Ok(())

@@ -1,5 +1,11 @@
 //! One request's trip through the cluster, as attempts of named stages:
-//! select + reserve (decode) → prefill → respond (first token) → decode (stream).
+//! [encode (images) →] select + reserve (decode) → prefill → respond (first token) → decode
+//! (stream).
+//!
+//! A request with images first picks its prefill worker, has an encoder push the images'
+//! embeddings there ([`encode`]), and widens each image placeholder to the image's rows; the
+//! decode reservation and the prefill then use that widened prompt. A later attempt encodes
+//! again (for the prefill worker it picks), which the encoder's cache makes cheap.
 //!
 //! An attempt that fails because a worker failed is retried on other workers (DESIGN §4): a
 //! prefill failure before any token reached the client simply runs again; a decode failure
@@ -16,8 +22,12 @@ use tessera_proto::v1;
 use tokio::sync::mpsc;
 
 use super::error::{retryable, to_backend, worker_down};
-use super::pool::{Lease, Role, Worker, WorkerPool};
+use super::pool::{Lease, PairWith, Role, Worker, WorkerPool};
 use crate::backend::{BackendError, FinishReason, GenerationRequest, TokenEvent, Usage};
+
+mod encode;
+
+use encode::cancel_in_background;
 
 /// Why a request stopped early.
 pub(crate) enum Stop {
@@ -67,6 +77,12 @@ struct Attempt {
     wire_id: String,
     prompt: Vec<u32>,
     resumed: usize,
+    /// The request's prompt tokens (image placeholders widened), without the resumed ones.
+    prompt_tokens: usize,
+    /// The request's `max_tokens`, less what widened placeholders took of the context.
+    max_tokens: usize,
+    /// The images' embeddings, already in the chosen prefill worker's buffers.
+    images: Vec<v1::ImageInput>,
 }
 
 /// A decode reservation: the worker (its in-flight slot held), its reply, and the wire id of
@@ -99,6 +115,22 @@ pub(crate) struct Flow {
     pub tx: mpsc::Sender<TokenEvent>,
     pub sampling: v1::SamplingParams,
     pub reserve_ttl_ms: u32,
+    /// Prompt + completion tokens at most (checked again once placeholders are widened).
+    pub max_model_len: usize,
+    /// The model's image placeholder token (requests with images need one).
+    pub image_token_id: Option<u32>,
+    /// A hash of the request's images ([`crate::images::cache_salt`]); empty for text-only.
+    /// Every worker mixes it into its prefix-cache keys, so the same tokens with other images
+    /// never share pages, on prefill or on decode.
+    pub cache_salt: Vec<u8>,
+}
+
+/// Workers a new attempt stays away from, by role.
+#[derive(Default)]
+struct Avoid {
+    prefill: Vec<String>,
+    decode: Vec<String>,
+    encoder: Vec<String>,
 }
 
 impl Flow {
@@ -118,13 +150,10 @@ impl Flow {
 
     async fn serve(&self) -> Result<(), Stop> {
         let mut progress = Progress::default();
-        let (mut avoid_prefill, mut avoid_decode) = (Vec::new(), Vec::new());
+        let mut avoid = Avoid::default();
         let mut first_error = None;
         for attempt in 1.. {
-            let fault = match self
-                .attempt(attempt, &mut progress, &avoid_prefill, &avoid_decode)
-                .await
-            {
+            let fault = match self.attempt(attempt, &mut progress, &avoid).await {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
             };
@@ -148,8 +177,9 @@ impl Flow {
                 self.pool.count_migration();
             }
             match role {
-                Role::Prefill => avoid_prefill.push(addr),
-                Role::Decode => avoid_decode.push(addr),
+                Role::Prefill => avoid.prefill.push(addr),
+                Role::Decode => avoid.decode.push(addr),
+                Role::Encoder => avoid.encoder.push(addr),
             }
             first_error.get_or_insert(e);
         }
@@ -157,32 +187,47 @@ impl Flow {
     }
 
     /// Attempt number `n` (from 1), from where `progress` stands.
-    async fn attempt(
-        &self,
-        n: usize,
-        progress: &mut Progress,
-        avoid_prefill: &[String],
-        avoid_decode: &[String],
-    ) -> Step<()> {
-        let mut prompt = self.req.prompt_ids.clone();
-        prompt.extend(&progress.tokens);
-        let run = Attempt {
-            wire_id: match n {
-                1 => self.req.request_id.clone(),
-                n => format!("{}.{n}", self.req.request_id),
-            },
-            prompt,
-            resumed: progress.tokens.len(),
+    async fn attempt(&self, n: usize, progress: &mut Progress, avoid: &Avoid) -> Step<()> {
+        let wire_id = match n {
+            1 => self.req.request_id.clone(),
+            n => format!("{}.{n}", self.req.request_id),
         };
-        let placed = self.reserve(&run, avoid_decode).await?;
-        let first = match self.prefill(&run, &placed, avoid_prefill).await {
+        let (run, prefill) = if self.req.images.is_empty() {
+            let mut prompt = self.req.prompt_ids.clone();
+            prompt.extend(&progress.tokens);
+            let run = Attempt {
+                wire_id,
+                prompt_tokens: self.req.prompt_ids.len(),
+                prompt,
+                resumed: progress.tokens.len(),
+                max_tokens: self.req.max_tokens,
+                images: Vec::new(),
+            };
+            (run, None)
+        } else {
+            let (run, prefill) = self.with_images(wire_id, progress, avoid).await?;
+            (run, Some(prefill))
+        };
+        let pair = prefill
+            .as_deref()
+            .map_or(PairWith::AnyBut(&avoid.prefill), PairWith::Worker);
+        let placed = match self.reserve(&run, &avoid.decode, pair).await {
+            Ok(p) => p,
+            Err(f) => {
+                if let Some(p) = &prefill {
+                    cancel_in_background(p, &run.wire_id);
+                }
+                return Err(f);
+            }
+        };
+        let first = match self.prefill(&run, &placed, &avoid.prefill, prefill).await {
             Ok(reply) => reply,
             Err(f) => {
                 self.release_in_background(&placed);
                 return Err(f);
             }
         };
-        if self.respond(&placed, &first, progress).await? {
+        if self.respond(&run, &placed, &first, progress).await? {
             return Ok(());
         }
         self.decode(&run, &placed, &first, progress).await
@@ -190,13 +235,23 @@ impl Flow {
 
     // ---- stage 1+2: select a decode worker and reserve pages (another decode on failure) ----
 
-    async fn reserve(&self, run: &Attempt, avoid: &[String]) -> Step<Placed> {
+    /// `prefill`: the prefill worker already chosen, or those the attempt may still use (the
+    /// decode worker must speak their page transport).
+    async fn reserve(
+        &self,
+        run: &Attempt,
+        avoid: &[String],
+        prefill: PairWith<'_>,
+    ) -> Step<Placed> {
         let mut tried: Vec<String> = avoid.to_vec();
         let mut last = None;
         loop {
-            let Some(decode) = self.pool.pick_decode(&tried) else {
+            let Some(decode) = self.pool.pick_decode_for(&tried, prefill) else {
                 let e = last.unwrap_or_else(|| {
-                    BackendError::Unavailable("no healthy decode worker".into())
+                    let why = self.pool.unpaired(Role::Decode, &tried, prefill);
+                    BackendError::Unavailable(
+                        why.unwrap_or_else(|| "no healthy decode worker".into()),
+                    )
                 });
                 return Err(Stop::Failed(e).into());
             };
@@ -206,8 +261,9 @@ impl Flow {
             let msg = v1::ReserveRequest {
                 request_id: run.wire_id.clone(),
                 prompt_token_ids: run.prompt.clone(),
-                max_tokens: (self.req.max_tokens - run.resumed) as u32,
+                max_tokens: (run.max_tokens - run.resumed) as u32,
                 ttl_ms: self.reserve_ttl_ms,
+                cache_salt: self.cache_salt.clone(),
                 ..Default::default()
             };
             let r = decode
@@ -247,10 +303,11 @@ impl Flow {
         run: &Attempt,
         placed: &Placed,
         avoid: &[String],
+        chosen: Option<Lease>,
     ) -> Step<v1::PrefillReply> {
-        let Some(prefill) = self.pool.pick_prefill(&run.prompt, avoid) else {
-            let e = BackendError::Unavailable("no healthy prefill worker".into());
-            return Err(Stop::Failed(e).into());
+        let prefill = match chosen {
+            Some(p) => p,
+            None => self.pick_prefill(&run.prompt, avoid, PairWith::Worker(&placed.decode))?,
         };
         let r = &placed.reply;
         let msg = v1::PrefillRequest {
@@ -269,6 +326,8 @@ impl Flow {
                 ..Default::default()
             }),
             resumed_tokens: run.resumed as u32,
+            images: run.images.clone(),
+            cache_salt: self.cache_salt.clone(),
             ..Default::default()
         };
         let mut client = prefill.prefill_client();
@@ -302,6 +361,7 @@ impl Flow {
 
     async fn respond(
         &self,
+        run: &Attempt,
         placed: &Placed,
         first: &v1::PrefillReply,
         progress: &mut Progress,
@@ -322,7 +382,7 @@ impl Flow {
         }
         let reason = if self.req.stop_token_ids.contains(&first.first_token) {
             Some(FinishReason::Stop)
-        } else if progress.tokens.len() >= self.req.max_tokens {
+        } else if progress.tokens.len() >= run.max_tokens {
             Some(FinishReason::Length)
         } else {
             None
@@ -336,7 +396,7 @@ impl Flow {
             return Ok(false);
         };
         let usage = Usage {
-            prompt_tokens: self.req.prompt_ids.len(),
+            prompt_tokens: run.prompt_tokens,
             completion_tokens: progress.tokens.len(),
             cached_tokens: progress.cached,
         };
@@ -360,12 +420,12 @@ impl Flow {
             prompt_token_ids: run.prompt.clone(),
             first_token: first.first_token,
             sampling: Some(self.sampling),
-            max_tokens: self.req.max_tokens as u32,
+            max_tokens: run.max_tokens as u32,
             stop_token_ids: self.req.stop_token_ids.clone(),
             ignore_eos: self.req.ignore_eos,
             resumed_tokens: run.resumed as u32,
             cached_tokens: progress.cached as u32,
-            ..Default::default()
+            cache_salt: self.cache_salt.clone(),
         };
         let decode = &placed.decode;
         let mut client = decode.decode_client();
@@ -383,7 +443,7 @@ impl Flow {
                 return Err(self.decode_fault(decode, "start decode", &s));
             }
         };
-        let r = self.forward(decode, stream, progress).await;
+        let r = self.forward(run, decode, stream, progress).await;
         match &r {
             // The stream is dropped already (which cancels on decode); say so explicitly too.
             Err(f) if matches!(f.stop, Stop::Cancelled) => cancel_on(decode, &run.wire_id).await,
@@ -397,6 +457,7 @@ impl Flow {
     /// Forwards decode's chunks as events until the chunk with a finish reason.
     async fn forward(
         &self,
+        run: &Attempt,
         decode: &Lease,
         mut stream: Streaming<v1::TokenChunk>,
         progress: &mut Progress,
@@ -428,12 +489,12 @@ impl Flow {
             }
             if chunk.finish_reason != v1::FinishReason::Unspecified as i32 {
                 decode.record_success();
-                return self.finish(&chunk, progress).await;
+                return self.finish(run, &chunk, progress).await;
             }
         }
     }
 
-    async fn finish(&self, chunk: &v1::TokenChunk, progress: &Progress) -> Step<()> {
+    async fn finish(&self, run: &Attempt, chunk: &v1::TokenChunk, progress: &Progress) -> Step<()> {
         let reason = match v1::FinishReason::try_from(chunk.finish_reason) {
             Ok(v1::FinishReason::Stop) => FinishReason::Stop,
             Ok(v1::FinishReason::Length) => FinishReason::Length,
@@ -452,7 +513,7 @@ impl Flow {
                 cached_tokens: u.cached_tokens as usize,
             },
             None => Usage {
-                prompt_tokens: self.req.prompt_ids.len(),
+                prompt_tokens: run.prompt_tokens,
                 completion_tokens: progress.tokens.len(),
                 cached_tokens: progress.cached,
             },
@@ -463,6 +524,20 @@ impl Flow {
     }
 
     // ---- helpers ----
+
+    /// A prefill worker for `prompt` that can write into `decode` (the decode worker already
+    /// chosen, or those the attempt may still use), or why there is none.
+    fn pick_prefill(&self, prompt: &[u32], avoid: &[String], decode: PairWith<'_>) -> Step<Lease> {
+        self.pool
+            .pick_prefill_for(prompt, avoid, decode)
+            .ok_or_else(|| {
+                let why = self.pool.unpaired(Role::Prefill, avoid, decode);
+                let e = BackendError::Unavailable(
+                    why.unwrap_or_else(|| "no healthy prefill worker".into()),
+                );
+                Stop::Failed(e).into()
+            })
+    }
 
     async fn emit(&self, e: TokenEvent) -> Result<(), Stop> {
         self.tx.send(e).await.map_err(|_| Stop::Cancelled)
@@ -540,6 +615,8 @@ async fn cancel_on(w: &Worker, request_id: &str) {
         match w.role {
             Role::Decode => w.decode_client().cancel(w.request(msg)).await.map(drop),
             Role::Prefill => w.prefill_client().cancel(w.request(msg)).await.map(drop),
+            // Encoders hold nothing for a request once `Encode` returned.
+            Role::Encoder => Ok(()),
         }
     };
     let _ = tokio::time::timeout(CLEANUP_TIMEOUT, call).await;

@@ -1,11 +1,12 @@
-//! The cluster backend: a [`GenerationBackend`] over gRPC clients of the prefill and decode
-//! pools (DESIGN §4, §6 static discovery).
+//! The cluster backend: a [`GenerationBackend`] over gRPC clients of the encoder, prefill and
+//! decode pools (DESIGN §4, §6 static discovery).
 //!
 //! - [`pool`]: membership (static, plus what [`crate::discovery`] adds), lazily connected channels, `grpc.health.v1` probes, in-flight
 //!   accounting and the router's per-worker metrics;
-//! - [`policy`]: placement (decode least loaded, prefill prefix affinity then load);
-//! - `flow`: one request's stages (select → reserve → prefill → respond → decode), retries
-//!   and cancellation;
+//! - [`policy`]: placement (decode least loaded, prefill prefix affinity then load, encoder
+//!   image-hash affinity then load);
+//! - `flow`: one request's stages ([encode →] select → reserve → prefill → respond → decode),
+//!   retries and cancellation;
 //! - [`error`]: worker statuses → [`BackendError`].
 
 pub mod error;
@@ -37,6 +38,11 @@ pub struct ClusterConfig {
     pub pool: PoolOptions,
     /// How long decode holds a reservation waiting for `StartDecode`; 0 = the worker's default.
     pub reserve_ttl_ms: u32,
+    /// gRPC addresses of the encoder workers (none: requests with images get 503).
+    pub encoder: Vec<String>,
+    /// The model's image placeholder token (`media_placeholder_token_id`); `None` for a
+    /// text-only model.
+    pub image_token_id: Option<u32>,
 }
 
 /// [`GenerationBackend`] that routes each request to a decode and a prefill worker.
@@ -45,6 +51,7 @@ pub struct ClusterBackend {
     model_id: String,
     max_model_len: usize,
     reserve_ttl_ms: u32,
+    image_token_id: Option<u32>,
 }
 
 impl ClusterBackend {
@@ -52,11 +59,13 @@ impl ClusterBackend {
     /// not be up yet (channels connect lazily; unhealthy ones are skipped).
     pub fn new(cfg: ClusterConfig) -> anyhow::Result<Self> {
         let pool = WorkerPool::start(&cfg.prefill, &cfg.decode, cfg.pool)?;
+        pool.add_encoders(&cfg.encoder)?;
         Ok(ClusterBackend {
             pool,
             model_id: cfg.model_id,
             max_model_len: cfg.max_model_len,
             reserve_ttl_ms: cfg.reserve_ttl_ms,
+            image_token_id: cfg.image_token_id,
         })
     }
 
@@ -64,11 +73,13 @@ impl ClusterBackend {
     /// ([`crate::discovery`]) adds workers at run time.
     pub fn new_dynamic(cfg: ClusterConfig) -> anyhow::Result<Self> {
         let pool = WorkerPool::start_dynamic(&cfg.prefill, &cfg.decode, cfg.pool)?;
+        pool.add_encoders(&cfg.encoder)?;
         Ok(ClusterBackend {
             pool,
             model_id: cfg.model_id,
             max_model_len: cfg.max_model_len,
             reserve_ttl_ms: cfg.reserve_ttl_ms,
+            image_token_id: cfg.image_token_id,
         })
     }
 
@@ -108,12 +119,16 @@ impl GenerationBackend for ClusterBackend {
         }
         self.health()?;
         let (tx, rx) = mpsc::channel(64);
+        let cache_salt = crate::images::cache_salt(&req.images);
         let flow = Flow {
             pool: self.pool.clone(),
             sampling: Self::wire_sampling(&req),
             req,
             tx,
             reserve_ttl_ms: self.reserve_ttl_ms,
+            max_model_len: self.max_model_len,
+            image_token_id: self.image_token_id,
+            cache_salt,
         };
         tokio::spawn(flow.run());
         Ok(rx)

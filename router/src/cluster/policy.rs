@@ -5,9 +5,13 @@
 //!   `running + waiting` from its last `Stats`), ties broken round robin;
 //! - prefill: prefix affinity (a hash of the prompt's first page picks a worker by rendezvous
 //!   hashing, so equal prefixes land where their pages are cached), then load: the affinity pick
-//!   is abandoned when it has `slack` more requests in flight than the least loaded worker.
+//!   is abandoned when it has `slack` more requests in flight than the least loaded worker;
+//! - pairing: a prefill worker writes pages only into a decode worker of the same page transport
+//!   ([`can_pair`]).
 
 use std::hash::{BuildHasher, Hasher};
+
+use tessera_proto::v1::TransferBackend;
 
 /// What a policy sees of one candidate worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +88,21 @@ pub fn prefill_choice(
     }
 }
 
+/// Whether two workers can move pages between them: they speak the same transport. A worker
+/// whose transport is not known yet (`None`: no `Stats` answer so far) may pair with any; the
+/// prefill worker's transfer handshake still refuses a mismatched pair.
+pub fn can_pair(a: Option<TransferBackend>, b: Option<TransferBackend>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => a == b,
+        _ => true,
+    }
+}
+
+/// `tcp`, `ucx`, … or `unknown`, for messages.
+pub fn transport_name(t: Option<TransferBackend>) -> &'static str {
+    t.map_or("unknown", TransferBackend::name)
+}
+
 /// A fresh random sampling seed (the router fixes one so prefill and decode agree).
 pub fn random_seed() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -105,6 +124,18 @@ mod tests {
             inflight,
             remote_load: 0,
         }
+    }
+
+    #[test]
+    fn only_equal_or_unknown_transports_pair() {
+        use TransferBackend::{Tcp, Ucx};
+        assert!(can_pair(Some(Tcp), Some(Tcp)));
+        assert!(can_pair(Some(Ucx), Some(Ucx)));
+        assert!(!can_pair(Some(Tcp), Some(Ucx)));
+        assert!(!can_pair(Some(Ucx), Some(Tcp)));
+        assert!(can_pair(None, Some(Ucx)) && can_pair(Some(Tcp), None) && can_pair(None, None));
+        assert_eq!(transport_name(Some(Ucx)), "ucx");
+        assert_eq!(transport_name(None), "unknown");
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! failure opens it again. A new incarnation (the process restarted) starts with a closed one.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -23,15 +23,21 @@ use tessera_proto::tonic::transport::Channel;
 use tessera_proto::tonic::{self, Request};
 use tessera_proto::v1;
 use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
+use tessera_proto::v1::encoder_worker_client::EncoderWorkerClient;
 use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
 
 use super::policy::{self, Candidate};
+
+mod pairing;
+
+pub use pairing::PairWith;
 
 /// Which pool a worker belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
     Prefill,
     Decode,
+    Encoder,
 }
 
 impl Role {
@@ -39,9 +45,13 @@ impl Role {
         match self {
             Role::Prefill => "prefill",
             Role::Decode => "decode",
+            Role::Encoder => "encoder",
         }
     }
 }
+
+/// Largest `Encode` message the router sends (the images of one request).
+pub const MAX_IMAGE_MESSAGE_BYTES: usize = 256 << 20;
 
 /// Failures in a row that open a worker's circuit breaker.
 pub const BREAKER_THRESHOLD: u32 = 5;
@@ -75,6 +85,8 @@ pub struct Worker {
     /// The process's incarnation as its last `Stats` (or its registration) gave it; 0 unknown.
     incarnation: AtomicU64,
     restarts: AtomicU64,
+    /// The page transport (`v1::TransferBackend`) its last `Stats` advertised; -1 unknown.
+    transport: AtomicI32,
 }
 
 impl Worker {
@@ -116,6 +128,7 @@ impl Worker {
             }),
             incarnation: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
+            transport: AtomicI32::new(-1),
         })
     }
 
@@ -134,6 +147,12 @@ impl Worker {
 
     pub fn prefill_client(&self) -> PrefillWorkerClient<Channel> {
         PrefillWorkerClient::new(self.channel.clone())
+    }
+
+    /// An encoder client that may send whole images (gRPC's default is 4 MiB a message).
+    pub fn encoder_client(&self) -> EncoderWorkerClient<Channel> {
+        EncoderWorkerClient::new(self.channel.clone())
+            .max_encoding_message_size(MAX_IMAGE_MESSAGE_BYTES)
     }
 
     pub fn is_healthy(&self) -> bool {
@@ -246,11 +265,16 @@ impl Worker {
                 let mut c = self.prefill_client();
                 tokio::time::timeout(timeout, c.stats(self.request(v1::StatsRequest {}))).await
             }
+            Role::Encoder => {
+                let mut c = self.encoder_client();
+                tokio::time::timeout(timeout, c.stats(self.request(v1::StatsRequest {}))).await
+            }
         };
         if let Ok(Ok(s)) = stats {
             let s = s.into_inner();
             if let Some(info) = &s.info {
                 self.observe_incarnation(info.incarnation_id);
+                self.observe_transport(info.transfer_backend);
             }
             if let Some(l) = s.load {
                 self.remote_load
@@ -322,10 +346,12 @@ type Series = (&'static str, &'static str, fn(&Worker) -> u64);
 pub struct WorkerPool {
     prefill: RwLock<Vec<Arc<Worker>>>,
     decode: RwLock<Vec<Arc<Worker>>>,
+    encoder: RwLock<Vec<Arc<Worker>>>,
     opts: PoolOptions,
     /// Round-robin counters, one per role: a shared one advances by 2 per request (a decode
     /// and a prefill pick), so with 2 equally loaded workers every pick got the same one.
-    rr: [AtomicUsize; 2],
+    rr: [AtomicUsize; 3],
+    retries_encode: AtomicU64,
     retries_reserve: AtomicU64,
     retries_prefill: AtomicU64,
     migrations: AtomicU64,
@@ -345,6 +371,14 @@ impl WorkerPool {
         );
         anyhow::ensure!(!decode.is_empty(), "no decode worker given (--decode ADDR)");
         Self::start_dynamic(prefill, decode, opts)
+    }
+
+    /// Adds the encoder workers at `addrs` (static membership of the encoder pool).
+    pub fn add_encoders(&self, addrs: &[String]) -> anyhow::Result<()> {
+        for a in addrs {
+            self.add_worker(Role::Encoder, a)?;
+        }
+        Ok(())
     }
 
     /// Like [`WorkerPool::start`], but either pool may start empty: discovery fills it with
@@ -372,8 +406,14 @@ impl WorkerPool {
         let pool = Arc::new(WorkerPool {
             prefill: RwLock::new(mk(prefill, Role::Prefill)?),
             decode: RwLock::new(mk(decode, Role::Decode)?),
+            encoder: RwLock::default(),
             opts,
-            rr: [AtomicUsize::new(0), AtomicUsize::new(0)],
+            rr: [
+                AtomicUsize::new(0),
+                AtomicUsize::new(0),
+                AtomicUsize::new(0),
+            ],
+            retries_encode: AtomicU64::new(0),
             retries_reserve: AtomicU64::new(0),
             retries_prefill: AtomicU64::new(0),
             migrations: AtomicU64::new(0),
@@ -386,6 +426,7 @@ impl WorkerPool {
         match role {
             Role::Prefill => &self.prefill,
             Role::Decode => &self.decode,
+            Role::Encoder => &self.encoder,
         }
     }
 
@@ -400,6 +441,7 @@ impl WorkerPool {
     fn all_workers(&self) -> Vec<Arc<Worker>> {
         let mut all = self.workers(Role::Prefill);
         all.extend(self.workers(Role::Decode));
+        all.extend(self.workers(Role::Encoder));
         all
     }
 
@@ -462,17 +504,12 @@ impl WorkerPool {
         futures_util::future::join_all(all.iter().map(|w| w.probe(t))).await;
     }
 
-    /// Picks a healthy decode worker not in `exclude` (least loaded, round robin among equals).
-    pub fn pick_decode(&self, exclude: &[String]) -> Option<Lease> {
-        self.pick(Role::Decode, exclude, policy::least_loaded)
-    }
-
-    /// Picks a healthy prefill worker not in `exclude` (prefix affinity, then load).
-    pub fn pick_prefill(&self, prompt: &[u32], exclude: &[String]) -> Option<Lease> {
-        let key = policy::prefix_key(prompt, self.opts.page_tokens);
+    /// Picks a healthy encoder not in `exclude`: affinity on the image hash `key` (an encoder
+    /// that saw the image keeps its embeddings cached), then load.
+    pub fn pick_encoder(&self, key: u64, exclude: &[String]) -> Option<Lease> {
         let slack = self.opts.affinity_slack;
-        self.pick(Role::Prefill, exclude, |c, rr| {
-            policy::prefill_choice(c, key, slack, rr)
+        self.pick(Role::Encoder, exclude, |c, rr| {
+            policy::prefill_choice(c, Some(key), slack, rr)
         })
     }
 
@@ -482,10 +519,21 @@ impl WorkerPool {
         exclude: &[String],
         choose: impl Fn(&[Candidate<'_>], usize) -> Option<usize>,
     ) -> Option<Lease> {
+        self.pick_where(role, exclude, |_| true, choose)
+    }
+
+    /// [`WorkerPool::pick`] among the workers `fits` accepts.
+    fn pick_where(
+        &self,
+        role: Role,
+        exclude: &[String],
+        fits: impl Fn(&Worker) -> bool,
+        choose: impl Fn(&[Candidate<'_>], usize) -> Option<usize>,
+    ) -> Option<Lease> {
         let members = self.workers(role);
         let ws: Vec<&Arc<Worker>> = members
             .iter()
-            .filter(|w| w.is_routable() && !exclude.contains(&w.addr))
+            .filter(|w| w.is_routable() && !exclude.contains(&w.addr) && fits(w))
             .collect();
         let cands: Vec<Candidate<'_>> = ws
             .iter()
@@ -503,6 +551,7 @@ impl WorkerPool {
         match role {
             Role::Decode => &self.retries_reserve,
             Role::Prefill => &self.retries_prefill,
+            Role::Encoder => &self.retries_encode,
         }
         .fetch_add(1, Ordering::Relaxed);
     }
@@ -558,6 +607,11 @@ impl WorkerPool {
             s,
             "tessera_router_retries_total{{stage=\"prefill\"}} {}",
             self.retries_prefill.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            s,
+            "tessera_router_retries_total{{stage=\"encode\"}} {}",
+            self.retries_encode.load(Ordering::Relaxed)
         );
         let _ = writeln!(s, "# HELP tessera_router_migrations_total Requests re-prefilled on other workers after their decode worker failed mid-stream.");
         let _ = writeln!(s, "# TYPE tessera_router_migrations_total counter");

@@ -41,6 +41,7 @@ pub fn parse_member(prefix: &str, key: &[u8], value: &[u8]) -> Option<Member> {
     let role = match key.strip_prefix(prefix)?.split('/').next()? {
         "prefill" => Role::Prefill,
         "decode" => Role::Decode,
+        "encoder" => Role::Encoder,
         _ => return None,
     };
     let v: serde_json::Value = match serde_json::from_slice(value) {
@@ -247,7 +248,12 @@ mod tests {
             })
         );
         assert_eq!(
-            parse_member(&p, b"/tessera/c/workers/encoder/e0", br#"{"grpc":"x:1"}"#),
+            parse_member(&p, b"/tessera/c/workers/encoder/e0", br#"{"grpc":"x:1"}"#)
+                .map(|m| m.role),
+            Some(Role::Encoder)
+        );
+        assert_eq!(
+            parse_member(&p, b"/tessera/c/workers/gateway/g0", br#"{"grpc":"x:1"}"#),
             None
         );
         assert_eq!(

@@ -39,6 +39,23 @@ pub struct FrontArgs {
     /// never logged otherwise, at any log level.
     #[arg(long, env = "TESSERA_LOG_REQUESTS")]
     pub log_requests: bool,
+    /// Largest image accepted in a chat request, in bytes of the encoded file (after base64
+    /// decoding); larger ones get 400. Images come as `data:` URLs only: the server never
+    /// fetches a URL a client names. Base64 adds a third: raise `--max-body-bytes` with it.
+    #[arg(long, env = "TESSERA_MAX_IMAGE_BYTES", default_value_t = 5 << 20)]
+    pub max_image_bytes: usize,
+    /// Images one chat request may carry at most; more get 400.
+    #[arg(long, env = "TESSERA_MAX_IMAGES_PER_REQUEST", default_value_t = 8)]
+    pub max_images_per_request: usize,
+    /// Hosts (names or addresses, comma-separated, matched exactly) that `http(s)` image URLs
+    /// may name; the front then fetches them itself, without following redirects, within
+    /// `--max-image-bytes` and `--image-fetch-timeout-ms`. Unset: image URLs get 400 and only
+    /// `data:` URLs are taken (a client cannot make the server reach its network).
+    #[arg(long, env = "TESSERA_ALLOWED_IMAGE_HOSTS", value_delimiter = ',')]
+    pub allowed_image_hosts: Vec<String>,
+    /// Longest fetch of one image URL, in milliseconds (connect, TLS, response).
+    #[arg(long, env = "TESSERA_IMAGE_FETCH_TIMEOUT_MS", default_value_t = 10_000)]
+    pub image_fetch_timeout_ms: u64,
 }
 
 fn parse_rps(s: &str) -> Result<f64, String> {
@@ -78,6 +95,17 @@ impl FrontArgs {
             api_keys,
             rate_limit: self.rate_limit(),
             log_requests: self.log_requests,
+            image_rules: super::images::ImageRules {
+                max_images: self.max_images_per_request,
+                max_image_bytes: self.max_image_bytes,
+            },
+            remote_images: match self.allowed_image_hosts.is_empty() {
+                true => None,
+                false => Some(Arc::new(super::fetch::RemoteImages::new(
+                    &self.allowed_image_hosts,
+                    std::time::Duration::from_millis(self.image_fetch_timeout_ms),
+                )?)),
+            },
             ..FrontOptions::default()
         })
     }
@@ -99,6 +127,18 @@ impl FrontArgs {
         if let Some(n) = self.max_prompt_tokens {
             flag("max-prompt-tokens", n.to_string());
         }
+        flag("max-image-bytes", self.max_image_bytes.to_string());
+        flag(
+            "max-images-per-request",
+            self.max_images_per_request.to_string(),
+        );
+        if !self.allowed_image_hosts.is_empty() {
+            flag("allowed-image-hosts", self.allowed_image_hosts.join(","));
+        }
+        flag(
+            "image-fetch-timeout-ms",
+            self.image_fetch_timeout_ms.to_string(),
+        );
         if self.log_requests {
             v.push("--log-requests".into());
         }

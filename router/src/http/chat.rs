@@ -83,9 +83,7 @@ fn check_part(part: &Value) -> Result<(), String> {
     match ty {
         Some("text") if part.get("text").is_some_and(Value::is_string) => Ok(()),
         Some("text") => Err("a `text` content part needs a string `text`".into()),
-        Some("image_url" | "image" | "input_image") => {
-            Err("images are not supported by this model".into())
-        }
+        Some("image_url" | "image" | "input_image") => super::images::check_image_part(part),
         Some(other) => Err(format!("content parts of type `{other}` are not supported")),
         None => Err("every content part needs a string `type`".into()),
     }
@@ -115,10 +113,19 @@ pub(crate) async fn handle(
             ));
         }
     }
-    let messages = own
+    let mut messages = own
         .messages
         .ok_or_else(|| ApiError::invalid_param("messages", "missing field `messages`"))?;
     check_messages(&messages)?;
+    let sources = super::images::take_images(
+        &mut messages,
+        &state.image_rules,
+        state.image_token_id.is_some(),
+        state.remote_images.is_some(),
+    )?;
+    let images =
+        super::images::fetch_images(sources, &state.image_rules, state.remote_images.as_deref())
+            .await?;
     let max_tokens = own.max_completion_tokens.or(common.max_tokens);
     let opts = GenOptions::from_params(common, max_tokens, state.vocab_size)?;
     let Some(template) = state.chat_template.clone() else {
@@ -136,9 +143,21 @@ pub(crate) async fn handle(
             .map_err(|e| ApiError::internal(format!("chat template task failed: {e}")))?
             .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
     let prompt_ids = state.encode(rendered, true).await?;
+    if let Some(token) = state.image_token_id {
+        let runs = crate::images::placeholder_runs(&prompt_ids, token).len();
+        if runs != images.len() {
+            return Err(ApiError::invalid_param(
+                "messages",
+                format!(
+                    "the rendered prompt has {runs} image placeholder(s) for {} image(s)",
+                    images.len()
+                ),
+            ));
+        }
+    }
     let prompt_echo = opts.return_token_ids.then(|| prompt_ids.clone());
     let id = new_request_id("chatcmpl");
-    let mut generation = state.start(id.clone(), prompt_ids, &opts, None, arrived)?;
+    let mut generation = state.start(id.clone(), prompt_ids, images, &opts, None, arrived)?;
     let mut format = ChatChunks {
         id,
         created: unix_now(),
@@ -261,7 +280,7 @@ mod tests {
             ),
             (json!([{"role": "user"}]), "messages[0].content"),
             (
-                json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]),
+                json!([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
                 "messages[0].content",
             ),
             (

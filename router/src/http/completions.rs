@@ -94,6 +94,7 @@ pub(crate) async fn handle(
     let mut generation = state.start(
         id.clone(),
         prompt_ids,
+        Vec::new(),
         &opts,
         Some(state.default_completion_max_tokens),
         arrived,

@@ -12,6 +12,7 @@ use super::error::ApiError;
 use super::types::{CommonParams, UsageBody};
 use super::AppState;
 use crate::backend::{FinishReason, GenerationRequest, Sampling, TokenEvent};
+use crate::images::ImageInput;
 use crate::metrics::Metrics;
 use crate::text::{OutputText, TextDelta};
 
@@ -180,6 +181,7 @@ impl AppState {
         &self,
         request_id: String,
         prompt_ids: Vec<u32>,
+        images: Vec<ImageInput>,
         opts: &GenOptions,
         default_max_tokens: Option<usize>,
         arrived: Instant,
@@ -233,6 +235,7 @@ impl AppState {
             sampling: opts.sampling,
             stop_token_ids: stop_token_ids.clone(),
             ignore_eos: opts.ignore_eos,
+            images,
         };
         if self.log_requests {
             let prompt = self
@@ -314,6 +317,10 @@ impl Generation {
                 Some(TokenEvent::Token(id)) => return Some(self.on_token(id)),
                 Some(TokenEvent::Finished { reason, usage }) => {
                     self.cached_tokens = usage.cached_tokens;
+                    // Image placeholders widen the prompt in the backend: its count is the one.
+                    if usage.prompt_tokens > 0 {
+                        self.prompt_tokens = usage.prompt_tokens;
+                    }
                     let TextDelta { text, stopped } = self.text.finish();
                     let reason = if stopped { FinishReason::Stop } else { reason };
                     self.end();

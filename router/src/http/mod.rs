@@ -8,7 +8,9 @@ pub mod args;
 mod chat;
 mod completions;
 pub mod error;
+pub mod fetch;
 pub(crate) mod generate;
+pub mod images;
 mod stream;
 pub mod types;
 
@@ -56,6 +58,13 @@ pub struct FrontOptions {
     /// Log every request's prompt text and parameters (info level). Off: no prompt content
     /// reaches the logs at any level, only ids and token counts.
     pub log_requests: bool,
+    /// The token the chat template writes where an image goes; `None`: the model takes no
+    /// images (image parts get a 400).
+    pub image_token_id: Option<u32>,
+    /// Limits on the images of one request.
+    pub image_rules: images::ImageRules,
+    /// Hosts image URLs may be fetched from; `None`: only `data:` URLs are taken.
+    pub remote_images: Option<Arc<fetch::RemoteImages>>,
 }
 
 impl Default for FrontOptions {
@@ -69,6 +78,9 @@ impl Default for FrontOptions {
             api_keys: None,
             rate_limit: None,
             log_requests: false,
+            image_token_id: None,
+            image_rules: images::ImageRules::default(),
+            remote_images: None,
         }
     }
 }
@@ -84,6 +96,9 @@ pub(crate) struct AppState {
     pub(crate) default_completion_max_tokens: usize,
     pub(crate) max_prompt_tokens: Option<usize>,
     pub(crate) log_requests: bool,
+    pub(crate) image_token_id: Option<u32>,
+    pub(crate) image_rules: images::ImageRules,
+    pub(crate) remote_images: Option<Arc<fetch::RemoteImages>>,
     pub(crate) access: Access,
     pub(crate) created: u64,
     pub(crate) metrics: Arc<Metrics>,
@@ -142,6 +157,9 @@ impl HttpFront {
             default_completion_max_tokens: opts.default_completion_max_tokens,
             max_prompt_tokens: opts.max_prompt_tokens,
             log_requests: opts.log_requests,
+            image_token_id: opts.image_token_id,
+            image_rules: opts.image_rules,
+            remote_images: opts.remote_images,
             access: Access::new(opts.api_keys, opts.rate_limit),
             created: unix_now(),
             metrics: Arc::new(Metrics::default()),
