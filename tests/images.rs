@@ -514,6 +514,25 @@ fn the_cluster_takes_images_through_an_encoder_worker() {
     assert!(took.as_secs() <= 12, "tessera up took {took:?} to stop");
 }
 
+/// With `--transport ucx` the encoder speaks the prefill workers' transport: embeddings and
+/// pages both move over UCX, and the answers are the fixture's.
+#[cfg(feature = "ucx")]
+#[test]
+fn the_cluster_takes_images_over_ucx() {
+    let s = Server::launch_prepared(
+        model_dir(),
+        &["up", "--port", "0", "--transport", "ucx"],
+        Some(SECRET),
+    );
+    let (encoder, prefill) = (metrics_of(&s, "encoder-0"), metrics_of(&s, "prefill-0"));
+    check_references(&s);
+    assert!(worker_metric(&encoder, "tessera_encode_images_total") >= 3.0);
+    eventually("the prefill worker holds no embedding buffer", || {
+        worker_metric(&prefill, "tessera_embedding_buffers") == 0.0
+    });
+    s.terminate();
+}
+
 fn pid_of(s: &Server, role: &str) -> u32 {
     let prefix = format!("tessera up: {role} ready, gRPC at ");
     s.banner

@@ -24,11 +24,11 @@ use anyhow::Context;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tessera_engine::vision::{ImageEmbedding, ImageLimits, VisionModel};
-use tessera_prefill::runtime::{self, ClusterToken, DaemonArgs, Drain};
+use tessera_prefill::runtime::{self, ClusterToken, DaemonArgs, Drain, TransportKind};
 use tessera_proto::tonic::{self, Request, Response, Status};
 use tessera_proto::v1;
 use tessera_proto::v1::encoder_worker_server::{EncoderWorker, EncoderWorkerServer};
-use tessera_transfer::TcpTransport;
+use tessera_transfer::Transport;
 
 use histogram::Histogram;
 use push::Pusher;
@@ -84,6 +84,10 @@ pub struct EncoderArgs {
     #[arg(long, env = "TESSERA_MAX_CONCURRENT_ENCODES", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_concurrent_encodes: u32,
+    /// Transport the embeddings travel over: the prefill workers' `--transport` (`ucx`: a build
+    /// with `--features ucx`).
+    #[arg(long, env = "TESSERA_TRANSPORT", value_enum, default_value_t = TransportKind::Tcp)]
+    pub transport: TransportKind,
 }
 
 /// Largest `Encode` request accepted (the images of one request).
@@ -92,7 +96,7 @@ const MAX_MESSAGE_BYTES: usize = 256 << 20;
 pub struct EncoderService {
     info: v1::WorkerInfo,
     vision: Arc<VisionModel>,
-    transport: Arc<TcpTransport>,
+    transport: Arc<dyn Transport>,
     pusher: Pusher,
     drain: Arc<Drain>,
     cache: EmbeddingCache,
@@ -303,7 +307,7 @@ impl EncoderWorker for EncoderGrpc {
             let (handle, n) = self
                 .pusher
                 .push(
-                    &self.transport,
+                    self.transport.as_ref(),
                     &self.info,
                     &req.request_id,
                     &dest,
@@ -319,7 +323,7 @@ impl EncoderWorker for EncoderGrpc {
             handles,
             compute_us,
             transfer: Some(v1::TransferStats {
-                backend: v1::TransferBackend::Tcp as i32,
+                backend: runtime::backend_of(&self.info) as i32,
                 bytes,
                 duration_us: pushed.elapsed().as_micros() as u64,
                 ..Default::default()
@@ -384,14 +388,15 @@ pub async fn start(
         max_pixels: args.max_image_pixels,
         ..vision.limits().clone()
     });
-    let transport = runtime::start_transport(daemon).await?;
+    args.transport.check_built()?;
+    let transport = runtime::start_transport_of(args.transport, daemon).await?;
     let listener = tokio::net::TcpListener::bind(daemon.listen)
         .await
         .with_context(|| format!("binding {}", daemon.listen))?;
-    let info = runtime::daemon_info(
+    let info = runtime::worker_info(
         daemon,
         v1::Role::Encoder,
-        &transport,
+        transport.as_ref(),
         listener.local_addr()?,
     );
     let drain = Drain::new();

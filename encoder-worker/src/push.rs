@@ -14,9 +14,7 @@ use tessera_proto::tonic::transport::Channel;
 use tessera_proto::tonic::Status;
 use tessera_proto::v1;
 use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
-use tessera_transfer::{
-    Incarnation, PeerId, RegionDescriptor, RegionId, TcpTransport, TransferId, Transport,
-};
+use tessera_transfer::{Incarnation, PeerId, RegionDescriptor, RegionId, TransferId, Transport};
 
 use tessera_engine::vision::ImageEmbedding;
 
@@ -87,7 +85,7 @@ impl Pusher {
     /// `endpoint`), connected on first use and again after the worker restarted.
     async fn transfer_peer(
         &self,
-        transport: &TcpTransport,
+        transport: &dyn Transport,
         addr: &str,
         incarnation: u64,
         endpoint: &str,
@@ -112,7 +110,7 @@ impl Pusher {
     /// prefill worker as holder.
     pub async fn push(
         &self,
-        transport: &TcpTransport,
+        transport: &dyn Transport,
         me: &v1::WorkerInfo,
         request_id: &str,
         dest: &v1::EmbeddingDestination,

@@ -308,9 +308,17 @@ pub async fn start_transport(args: &DaemonArgs) -> anyhow::Result<Arc<TcpTranspo
 
 /// Binds the page transport `--transport` names on `--transfer-listen`.
 pub async fn start_page_transport(args: &WorkerArgs) -> anyhow::Result<Arc<dyn Transport>> {
-    match args.transport {
-        TransportKind::Tcp => Ok(start_transport(&args.daemon).await?),
-        TransportKind::Ucx => start_ucx(&args.daemon).await,
+    start_transport_of(args.transport, &args.daemon).await
+}
+
+/// Binds a transport of `kind` on the daemon's `--transfer-listen`.
+pub async fn start_transport_of(
+    kind: TransportKind,
+    args: &DaemonArgs,
+) -> anyhow::Result<Arc<dyn Transport>> {
+    match kind {
+        TransportKind::Tcp => Ok(start_transport(args).await?),
+        TransportKind::Ucx => start_ucx(args).await,
     }
 }
 

@@ -57,7 +57,7 @@ pub struct UpArgs {
     /// KV page-pool memory per worker (bytes; K, M, G suffixes).
     #[arg(long, default_value = "256M", env = "TESSERA_KV_MEMORY")]
     pub kv_memory: String,
-    /// Page transport of the prefill and decode workers (`ucx`: a build with `--features ucx`).
+    /// Transport of the encoder, prefill and decode workers (`ucx`: a build with `--features ucx`).
     #[arg(long, value_enum, default_value_t = TransportKind::Tcp, env = "TESSERA_TRANSPORT")]
     pub transport: TransportKind,
     /// Seconds to wait for each process to report ready.
@@ -296,6 +296,7 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
             format!("{}-{i}", kind.trim_end_matches("-worker")),
         ];
         v.extend(a.tls.to_args());
+        v.extend(["--transport".into(), a.transport.to_string()]);
         if kind != "encoder-worker" {
             v.extend([
                 "--page-tokens".into(),
@@ -304,8 +305,6 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
                 a.snapshot_interval.to_string(),
                 "--kv-memory".into(),
                 a.kv_memory.clone(),
-                "--transport".into(),
-                a.transport.to_string(),
                 "--device".into(),
                 a.model.device.to_string(),
             ]);
