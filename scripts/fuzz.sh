@@ -15,8 +15,8 @@
 #   model_config        a hostile config.json parsed by the engine and planned into the KV page pool
 #   chat_template       arbitrary chat messages and template variables through the chat templates
 #                       and the tokenizer
-# There is no image-decoding target yet: nothing in the tree decodes images (multimodal input
-# comes with the encoder worker). Add one with the decoder.
+#   image_decode        a hostile image file decoded, checked against the size limits,
+#                       preprocessed and encoded by the tiny kimi_k25 fixture's vision tower
 #
 # Seeds are committed in fuzz/corpus/<target>/ and never written to; what a run learns goes to
 # fuzz/target/corpus/<target>/ (git-ignored), so later runs start from it. A crashing input is
@@ -31,7 +31,7 @@ cd "$(dirname "$0")/.."
 
 seconds=${1:-60}
 shift || true
-all_targets=(http_request proto_messages safetensors_header model_config chat_template)
+all_targets=(http_request proto_messages safetensors_header model_config chat_template image_decode)
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=("${all_targets[@]}")
 sanitizer=${TESSERA_FUZZ_SANITIZER:-address}

@@ -147,7 +147,7 @@ mod tests {
         let err = expand_placeholders(&[1, P, 2], P, &[3, 3]).unwrap_err();
         assert!(
             err.to_string()
-                .contains("1 placeholder run(s) for 2 image(s)"),
+                .contains("the prompt has 1 image placeholder(s) for 2 image(s)"),
             "{err}"
         );
         let err = expand_placeholders(&[1, P, P, 2], P, &[3]).unwrap_err();
