@@ -694,6 +694,11 @@ fn the_openai_client_sends_an_image() {
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("target/py-venv/bin/python"));
     if !python.exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no Python with the openai client at {}: scripts/test.sh creates it",
+            python.display()
+        );
         eprintln!(
             "skipped: no Python with the openai client at {} (run scripts/test.sh)",
             python.display()
