@@ -4,7 +4,6 @@
 //! on both sides after cancellations; a dead prefill worker must not fail requests.
 
 use std::io::{Read, Write};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,16 +20,13 @@ use tessera_router::{
     BackendError, ClusterBackend, ClusterConfig, FinishReason, GenerationBackend,
     GenerationRequest, PoolOptions, Sampling, TokenEvent, Usage,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
+
+mod common;
+
+use common::{fixture, stopper, Worker};
 
 const SECRET: &str = "router-cluster-test";
-
-fn fixture() -> PathBuf {
-    PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/kl_mixed"
-    ))
-}
 
 /// (prompt ids, greedy ids) of the fixture's reference.
 fn reference() -> Vec<(Vec<u32>, Vec<u32>)> {
@@ -51,54 +47,13 @@ fn reference() -> Vec<(Vec<u32>, Vec<u32>)> {
         .collect()
 }
 
-#[derive(Parser)]
-struct A {
-    #[command(flatten)]
-    w: WorkerArgs,
-}
-
 fn worker_args(kv: &str) -> WorkerArgs {
     worker_args_with(kv, &[])
 }
 
 /// [`worker_args`] plus `extra` flags.
 fn worker_args_with(kv: &str, extra: &[&str]) -> WorkerArgs {
-    let model = fixture();
-    let mut argv = vec![
-        "t",
-        "--model",
-        model.to_str().unwrap(),
-        "--kv-memory",
-        kv,
-        "--auth-secret",
-        SECRET,
-    ];
-    argv.extend_from_slice(extra);
-    A::parse_from(argv).w
-}
-
-/// A worker started in-process, with a handle to stop it.
-struct Worker {
-    grpc: String,
-    stop: Option<oneshot::Sender<()>>,
-    server: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl Worker {
-    async fn shut_down(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        let _ = tokio::time::timeout(Duration::from_secs(20), self.server).await;
-    }
-}
-
-fn stopper() -> (
-    oneshot::Sender<()>,
-    impl std::future::Future<Output = ()> + Send + 'static,
-) {
-    let (tx, rx) = oneshot::channel::<()>();
-    (tx, async move {
-        let _ = rx.await;
-    })
+    common::worker_args(SECRET, kv, extra)
 }
 
 async fn start_decode() -> Worker {
@@ -795,22 +750,9 @@ impl Pki {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutual_tls_between_router_and_workers_refuses_strangers() {
     let pki = Pki::new();
-    let with_tls = |kv: &str| {
-        let mut argv: Vec<String> = [
-            "t",
-            "--model",
-            fixture().to_str().unwrap(),
-            "--kv-memory",
-            kv,
-            "--auth-secret",
-            SECRET,
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        argv.extend(pki.flags());
-        A::parse_from(argv).w
-    };
+    let tls: Vec<String> = pki.flags().into_iter().collect();
+    let tls: Vec<&str> = tls.iter().map(String::as_str).collect();
+    let with_tls = |kv: &str| worker_args_with(kv, &tls);
     let (tx_d, stop_d) = stopper();
     let d = tessera_decode::start(with_tls("24M"), stop_d)
         .await
@@ -883,23 +825,7 @@ async fn mutual_tls_between_router_and_workers_refuses_strangers() {
 
 /// A worker of `role` with `--transport <transport>`.
 async fn start_on(role: Role, transport: &str) -> Result<Worker, String> {
-    let (tx, stop) = stopper();
-    let flags = ["--transport", transport];
-    let (grpc, server) = match role {
-        Role::Decode => tessera_decode::start(worker_args_with("24M", &flags), stop)
-            .await
-            .map(|d| (d.grpc, d.server)),
-        Role::Prefill => tessera_prefill::start(worker_args_with("8M", &flags), stop)
-            .await
-            .map(|p| (p.grpc, p.server)),
-        Role::Encoder => unreachable!("only page-transfer workers here"),
-    }
-    .map_err(|e| format!("{e:#}"))?;
-    Ok(Worker {
-        grpc: grpc.to_string(),
-        stop: Some(tx),
-        server,
-    })
+    common::start_on(SECRET, role, transport).await
 }
 
 #[cfg(not(feature = "ucx"))]

@@ -3,78 +3,22 @@
 //! `--transport ucx`), and says so when no pair is left.
 #![cfg(feature = "ucx")]
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Parser;
-use tessera_prefill::runtime::WorkerArgs;
 use tessera_router::cluster::Role;
 use tessera_router::{
     BackendError, ClusterBackend, ClusterConfig, GenerationBackend, GenerationRequest, PoolOptions,
     Sampling, TokenEvent,
 };
-use tokio::sync::oneshot;
+
+mod common;
+
+use common::Worker;
 
 const SECRET: &str = "router-pairing-test";
 
-#[derive(Parser)]
-struct A {
-    #[command(flatten)]
-    w: WorkerArgs,
-}
-
-/// A worker started in-process, with a handle to stop it.
-struct Worker {
-    grpc: String,
-    stop: Option<oneshot::Sender<()>>,
-    server: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl Worker {
-    async fn shut_down(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        let _ = tokio::time::timeout(Duration::from_secs(20), self.server).await;
-    }
-}
-
-/// A worker of `role` on the fixture model with `--transport <transport>`.
 async fn start_on(role: Role, transport: &str) -> Worker {
-    let model = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/kl_mixed"
-    ));
-    let kv = if role == Role::Decode { "24M" } else { "8M" };
-    let args = A::parse_from([
-        "t",
-        "--model",
-        model.to_str().unwrap(),
-        "--kv-memory",
-        kv,
-        "--auth-secret",
-        SECRET,
-        "--transport",
-        transport,
-    ])
-    .w;
-    let (tx, rx) = oneshot::channel::<()>();
-    let stop = async move {
-        let _ = rx.await;
-    };
-    let (grpc, server) = match role {
-        Role::Decode => {
-            let d = tessera_decode::start(args, stop).await.unwrap();
-            (d.grpc, d.server)
-        }
-        _ => {
-            let p = tessera_prefill::start(args, stop).await.unwrap();
-            (p.grpc, p.server)
-        }
-    };
-    Worker {
-        grpc: grpc.to_string(),
-        stop: Some(tx),
-        server,
-    }
+    common::start_on(SECRET, role, transport).await.unwrap()
 }
 
 async fn backend(prefill: &[&Worker], decode: &[&Worker]) -> ClusterBackend {

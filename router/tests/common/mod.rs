@@ -1,0 +1,84 @@
+//! In-process prefill and decode workers on the `kl_mixed` fixture, for the router's cluster
+//! tests.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use tessera_prefill::runtime::WorkerArgs;
+use tessera_router::cluster::Role;
+use tokio::sync::oneshot;
+
+pub fn fixture() -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/kl_mixed"
+    ))
+}
+
+#[derive(Parser)]
+struct A {
+    #[command(flatten)]
+    w: WorkerArgs,
+}
+
+/// Worker flags for the fixture with `--kv-memory kv`, the cluster `secret`, plus `extra`.
+pub fn worker_args(secret: &str, kv: &str, extra: &[&str]) -> WorkerArgs {
+    let model = fixture();
+    let mut argv = vec![
+        "t",
+        "--model",
+        model.to_str().unwrap(),
+        "--kv-memory",
+        kv,
+        "--auth-secret",
+        secret,
+    ];
+    argv.extend_from_slice(extra);
+    A::parse_from(argv).w
+}
+
+/// A worker started in-process, with a handle to stop it.
+pub struct Worker {
+    pub grpc: String,
+    pub stop: Option<oneshot::Sender<()>>,
+    pub server: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Worker {
+    pub async fn shut_down(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        let _ = tokio::time::timeout(Duration::from_secs(20), self.server).await;
+    }
+}
+
+pub fn stopper() -> (
+    oneshot::Sender<()>,
+    impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let (tx, rx) = oneshot::channel::<()>();
+    (tx, async move {
+        let _ = rx.await;
+    })
+}
+
+/// A worker of `role` (decode: 24M of pages, prefill: 8M) with `--transport <transport>`.
+pub async fn start_on(secret: &str, role: Role, transport: &str) -> Result<Worker, String> {
+    let (tx, stop) = stopper();
+    let flags = ["--transport", transport];
+    let (grpc, server) = match role {
+        Role::Decode => tessera_decode::start(worker_args(secret, "24M", &flags), stop)
+            .await
+            .map(|d| (d.grpc, d.server)),
+        Role::Prefill => tessera_prefill::start(worker_args(secret, "8M", &flags), stop)
+            .await
+            .map(|p| (p.grpc, p.server)),
+        Role::Encoder => unreachable!("only page-transfer workers here"),
+    }
+    .map_err(|e| format!("{e:#}"))?;
+    Ok(Worker {
+        grpc: grpc.to_string(),
+        stop: Some(tx),
+        server,
+    })
+}
