@@ -27,6 +27,10 @@ pub enum EngineError {
     UnsupportedDtype { name: String, dtype: String },
     #[error("checkpoint file {path} is not valid safetensors: {message}")]
     CorruptCheckpoint { path: PathBuf, message: String },
+    /// The compute device failed or cannot run the model (no driver, out of memory, a kernel
+    /// that does not take the model's shapes).
+    #[error("device: {0}")]
+    Device(String),
     #[error("invalid input: {0}")]
     InvalidInput(String),
     #[error("kv cache: {0}")]

@@ -5,7 +5,7 @@
 
 use tessera_kernels::cuda::{
     compile, kda_defines, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE,
-    MOE_SOURCE, SAMPLE_SOURCE,
+    MODEL_SOURCE, MOE_SOURCE, SAMPLE_SOURCE,
 };
 
 /// One PTX file to write: its name, the source and the `-D` macros.
@@ -29,6 +29,7 @@ fn main() {
     units.push(("conv".into(), CONV_SOURCE, vec![]));
     units.push(("sample".into(), SAMPLE_SOURCE, vec![]));
     units.push(("moe".into(), MOE_SOURCE, vec![]));
+    units.push(("model".into(), MODEL_SOURCE, vec![]));
     for mt in [2, 3] {
         units.push((
             format!("mla_decode-mt{mt}"),

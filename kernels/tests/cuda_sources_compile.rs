@@ -5,7 +5,7 @@
 
 use tessera_kernels::cuda::{
     compile, kda_defines, CudaError, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE,
-    MLA_DECODE_SOURCE, MOE_SOURCE, OPS_SOURCE, SAMPLE_SOURCE,
+    MLA_DECODE_SOURCE, MODEL_KERNELS, MODEL_SOURCE, MOE_SOURCE, OPS_SOURCE, SAMPLE_SOURCE,
 };
 
 fn nvrtc_required() -> bool {
@@ -218,4 +218,9 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
         ],
         &[],
     );
+}
+
+#[test]
+fn whole_model_glue_kernels_compile_for_hopper_and_ampere() {
+    compiles_with("model", MODEL_SOURCE, &[vec![]], MODEL_KERNELS, &[]);
 }

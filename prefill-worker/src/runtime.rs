@@ -161,8 +161,8 @@ pub struct WorkerArgs {
     /// worker of a cluster must use the same one: the transfer handshake refuses a mixed pair.
     #[arg(long, env = "TESSERA_TRANSPORT", value_enum, default_value_t = TransportKind::Tcp)]
     pub transport: TransportKind,
-    /// Where the model runs: cpu, cuda[:N] or hip[:N]. A GPU is refused with the reason (absent,
-    /// not built in, or whole-model GPU execution not available yet).
+    /// Where the model runs: cpu, or cuda[:N] (a build with the `cuda` feature): bf16 weights
+    /// on the GPU, sequence state in the host page pool. hip[:N] is refused with the reason.
     #[arg(long, env = "TESSERA_DEVICE", default_value = "cpu", value_parser = parse_device)]
     pub device: Device,
 }
@@ -171,18 +171,24 @@ fn parse_device(s: &str) -> Result<Device, String> {
     tessera_kernels::parse_device(s).map_err(|e| e.to_string())
 }
 
-/// Fails with the reason when a model cannot run on `device`: a GPU that is absent or whose
-/// backend this build lacks, and for now any GPU, because whole-model execution runs on the CPU
-/// (the GPU kernels are checked and benchmarked on their own).
+/// Fails with the reason when a model cannot run on `device`: a GPU that is absent, whose
+/// backend this build lacks, or whose backend has no whole-model forward (HIP: its kernels are
+/// checked and benchmarked on their own).
 pub fn check_model_device(device: Device) -> anyhow::Result<()> {
     match device {
         Device::Cpu => Ok(()),
-        d => match d.probe() {
-            Err(why) => anyhow::bail!("--device {d}: {why}"),
+        Device::Cuda(_) => match device.probe() {
+            Err(why) => anyhow::bail!("--device {device}: {why}"),
+            Ok(name) => {
+                tracing::info!(%device, gpu = %name, "model device");
+                Ok(())
+            }
+        },
+        Device::Hip(_) => match device.probe() {
+            Err(why) => anyhow::bail!("--device {device}: {why}"),
             Ok(name) => anyhow::bail!(
-                "--device {d}: found {name}, but whole-model execution on {} is not available \
-                 yet; use --device cpu",
-                d.feature().unwrap_or("this backend")
+                "--device {device}: found {name}, but whole-model execution on hip is not \
+                 available; use --device cpu or cuda"
             ),
         },
     }
@@ -277,8 +283,13 @@ pub fn init_tracing() {
 /// the runtime is busy).
 pub fn start_engine(args: &WorkerArgs) -> anyhow::Result<Arc<EngineHandle>> {
     let dir = &args.daemon.model;
-    let model =
-        Model::load(dir).with_context(|| format!("loading the model from {}", dir.display()))?;
+    let model = Model::load_on(dir, args.device).with_context(|| {
+        format!(
+            "loading the model from {} onto {}",
+            dir.display(),
+            args.device
+        )
+    })?;
     let engine = EngineHandle::spawn(model, args.scheduler_config())?;
     tracing::info!(layout = %engine.layout_report(), "page pool");
     Ok(Arc::new(engine))

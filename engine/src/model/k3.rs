@@ -21,8 +21,8 @@ pub(crate) fn situ_mul(gate: &[f32], up: &[f32], b1: f32, b2: f32, out: &mut [f3
 
 /// An AttnRes pseudo-query: `norm.weight ⊙ proj.weight`, folded at load.
 pub(crate) struct ResQuery {
-    q: Vec<f32>,
-    eps: f32,
+    pub(super) q: Vec<f32>,
+    pub(super) eps: f32,
 }
 
 impl ResQuery {

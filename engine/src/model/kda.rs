@@ -23,30 +23,30 @@ const CHUNK: usize = 64;
 const SOFTPLUS_THRESHOLD: f32 = 20.0;
 const QK_L2_EPS: f32 = 1e-6;
 
-enum OutGate {
+pub(super) enum OutGate {
     LowRank { a: Linear, b: Linear },
     Full(Linear),
 }
 
 pub struct KdaLayer {
-    heads: usize,
-    head_dim: usize,
-    kernel: usize,
+    pub(super) heads: usize,
+    pub(super) head_dim: usize,
+    pub(super) kernel: usize,
     /// q, k and v projections stacked: `[3P, D]`.
-    qkv: Linear,
+    pub(super) qkv: Linear,
     /// Depthwise conv weights for q, k, v stacked: `[3P, kernel]`.
-    conv: Vec<f32>,
-    f_a: Linear,
-    f_b: Linear,
-    dt_bias: Vec<f32>,
+    pub(super) conv: Vec<f32>,
+    pub(super) f_a: Linear,
+    pub(super) f_b: Linear,
+    pub(super) dt_bias: Vec<f32>,
     /// `exp(A_log)` per head.
-    decay_rate: Vec<f32>,
-    b: Linear,
-    out_gate: OutGate,
+    pub(super) decay_rate: Vec<f32>,
+    pub(super) b: Linear,
+    pub(super) out_gate: OutGate,
     /// `Some(lb)`: the bounded decay gate.
-    lower_bound: Option<f32>,
-    o_norm: Norm,
-    o: Linear,
+    pub(super) lower_bound: Option<f32>,
+    pub(super) o_norm: Norm,
+    pub(super) o: Linear,
 }
 
 impl KdaLayer {

@@ -12,21 +12,21 @@ use crate::config::{MlaConfig, ModelConfig};
 use crate::error::Result;
 use crate::state::MlaState;
 
-enum QueryProj {
+pub(super) enum QueryProj {
     Full(Linear),
     LowRank { a: Linear, norm: Norm, b: Linear },
 }
 
 pub struct MlaLayer {
-    c: MlaConfig,
-    q: QueryProj,
-    kv_a: Linear,
-    kv_norm: Norm,
+    pub(super) c: MlaConfig,
+    pub(super) q: QueryProj,
+    pub(super) kv_a: Linear,
+    pub(super) kv_norm: Norm,
     /// `[heads·(nope+v), rank]`: per head `nope` rows of `W_UK` then `v` rows of `W_UV`.
-    kv_b: Linear,
+    pub(super) kv_b: Linear,
     /// Gated MLA (K3): `σ(g_proj(x))` multiplies the attention output before `o_proj`.
-    gate: Option<Linear>,
-    o: Linear,
+    pub(super) gate: Option<Linear>,
+    pub(super) o: Linear,
 }
 
 impl MlaLayer {

@@ -33,10 +33,10 @@ impl Proj {
 }
 
 pub struct Mlp {
-    gate: Proj,
-    up: Proj,
-    down: Proj,
-    act: Activation,
+    pub(super) gate: Proj,
+    pub(super) up: Proj,
+    pub(super) down: Proj,
+    pub(super) act: Activation,
 }
 
 impl Mlp {

@@ -8,6 +8,8 @@
 //! Kimi K3 is the same model with [`ArchSwitches`](crate::config::ArchSwitches) on: AttnRes
 //! replaces the residual adds, and each layer kind reads its own switches.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod k3;
 mod kda;
 mod linear;
@@ -20,6 +22,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use tessera_kernels::cpu;
+use tessera_kernels::Device;
 
 use crate::checkpoint::Checkpoint;
 use crate::config::{AttnKind, FfnKind, ModelConfig};
@@ -87,7 +90,7 @@ enum Ffn {
 }
 
 struct Layer {
-    input_norm: Norm,
+    pub(super) input_norm: Norm,
     post_norm: Norm,
     mixer: Mixer,
     ffn: Ffn,
@@ -119,6 +122,9 @@ pub struct Model {
     /// AttnRes output pseudo-query (K3).
     out_res: Option<ResQuery>,
     batch_invariant: bool,
+    /// The model's copy on a CUDA GPU, when it runs there (see [`Model::to_device`]).
+    #[cfg(feature = "cuda")]
+    cuda: Option<Box<cuda::CudaModel>>,
 }
 
 impl Model {
@@ -230,7 +236,65 @@ impl Model {
             lm_head,
             out_res,
             batch_invariant: false,
+            #[cfg(feature = "cuda")]
+            cuda: None,
         })
+    }
+
+    /// Loads a model directory and places it on `device`.
+    pub fn load_on(dir: &Path, device: Device) -> Result<Self> {
+        let mut model = Self::load(dir)?;
+        model.to_device(device)?;
+        Ok(model)
+    }
+
+    /// Runs every later forward call on `device`: `cpu`, or a CUDA GPU (build feature `cuda`),
+    /// where the weights are uploaded as bf16 (MXFP4 experts stay packed) and activations and
+    /// recurrent state are f32. The host copy of the weights is kept.
+    pub fn to_device(&mut self, device: Device) -> Result<()> {
+        self.place(device, false)
+    }
+
+    /// [`to_device`](Self::to_device) with f32 weights and GEMM inputs on a GPU: twice the
+    /// weight memory and slower, but the GPU forward then agrees with the f32 reference to
+    /// rounding, which is how its correctness is checked apart from bf16 effects.
+    pub fn to_device_exact(&mut self, device: Device) -> Result<()> {
+        self.place(device, true)
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn place(&mut self, device: Device, exact: bool) -> Result<()> {
+        device
+            .check_built()
+            .map_err(|e| EngineError::Device(e.to_string()))?;
+        match device {
+            Device::Cpu => {
+                #[cfg(feature = "cuda")]
+                {
+                    self.cuda = None;
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(n) => {
+                let gpu = cuda::CudaModel::upload(self, n, exact)?;
+                tracing::info!(device = %device, gpu = %gpu.describe(), "model uploaded");
+                self.cuda = Some(Box::new(gpu));
+                Ok(())
+            }
+            other => Err(EngineError::Device(format!(
+                "whole-model execution on {other} is not available; use --device cpu or cuda"
+            ))),
+        }
+    }
+
+    /// Where forward calls run.
+    pub fn device(&self) -> Device {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.cuda {
+            return Device::Cuda(g.ordinal());
+        }
+        Device::Cpu
     }
 
     /// With batch invariance on, a token's logits are bitwise the same however its sequence is
@@ -289,15 +353,7 @@ impl Model {
                 ));
             }
         }
-        let rows = Rows::new(segments.iter().map(|s| s.tokens.len()));
-        let n = rows.total();
-        let ids: Vec<u32> = segments
-            .iter()
-            .flat_map(|s| s.tokens.iter().copied())
-            .collect();
-        let mut h = vec![0.0; n * d];
-        cpu::embedding(&self.embed, d, &ids, &mut h)?;
-        for ((seg, range), seg_splices) in segments.iter().zip(rows.ranges()).zip(splices) {
+        for (seg, seg_splices) in segments.iter().zip(splices) {
             for sp in seg_splices {
                 let k = sp.values.len() / d;
                 if sp.values.len() % d != 0 || sp.row + k > seg.tokens.len() {
@@ -309,6 +365,32 @@ impl Model {
                         seg.tokens.len()
                     )));
                 }
+            }
+        }
+        let vocab = self.config.vocab_size;
+        if let Some(&t) = segments
+            .iter()
+            .flat_map(|s| s.tokens.iter())
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {t} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.cuda {
+            return gpu.forward(segments, splices);
+        }
+        let rows = Rows::new(segments.iter().map(|s| s.tokens.len()));
+        let n = rows.total();
+        let ids: Vec<u32> = segments
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let mut h = vec![0.0; n * d];
+        cpu::embedding(&self.embed, d, &ids, &mut h)?;
+        for (range, seg_splices) in rows.ranges().zip(splices) {
+            for sp in seg_splices {
                 let at = (range.start + sp.row) * d;
                 h[at..at + sp.values.len()].copy_from_slice(sp.values);
             }

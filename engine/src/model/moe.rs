@@ -16,13 +16,13 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 
 pub struct Moe {
-    router: Linear,
-    correction_bias: Vec<f32>,
-    routing: MoeRouting,
-    experts: Vec<Mlp>,
-    shared: Option<Mlp>,
-    latent: Option<Box<LatentProj>>,
-    top_k: usize,
+    pub(super) router: Linear,
+    pub(super) correction_bias: Vec<f32>,
+    pub(super) routing: MoeRouting,
+    pub(super) experts: Vec<Mlp>,
+    pub(super) shared: Option<Mlp>,
+    pub(super) latent: Option<Box<LatentProj>>,
+    pub(super) top_k: usize,
 }
 
 impl Moe {

@@ -21,8 +21,8 @@ const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 const PAR_MIN_MACS: usize = 1 << 18;
 
 pub struct Mxfp4Linear {
-    packed: Vec<u8>,
-    scale: Vec<u8>,
+    pub(super) packed: Vec<u8>,
+    pub(super) scale: Vec<u8>,
     pub in_dim: usize,
     pub out_dim: usize,
 }

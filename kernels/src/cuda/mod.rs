@@ -10,6 +10,7 @@
 mod conv;
 mod kda;
 mod mla;
+mod model_ops;
 mod moe;
 mod ops;
 mod sample;
@@ -17,8 +18,8 @@ mod sample;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaModule, DriverError};
-pub use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaModule};
+pub use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 pub use crate::gpu::{
@@ -30,8 +31,12 @@ pub use mla::{
     MlaDecode, MlaDecodeShape, MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MLA_RANK,
     MLA_ROPE,
 };
+pub use model_ops::{
+    dptr, DevPtr, KdaRecurrent, MlaAbsorbed, ModelKernels, NormRows, MAX_ATTN_RES_SOURCES,
+    MAX_CONV_KERNEL, MODEL_KERNELS, MODEL_SOURCE,
+};
 pub use moe::{MoeActivation, MoeDecode, MoeDims, MoeExperts, MoeWorkspace, MOE_MAX_BATCH};
-pub use ops::{Linear, RowOps};
+pub use ops::{GemmType, Linear, RowOps};
 pub use sample::{Sampler, SamplingRows};
 
 /// KDA short convolution (prefill and the one-token update). CUDA only: the kernels of the

@@ -173,6 +173,22 @@ impl RowOps {
     }
 }
 
+/// Storage type of a GEMM operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmType {
+    Bf16,
+    F32,
+}
+
+impl GemmType {
+    fn cuda(self) -> blas_sys::cudaDataType_t {
+        match self {
+            GemmType::Bf16 => blas_sys::cudaDataType_t::CUDA_R_16BF,
+            GemmType::F32 => blas_sys::cudaDataType_t::CUDA_R_32F,
+        }
+    }
+}
+
 /// The bf16 linear layer through cuBLAS.
 pub struct Linear {
     blas: CudaBlas,
@@ -214,16 +230,46 @@ impl Linear {
         if rows == 0 || out_dim == 0 {
             return Ok(());
         }
-        let (alpha, beta) = (1.0f32, 0.0f32);
         let s = dev.stream();
         let (xp, _rx) = x.device_ptr(s);
         let (wp, _rw) = w.device_ptr(s);
         let (op, _ro) = out.device_ptr_mut(s);
-        let bf16 = blas_sys::cudaDataType_t::CUDA_R_16BF;
+        // SAFETY: the pointers are live device buffers of the sizes checked above.
+        unsafe {
+            self.gemm(
+                rows,
+                in_dim,
+                out_dim,
+                (xp, GemmType::Bf16),
+                (wp, GemmType::Bf16),
+                (op, GemmType::Bf16),
+            )
+        }
+    }
+
+    /// `out[rows, out_dim] = x[rows, in_dim] · wᵀ` (weight `[out_dim, in_dim]`) on device
+    /// addresses with the given storage types, f32 accumulation. cuBLAS takes bf16 inputs with a
+    /// bf16 or f32 output, or f32 throughout.
+    ///
+    /// # Safety
+    /// Each address must point at a live device buffer on this handle's stream holding the
+    /// extent above in its type, and the dimensions must fit `i32`.
+    pub unsafe fn gemm(
+        &self,
+        rows: usize,
+        in_dim: usize,
+        out_dim: usize,
+        x: (u64, GemmType),
+        w: (u64, GemmType),
+        out: (u64, GemmType),
+    ) -> Result<(), CudaError> {
+        if rows == 0 || out_dim == 0 {
+            return Ok(());
+        }
+        let (alpha, beta) = (1.0f32, 0.0f32);
         // Column-major view: outᵀ[out_dim, rows] = w[out_dim, in_dim] (stored as wᵀ, so op T)
         // · xᵀ[in_dim, rows].
-        // SAFETY: the pointers are live device buffers of the sizes checked above, on the
-        // stream the handle was bound to; alpha/beta are f32 as the compute type asks.
+        // SAFETY: the caller guarantees the buffers; alpha/beta are f32 as the compute type asks.
         unsafe {
             blas::gemm_ex(
                 *self.blas.handle(),
@@ -233,15 +279,15 @@ impl Linear {
                 rows as i32,
                 in_dim as i32,
                 &alpha as *const f32 as *const c_void,
-                wp as *const c_void,
-                bf16,
+                w.0 as *const c_void,
+                w.1.cuda(),
                 in_dim as i32,
-                xp as *const c_void,
-                bf16,
+                x.0 as *const c_void,
+                x.1.cuda(),
                 in_dim as i32,
                 &beta as *const f32 as *const c_void,
-                op as *mut c_void,
-                bf16,
+                out.0 as *mut c_void,
+                out.1.cuda(),
                 out_dim as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

@@ -1,0 +1,320 @@
+//! The token mixers on the device. State crosses per call: each sequence's KDA conv window and
+//! recurrent state, and its MLA latent history, are uploaded from its `SequenceState` and the
+//! advanced state is written back, so prefix caching, preemption and the page pool, which own
+//! host state, work unchanged.
+//!
+//! MLA always runs the absorbed form (as the CPU path does under batch invariance); KDA always the
+//! recurrence, token by token. Both are the same maths as the CPU path's chunked and expanded
+//! forms, in a different summation order.
+
+use tessera_kernels::cuda::{KdaRecurrent, MlaAbsorbed, NormRows};
+
+use super::super::kda::{KdaLayer, OutGate};
+use super::super::mla::{MlaLayer, QueryProj};
+use super::weights::{upload_i32, DLinear, DVec};
+use super::{Gpu, Step};
+use crate::error::Result;
+use crate::state::{KdaState, MlaState};
+
+const QK_L2_EPS: f32 = 1e-6;
+
+enum DOutGate {
+    LowRank { a: DLinear, b: DLinear },
+    Full(DLinear),
+}
+
+pub(super) struct DKda {
+    heads: usize,
+    head_dim: usize,
+    kernel: usize,
+    qkv: DLinear,
+    conv: DVec,
+    f_a: DLinear,
+    f_b: DLinear,
+    dt_bias: DVec,
+    rate: DVec,
+    b: DLinear,
+    gate: DOutGate,
+    lower_bound: Option<f32>,
+    o_norm: DVec,
+    o: DLinear,
+}
+
+impl DKda {
+    pub fn upload(gpu: &Gpu, m: &KdaLayer) -> Result<Self> {
+        Ok(DKda {
+            heads: m.heads,
+            head_dim: m.head_dim,
+            kernel: m.kernel,
+            qkv: DLinear::upload(gpu, &m.qkv)?,
+            conv: DVec::upload(gpu, &m.conv, 0.0)?,
+            f_a: DLinear::upload(gpu, &m.f_a)?,
+            f_b: DLinear::upload(gpu, &m.f_b)?,
+            dt_bias: DVec::upload(gpu, &m.dt_bias, 0.0)?,
+            rate: DVec::upload(gpu, &m.decay_rate, 0.0)?,
+            b: DLinear::upload(gpu, &m.b)?,
+            gate: match &m.out_gate {
+                OutGate::LowRank { a, b } => DOutGate::LowRank {
+                    a: DLinear::upload(gpu, a)?,
+                    b: DLinear::upload(gpu, b)?,
+                },
+                OutGate::Full(g) => DOutGate::Full(DLinear::upload(gpu, g)?),
+            },
+            lower_bound: m.lower_bound,
+            o_norm: DVec::norm(gpu, &m.o_norm)?,
+            o: DLinear::upload(gpu, &m.o)?,
+        })
+    }
+
+    /// `x`: the normed input as a GEMM input `[n, hidden]`; returns the mixer output f32 `[n, hidden]`.
+    pub fn forward(
+        &self,
+        gpu: &Gpu,
+        step: &Step,
+        x: u64,
+        states: &mut [&mut KdaState],
+    ) -> Result<tessera_kernels::cuda::CudaSlice<f32>> {
+        let (n, s) = (step.rows, states.len());
+        let (h, dk) = (self.heads, self.head_dim);
+        let p = h * dk;
+        let dev = &gpu.dev;
+        let mixed = gpu.zeros::<f32>(n * 3 * p)?;
+        self.qkv.forward(gpu, x, n, gpu.p(&mixed))?;
+        let conv_host: Vec<f32> = states
+            .iter()
+            .flat_map(|st| st.conv.iter().copied())
+            .collect();
+        let conv_state = dev.upload(&conv_host)?;
+        let conv_out = gpu.zeros::<f32>(n * 3 * p)?;
+        gpu.k.short_conv_silu(
+            dev,
+            gpu.p(&mixed),
+            self.conv.ptr(gpu),
+            gpu.p(&conv_state),
+            gpu.p(&step.seg_start),
+            gpu.p(&conv_out),
+            s,
+            3 * p,
+            self.kernel,
+        )?;
+        for col0 in [0, p] {
+            gpu.k
+                .l2norm_heads(dev, gpu.p(&conv_out), n, 3 * p, col0, h, dk, QK_L2_EPS)?;
+        }
+        let fa = gpu.zeros::<f32>(n * dk)?;
+        self.f_a.forward(gpu, x, n, gpu.p(&fa))?;
+        let fa_b = gpu.to_act(&fa)?;
+        let g = gpu.zeros::<f32>(n * p)?;
+        self.f_b.forward(gpu, gpu.p(&fa_b), n, gpu.p(&g))?;
+        gpu.k.kda_gate(
+            dev,
+            gpu.p(&g),
+            self.dt_bias.ptr(gpu),
+            self.rate.ptr(gpu),
+            p,
+            dk,
+            n * p,
+            self.lower_bound,
+        )?;
+        let beta = gpu.zeros::<f32>(n * h)?;
+        self.b.forward(gpu, x, n, gpu.p(&beta))?;
+        gpu.k.sigmoid(dev, gpu.p(&beta), n * h)?;
+
+        let rec_host: Vec<f32> = states
+            .iter()
+            .flat_map(|st| st.recurrent.iter().copied())
+            .collect();
+        let rec = dev.upload(&rec_host)?;
+        let core = gpu.zeros::<f32>(n * p)?;
+        gpu.k.kda_recurrent(
+            dev,
+            &KdaRecurrent {
+                qkv: gpu.p(&conv_out),
+                g: gpu.p(&g),
+                beta: gpu.p(&beta),
+                state: gpu.p(&rec),
+                seg_start: gpu.p(&step.seg_start),
+                out: gpu.p(&core),
+                segments: s,
+                heads: h,
+                head_dim: dk,
+                scale: 1.0 / (dk as f32).sqrt(),
+            },
+        )?;
+        let gate = gpu.zeros::<f32>(n * p)?;
+        match &self.gate {
+            DOutGate::LowRank { a, b } => {
+                let ga = gpu.zeros::<f32>(n * a.out_dim)?;
+                a.forward(gpu, x, n, gpu.p(&ga))?;
+                let ga_b = gpu.to_act(&ga)?;
+                b.forward(gpu, gpu.p(&ga_b), n, gpu.p(&gate))?;
+            }
+            DOutGate::Full(g) => g.forward(gpu, x, n, gpu.p(&gate))?,
+        }
+        let normed = gpu.act(n * p)?;
+        let mut norm = NormRows::plain(
+            gpu.p(&core),
+            self.o_norm.ptr(gpu),
+            n * h,
+            dk,
+            self.o_norm.eps,
+        );
+        norm.gate = gpu.p(&gate);
+        norm.out_act = gpu.p(&normed);
+        gpu.k.rms_norm(dev, &norm)?;
+        let out = gpu.zeros::<f32>(n * self.o.out_dim)?;
+        self.o.forward(gpu, gpu.p(&normed), n, gpu.p(&out))?;
+
+        let conv_new = dev.download(&conv_state)?;
+        let rec_new = dev.download(&rec)?;
+        for (i, st) in states.iter_mut().enumerate() {
+            let (c, r) = (st.conv.len(), st.recurrent.len());
+            st.conv.copy_from_slice(&conv_new[i * c..(i + 1) * c]);
+            st.recurrent.copy_from_slice(&rec_new[i * r..(i + 1) * r]);
+        }
+        Ok(out)
+    }
+}
+
+enum DQuery {
+    Full(DLinear),
+    LowRank { a: DLinear, norm: DVec, b: DLinear },
+}
+
+pub(super) struct DMla {
+    heads: usize,
+    nope: usize,
+    rope: usize,
+    v_dim: usize,
+    rank: usize,
+    q: DQuery,
+    kv_a: DLinear,
+    kv_norm: DVec,
+    kv_b: DLinear,
+    gate: Option<DLinear>,
+    o: DLinear,
+}
+
+impl DMla {
+    pub fn upload(gpu: &Gpu, m: &MlaLayer) -> Result<Self> {
+        let c = &m.c;
+        Ok(DMla {
+            heads: c.num_heads,
+            nope: c.qk_nope_head_dim,
+            rope: c.qk_rope_head_dim,
+            v_dim: c.v_head_dim,
+            rank: c.kv_lora_rank,
+            q: match &m.q {
+                QueryProj::Full(l) => DQuery::Full(DLinear::upload(gpu, l)?),
+                QueryProj::LowRank { a, norm, b } => DQuery::LowRank {
+                    a: DLinear::upload(gpu, a)?,
+                    norm: DVec::norm(gpu, norm)?,
+                    b: DLinear::upload(gpu, b)?,
+                },
+            },
+            kv_a: DLinear::upload(gpu, &m.kv_a)?,
+            kv_norm: DVec::norm(gpu, &m.kv_norm)?,
+            kv_b: DLinear::upload(gpu, &m.kv_b)?,
+            gate: match &m.gate {
+                Some(g) => Some(DLinear::upload(gpu, g)?),
+                None => None,
+            },
+            o: DLinear::upload(gpu, &m.o)?,
+        })
+    }
+
+    /// `x`: the normed input as a GEMM input `[n, hidden]`; returns the mixer output f32 `[n, hidden]`.
+    pub fn forward(
+        &self,
+        gpu: &Gpu,
+        step: &Step,
+        x: u64,
+        states: &mut [&mut MlaState],
+    ) -> Result<tessera_kernels::cuda::CudaSlice<f32>> {
+        let n = step.rows;
+        let (h, dn, dr, dv, r) = (self.heads, self.nope, self.rope, self.v_dim, self.rank);
+        let dev = &gpu.dev;
+        let q = gpu.zeros::<f32>(n * h * (dn + dr))?;
+        match &self.q {
+            DQuery::Full(l) => l.forward(gpu, x, n, gpu.p(&q))?,
+            DQuery::LowRank { a, norm, b } => {
+                let qa = gpu.zeros::<f32>(n * a.out_dim)?;
+                a.forward(gpu, x, n, gpu.p(&qa))?;
+                let qa_b = gpu.act(n * a.out_dim)?;
+                let mut nr = NormRows::plain(gpu.p(&qa), norm.ptr(gpu), n, a.out_dim, norm.eps);
+                nr.out_act = gpu.p(&qa_b);
+                gpu.k.rms_norm(dev, &nr)?;
+                b.forward(gpu, gpu.p(&qa_b), n, gpu.p(&q))?;
+            }
+        }
+        // New latent rows: c_kv normed on the device, then appended to each sequence's history.
+        let kv = gpu.zeros::<f32>(n * (r + dr))?;
+        self.kv_a.forward(gpu, x, n, gpu.p(&kv))?;
+        let ckv = gpu.zeros::<f32>(n * r)?;
+        let mut nr = NormRows::plain(gpu.p(&kv), self.kv_norm.ptr(gpu), n, r, self.kv_norm.eps);
+        nr.in_stride = r + dr;
+        nr.out_f32 = gpu.p(&ckv);
+        gpu.k.rms_norm(dev, &nr)?;
+        let (kv_host, ckv_host) = (dev.download(&kv)?, dev.download(&ckv)?);
+        let mut hist_host = Vec::new();
+        let (mut hoff, mut vis) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (st, range) in states.iter_mut().zip(step.ranges()) {
+            let before = st.ckv.len() / r;
+            for t in range.clone() {
+                st.ckv.extend_from_slice(&ckv_host[t * r..(t + 1) * r]);
+                st.kpe
+                    .extend_from_slice(&kv_host[t * (r + dr) + r..(t + 1) * (r + dr)]);
+            }
+            let offset = hist_host.len() / (r + dr);
+            let total = st.ckv.len() / r;
+            for j in 0..total {
+                hist_host.extend_from_slice(&st.ckv[j * r..(j + 1) * r]);
+                hist_host.extend_from_slice(&st.kpe[j * dr..(j + 1) * dr]);
+            }
+            for i in 0..range.len() {
+                hoff.push(offset);
+                vis.push(before + i + 1);
+            }
+        }
+        let max_visible = vis.iter().copied().max().unwrap_or(1);
+        let hist = dev.upload(&hist_host)?;
+        let (hoff, vis) = (upload_i32(dev, &hoff)?, upload_i32(dev, &vis)?);
+        let q_lat = gpu.zeros::<f32>(n * h * r)?;
+        let lat = gpu.zeros::<f32>(n * h * r)?;
+        let scores = gpu.zeros::<f32>(n * h * max_visible)?;
+        let att = gpu.zeros::<f32>(n * h * dv)?;
+        gpu.k.mla_absorbed(
+            dev,
+            &MlaAbsorbed {
+                q: gpu.p(&q),
+                kv_b: gpu.p(&self.kv_b.w),
+                hist: gpu.p(&hist),
+                hist_offset: gpu.p(&hoff),
+                visible: gpu.p(&vis),
+                q_lat: gpu.p(&q_lat),
+                lat: gpu.p(&lat),
+                scores: gpu.p(&scores),
+                out: gpu.p(&att),
+                rows: n,
+                heads: h,
+                nope: dn,
+                rope: dr,
+                v_dim: dv,
+                rank: r,
+                max_visible,
+                scale: 1.0 / ((dn + dr) as f32).sqrt(),
+            },
+        )?;
+        if let Some(g) = &self.gate {
+            // The gate reads the layer input, not the attention output (K3-SPEC §3.3).
+            let gv = gpu.zeros::<f32>(n * h * dv)?;
+            g.forward(gpu, x, n, gpu.p(&gv))?;
+            gpu.k
+                .mul_sigmoid(dev, gpu.p(&att), gpu.p(&gv), n * h * dv)?;
+        }
+        let att_b = gpu.to_act(&att)?;
+        let out = gpu.zeros::<f32>(n * self.o.out_dim)?;
+        self.o.forward(gpu, gpu.p(&att_b), n, gpu.p(&out))?;
+        Ok(out)
+    }
+}

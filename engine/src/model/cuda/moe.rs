@@ -1,0 +1,160 @@
+//! MoE on the device for any batch: the router runs in f32 (so near-equal expert scores pick the
+//! same experts as the CPU path), the top-k choice on the host with the CPU routing code, then
+//! one gathered GEMM per active expert and a weighted scatter-add. Shared experts and K3's
+//! latent projections as in [`super::super::moe`].
+
+use tessera_kernels::cpu;
+use tessera_kernels::cuda::{CudaSlice, GemmType, NormRows};
+
+use super::super::moe::Moe;
+use super::weights::{upload_i32, DLinear, DMlp, DVec};
+use super::Gpu;
+use crate::error::Result;
+
+struct DLatent {
+    down: DLinear,
+    norm: Option<DVec>,
+    up: DLinear,
+}
+
+pub(super) struct DMoe {
+    router: CudaSlice<f32>,
+    hidden: usize,
+    correction_bias: Vec<f32>,
+    routing: cpu::MoeRouting,
+    experts: Vec<DMlp>,
+    shared: Option<DMlp>,
+    latent: Option<DLatent>,
+}
+
+impl DMoe {
+    pub fn upload(gpu: &Gpu, m: &Moe) -> Result<Self> {
+        Ok(DMoe {
+            router: gpu.dev.upload(&m.router.w)?,
+            hidden: m.router.in_dim,
+            correction_bias: m.correction_bias.clone(),
+            routing: m.routing,
+            experts: m
+                .experts
+                .iter()
+                .map(|e| DMlp::upload(gpu, e))
+                .collect::<Result<_>>()?,
+            shared: match &m.shared {
+                Some(s) => Some(DMlp::upload(gpu, s)?),
+                None => None,
+            },
+            latent: match &m.latent {
+                Some(l) => Some(DLatent {
+                    down: DLinear::upload(gpu, &l.down)?,
+                    norm: match &l.norm {
+                        Some(n) => Some(DVec::norm(gpu, n)?),
+                        None => None,
+                    },
+                    up: DLinear::upload(gpu, &l.up)?,
+                }),
+                None => None,
+            },
+        })
+    }
+
+    /// `x`: the normed input as f32 and as a GEMM input `[rows, hidden]`; returns f32
+    /// `[rows, hidden]`.
+    pub fn forward(&self, gpu: &Gpu, x_f32: u64, x_b: u64, rows: usize) -> Result<CudaSlice<f32>> {
+        let (d, e) = (self.hidden, self.experts.len());
+        let dev = &gpu.dev;
+        let logits = gpu.zeros::<f32>(rows * e)?;
+        // SAFETY: `x_f32` holds `rows · d` f32, the router `[e, d]` f32, `logits` `rows · e`.
+        unsafe {
+            gpu.blas.gemm(
+                rows,
+                d,
+                e,
+                (x_f32, GemmType::F32),
+                (gpu.p(&self.router), GemmType::F32),
+                (gpu.p(&logits), GemmType::F32),
+            )
+        }?;
+        let logits = dev.download(&logits)?;
+        let k = self.routing.top_k;
+        let (mut idx, mut weight) = (vec![0u32; rows * k], vec![0f32; rows * k]);
+        cpu::route_sigmoid_grouped(
+            &logits,
+            e,
+            &self.correction_bias,
+            &self.routing,
+            &mut idx,
+            &mut weight,
+        );
+        // Rows grouped by expert, all experts' lists in one upload.
+        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+        for r in 0..rows {
+            for j in 0..k {
+                by_expert[idx[r * k + j] as usize].push((r, weight[r * k + j]));
+            }
+        }
+        let (mut all_rows, mut all_w, mut starts) = (Vec::new(), Vec::new(), vec![0]);
+        for list in &by_expert {
+            all_rows.extend(list.iter().map(|&(r, _)| r));
+            all_w.extend(list.iter().map(|&(_, w)| w));
+            starts.push(all_rows.len());
+        }
+        let out = gpu.zeros::<f32>(rows * d)?;
+        if let Some(s) = &self.shared {
+            s.forward(gpu, x_b, rows, gpu.p(&out))?;
+        }
+        if all_rows.is_empty() {
+            return Ok(out);
+        }
+        let z = match &self.latent {
+            Some(l) => {
+                let z = gpu.zeros::<f32>(rows * l.down.out_dim)?;
+                l.down.forward(gpu, x_b, rows, gpu.p(&z))?;
+                Some(z)
+            }
+            None => None,
+        };
+        let (src, ed) = match (&z, &self.latent) {
+            (Some(z), Some(l)) => (gpu.p(z), l.down.out_dim),
+            _ => (x_f32, d),
+        };
+        let rows_dev = upload_i32(dev, &all_rows)?;
+        let w_dev = dev.upload(&all_w)?;
+        let routed = gpu.zeros::<f32>(rows * ed)?;
+        let most = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        let xs = gpu.act(most * ed)?;
+        let ys = gpu.zeros::<f32>(most * ed)?;
+        for (ex, w) in self.experts.iter().zip(starts.windows(2)) {
+            let (a, m) = (w[0], w[1] - w[0]);
+            if m == 0 {
+                continue;
+            }
+            let (r_at, w_at) = (gpu.p_at(&rows_dev, a), gpu.p_at(&w_dev, a));
+            gpu.k.gather_act(dev, src, r_at, gpu.p(&xs), m, ed)?;
+            ex.forward(gpu, gpu.p(&xs), m, gpu.p(&ys))?;
+            gpu.k
+                .scatter_add_weighted(dev, gpu.p(&routed), gpu.p(&ys), r_at, w_at, m, ed)?;
+        }
+        match &self.latent {
+            Some(l) => {
+                let rb = gpu.act(rows * ed)?;
+                match &l.norm {
+                    Some(nw) => {
+                        let mut nr = NormRows::plain(gpu.p(&routed), nw.ptr(gpu), rows, ed, nw.eps);
+                        nr.out_act = gpu.p(&rb);
+                        gpu.k.rms_norm(dev, &nr)?;
+                    }
+                    None => gpu.k.to_act(dev, gpu.p(&routed), gpu.p(&rb), rows * ed)?,
+                }
+                let up = gpu.zeros::<f32>(rows * d)?;
+                l.up.forward(gpu, gpu.p(&rb), rows, gpu.p(&up))?;
+                gpu.k.add(dev, gpu.p(&out), gpu.p(&up), rows * d)?;
+            }
+            None => gpu.k.add(dev, gpu.p(&out), gpu.p(&routed), rows * d)?,
+        }
+        Ok(out)
+    }
+
+    pub fn out_dim(&self) -> usize {
+        self.hidden
+    }
+}

@@ -1,0 +1,332 @@
+// The whole-model forward's glue kernels, for any model width: f32 activations between ops, bf16
+// weights (raw 16-bit words), f32 recurrent state. The GEMMs run in cuBLAS; these kernels are
+// the row-wise and per-sequence pieces around them, each written for clarity over speed (one
+// block per row or per (sequence, head)), so every fixture shape runs, not only the production
+// ones the specialised kernels are tuned for.
+//
+// Row maps: where a kernel takes `in_rows` / `out_rows`, a null map means the identity.
+//
+// `exact` selects the f32 check mode: GEMM inputs ("act" buffers) and the weights these kernels
+// read (embedding table, MLA kv_b) are f32 instead of bf16, so the whole forward is f32 and can
+// be held to the f32 reference's tolerance.
+
+#define MT 128
+
+__device__ __forceinline__ void store_act(void* p, size_t i, float v, int exact) {
+    if (exact) ((float*)p)[i] = v;
+    else ((bf16_t*)p)[i] = f2bf(v);
+}
+__device__ __forceinline__ float load_w(const void* p, size_t i, int exact) {
+    return exact ? ((const float*)p)[i] : bf2f(((const bf16_t*)p)[i]);
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+__device__ float block_reduce(float v, float* sh, bool is_max) {
+    for (int m = LANES / 2; m > 0; m >>= 1) {
+        const float o = LANE_SHFL_XOR(v, m);
+        v = is_max ? fmaxf(v, o) : v + o;
+    }
+    const int warp = threadIdx.x / LANES, lane = threadIdx.x & LANE_MASK;
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    float t = sh[0];
+    for (int i = 1; i < (int)(blockDim.x / LANES); ++i) t = is_max ? fmaxf(t, sh[i]) : t + sh[i];
+    __syncthreads();
+    return t;
+}
+
+// out[i, :] = f32(table[ids[i], :]).
+extern "C" __global__ void __launch_bounds__(MT)
+embed_rows(const int* __restrict__ ids, const void* __restrict__ table, float* __restrict__ out, int dim, int exact) {
+    const size_t src = (size_t)ids[blockIdx.x] * dim, dst = (size_t)blockIdx.x * dim;
+    for (int c = threadIdx.x; c < dim; c += MT) out[dst + c] = load_w(table, src + c, exact);
+}
+
+// An f32 buffer as a GEMM input (bf16, or f32 when exact).
+extern "C" __global__ void to_act(const float* __restrict__ x, void* __restrict__ y, long long n, int exact) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        store_act(y, i, x[i], exact);
+}
+
+extern "C" __global__ void add_inplace(float* __restrict__ acc, const float* __restrict__ x, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        acc[i] += x[i];
+}
+
+// x *= σ(g), element-wise.
+extern "C" __global__ void mul_sigmoid(float* __restrict__ x, const float* __restrict__ g, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] *= sigmoidf_(g[i]);
+}
+
+extern "C" __global__ void sigmoid_inplace(float* __restrict__ x, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] = sigmoidf_(x[i]);
+}
+
+// Per row r (one block each): v = x[in_row(r)·in_stride ..][0..dim], o = w ⊙ v / sqrt(mean(v²) + eps),
+// times σ(gate[r·dim ..]) when a gate is given. Written as f32 to out_f[out_row(r)·out_stride ..]
+// and/or as a GEMM input to out_act[r·dim ..] (either may be null).
+extern "C" __global__ void __launch_bounds__(MT)
+rmsnorm_rows(const float* __restrict__ x, const int* __restrict__ in_rows, int in_stride,
+             const float* __restrict__ w, int dim, float eps, const float* __restrict__ gate,
+             float* __restrict__ out_f, const int* __restrict__ out_rows, int out_stride,
+             void* __restrict__ out_act, int exact) {
+    __shared__ float sh[MT / LANES];
+    const int r = blockIdx.x;
+    const float* v = x + (size_t)(in_rows ? in_rows[r] : r) * in_stride;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < dim; c += MT) ss += v[c] * v[c];
+    const float inv = rsqrtf(block_reduce(ss, sh, false) / dim + eps);
+    float* of = out_f ? out_f + (size_t)(out_rows ? out_rows[r] : r) * out_stride : nullptr;
+    for (int c = threadIdx.x; c < dim; c += MT) {
+        float o = w[c] * (v[c] * inv);
+        if (gate) o *= sigmoidf_(gate[(size_t)r * dim + c]);
+        if (of) of[c] = o;
+        if (out_act) store_act(out_act, (size_t)r * dim + c, o, exact);
+    }
+}
+
+// Causal depthwise conv + SiLU per sequence: segment s owns rows seg_start[s]..seg_start[s+1] of
+// x [N, C]; state [S, C, K-1] holds each channel's previous K-1 inputs, oldest first, and is
+// advanced. One thread per (segment, channel).
+extern "C" __global__ void __launch_bounds__(MT)
+short_conv_silu_seg(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ state,
+                    const int* __restrict__ seg_start, float* __restrict__ out, int C, int K) {
+    const int c = blockIdx.x * MT + threadIdx.x, s = blockIdx.y;
+    if (c >= C) return;
+    float win[16];  // the last K-1 inputs, oldest first (K ≤ 17)
+    float* st = state + ((size_t)s * C + c) * (K - 1);
+    for (int j = 0; j < K - 1; ++j) win[j] = st[j];
+    for (int t = seg_start[s]; t < seg_start[s + 1]; ++t) {
+        const float xt = x[(size_t)t * C + c];
+        float acc = 0.0f;
+        for (int j = 0; j < K - 1; ++j) acc += w[(size_t)c * K + j] * win[j];
+        acc += w[(size_t)c * K + K - 1] * xt;
+        out[(size_t)t * C + c] = acc * sigmoidf_(acc);
+        for (int j = 0; j + 1 < K - 1; ++j) win[j] = win[j + 1];
+        if (K > 1) win[K - 2] = xt;
+    }
+    for (int j = 0; j < K - 1; ++j) st[j] = win[j];
+}
+
+// KDA forget gate in place over g [n/P rows, P]: z = g + dt_bias[c]; bounded: lb·σ(rate_h·z),
+// else −rate_h·softplus(z) (softplus is the identity above 20, as FLA's).
+extern "C" __global__ void kda_gate(float* __restrict__ g, const float* __restrict__ dt_bias,
+                                    const float* __restrict__ rate, int P, int dk, long long n,
+                                    int bounded, float lb) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const int c = (int)(i % P);
+        const float z = g[i] + dt_bias[c], a = rate[c / dk];
+        g[i] = bounded ? lb / (1.0f + expf(-a * z)) : -a * (z > 20.0f ? z : log1pf(expf(z)));
+    }
+}
+
+// In place: x / sqrt(Σx² + eps) over each head's dk values, for the heads in columns
+// [col0, col0 + heads·dk) of rows of `stride`. Grid (rows, heads).
+extern "C" __global__ void __launch_bounds__(MT)
+l2norm_heads(float* __restrict__ x, int stride, int col0, int dk, float eps) {
+    __shared__ float sh[MT / LANES];
+    float* v = x + (size_t)blockIdx.x * stride + col0 + (size_t)blockIdx.y * dk;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < dk; c += MT) ss += v[c] * v[c];
+    const float inv = rsqrtf(block_reduce(ss, sh, false) + eps);
+    for (int c = threadIdx.x; c < dk; c += MT) v[c] *= inv;
+}
+
+// The KDA delta rule, token by token, per (segment, head): S ← diag(e^g)·S; u = β(v − Sᵀk);
+// S ← S + k·uᵀ; o = Sᵀ(scale·q). qkv [N, 3P] (q, k, v column blocks), g [N, P], beta [N, H],
+// state [S, H, dk, dv] f32, out [N, P]. One thread per value column (blockDim = dv).
+extern "C" __global__ void kda_recurrent_seg(const float* __restrict__ qkv, const float* __restrict__ g,
+                                             const float* __restrict__ beta, float* __restrict__ state,
+                                             const int* __restrict__ seg_start, float* __restrict__ out,
+                                             int H, int dk, float scale) {
+    extern __shared__ float sm[];  // q, k, e^g: 3·dk
+    const int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x, dv = blockDim.x, P = H * dk;
+    float* S = state + ((size_t)s * H + h) * dk * dv;
+    for (int t = seg_start[s]; t < seg_start[s + 1]; ++t) {
+        const float* row = qkv + (size_t)t * 3 * P;
+        for (int i = j; i < dk; i += dv) {
+            sm[i] = row[h * dk + i] * scale;
+            sm[dk + i] = row[P + h * dk + i];
+            sm[2 * dk + i] = expf(g[(size_t)t * P + h * dk + i]);
+        }
+        __syncthreads();
+        float kv = 0.0f;
+        for (int i = 0; i < dk; ++i) {
+            const float sv = S[(size_t)i * dv + j] * sm[2 * dk + i];
+            S[(size_t)i * dv + j] = sv;
+            kv += sm[dk + i] * sv;
+        }
+        const float u = beta[(size_t)t * H + h] * (row[2 * P + h * dk + j] - kv);
+        float o = 0.0f;
+        for (int i = 0; i < dk; ++i) {
+            const float sv = S[(size_t)i * dv + j] + sm[dk + i] * u;
+            S[(size_t)i * dv + j] = sv;
+            o += sm[i] * sv;
+        }
+        out[(size_t)t * P + h * dk + j] = o;
+        __syncthreads();
+    }
+}
+
+// MLA, absorbed form. kv_b [H·(dn+dv), r] bf16: per head dn rows of W_UK then dv rows of W_UV.
+// q [T, H, dn+dr]; q_lat[t, h, c] = Σ_n q_nope[t, h, n] · W_UK[h][n, c]. Grid (T, H).
+extern "C" __global__ void __launch_bounds__(MT)
+mla_absorb_q(const float* __restrict__ q, const void* __restrict__ kvb, float* __restrict__ qlat,
+             int H, int dn, int dr, int dv, int r, int exact) {
+    const int t = blockIdx.x, h = blockIdx.y;
+    const float* qn = q + ((size_t)t * H + h) * (dn + dr);
+    const size_t w = (size_t)h * (dn + dv) * r;
+    for (int c = threadIdx.x; c < r; c += MT) {
+        float acc = 0.0f;
+        for (int n = 0; n < dn; ++n) acc += qn[n] * load_w(kvb, w + (size_t)n * r + c, exact);
+        qlat[((size_t)t * H + h) * r + c] = acc;
+    }
+}
+
+// Row t attends to history rows hist[hoff[t] .. hoff[t] + vis[t]) of [c_kv (r) | k_pe (dr)]:
+// score = scale·(q_lat·c_kv + q_pe·k_pe), softmax, lat = Σ p·c_kv. scores: scratch of
+// [T, H, max_s]. Grid (T, H).
+extern "C" __global__ void __launch_bounds__(MT)
+mla_attend(const float* __restrict__ qlat, const float* __restrict__ q, const float* __restrict__ hist,
+           const int* __restrict__ hoff, const int* __restrict__ vis, float* __restrict__ scores,
+           float* __restrict__ lat, int H, int dn, int dr, int r, int max_s, float scale) {
+    __shared__ float sh[MT / LANES];
+    const int t = blockIdx.x, h = blockIdx.y, n = vis[t];
+    const float* ql = qlat + ((size_t)t * H + h) * r;
+    const float* qp = q + ((size_t)t * H + h) * (dn + dr) + dn;
+    const float* base = hist + (size_t)hoff[t] * (r + dr);
+    float* sc = scores + ((size_t)t * H + h) * max_s;
+    float mx = -__int_as_float(0x7f800000);
+    for (int j = threadIdx.x; j < n; j += MT) {
+        const float* row = base + (size_t)j * (r + dr);
+        float acc = 0.0f;
+        for (int c = 0; c < r; ++c) acc += ql[c] * row[c];
+        for (int c = 0; c < dr; ++c) acc += qp[c] * row[r + c];
+        sc[j] = acc * scale;
+        mx = fmaxf(mx, sc[j]);
+    }
+    mx = block_reduce(mx, sh, true);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += MT) {
+        sc[j] = __expf(sc[j] - mx);
+        sum += sc[j];
+    }
+    const float inv = 1.0f / block_reduce(sum, sh, false);
+    __syncthreads();
+    for (int c = threadIdx.x; c < r; c += MT) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; ++j) acc += sc[j] * base[(size_t)j * (r + dr) + c];
+        lat[((size_t)t * H + h) * r + c] = acc * inv;
+    }
+}
+
+// out[t, h·dv + v] = Σ_c lat[t, h, c] · W_UV[h][v, c]: one warp per output value. Grid (T, H).
+extern "C" __global__ void __launch_bounds__(MT)
+mla_unabsorb(const float* __restrict__ lat, const void* __restrict__ kvb, float* __restrict__ out,
+             int H, int dn, int dv, int r, int exact) {
+    const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & LANE_MASK;
+    const float* l = lat + ((size_t)t * H + h) * r;
+    for (int v = threadIdx.x / LANES; v < dv; v += MT / LANES) {
+        const size_t w = ((size_t)h * (dn + dv) + dn + v) * r;
+        float acc = 0.0f;
+        for (int c = lane; c < r; c += LANES) acc += l[c] * load_w(kvb, w + c, exact);
+        for (int m = LANES / 2; m > 0; m >>= 1) acc += LANE_SHFL_XOR(acc, m);
+        if (lane == 0) out[((size_t)t * H + h) * dv + v] = acc;
+    }
+}
+
+// Gated activation of a stacked [rows, 2·inter] gate|up GEMM output into a GEMM input [rows, inter]:
+// SiLU(g)·u, or SiTU [β1·tanh(g/β1)·σ(g)]·[β2·tanh(u/β2)] when situ is set.
+extern "C" __global__ void glu_act(const float* __restrict__ gu, void* __restrict__ out, int inter,
+                                   long long n, int situ, float b1, float b2, int exact) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / inter;
+        const int c = (int)(i % inter);
+        const float g = gu[r * 2 * inter + c], u = gu[r * 2 * inter + inter + c];
+        const float o = situ ? (b1 * tanhf(g / b1) * sigmoidf_(g)) * (b2 * tanhf(u / b2)) : g * sigmoidf_(g) * u;
+        store_act(out, i, o, exact);
+    }
+}
+
+// out[i, :] = src[rows[i], :] as a GEMM input.
+extern "C" __global__ void __launch_bounds__(MT)
+gather_act(const float* __restrict__ src, const int* __restrict__ rows, void* __restrict__ out, int dim, int exact) {
+    const float* s = src + (size_t)rows[blockIdx.x] * dim;
+    for (int c = threadIdx.x; c < dim; c += MT) store_act(out, (size_t)blockIdx.x * dim + c, s[c], exact);
+}
+
+// acc[rows[i], :] += w[i]·y[i, :] (rows distinct within one launch).
+extern "C" __global__ void __launch_bounds__(MT)
+scatter_add_weighted(float* __restrict__ acc, const float* __restrict__ y, const int* __restrict__ rows,
+                     const float* __restrict__ w, int dim) {
+    float* a = acc + (size_t)rows[blockIdx.x] * dim;
+    const float wi = w[blockIdx.x];
+    for (int c = threadIdx.x; c < dim; c += MT) a[c] += wi * y[(size_t)blockIdx.x * dim + c];
+}
+
+// MXFP4 weight [out, in] (compressed-tensors: two E2M1 codes per byte, low nibble first, one E8M0
+// scale per 32 inputs) times x [rows, in]ᵀ (a GEMM input) into f32 out [rows, out]: w4a16, dequantised in
+// registers. One warp per (row, output). Grid (ceil(out / warps), rows).
+__device__ __forceinline__ float e2m1(unsigned code) {
+    const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float m = mag[code & 7u];
+    return (code & 8u) ? -m : m;
+}
+__device__ __forceinline__ float e8m0(unsigned char e) {
+    return e == 0 ? 5.877471754111438e-39f : (e == 255 ? __int_as_float(0x7fc00000) : __int_as_float(((int)e) << 23));
+}
+extern "C" __global__ void __launch_bounds__(MT)
+mxfp4_linear(const void* __restrict__ x, const unsigned char* __restrict__ packed,
+             const unsigned char* __restrict__ scale, float* __restrict__ out, int in_dim, int out_dim, int exact) {
+    const int o = blockIdx.x * (MT / LANES) + threadIdx.x / LANES, row = blockIdx.y;
+    const int lane = threadIdx.x & LANE_MASK;
+    if (o >= out_dim) return;
+    const unsigned char* pb = packed + (size_t)o * (in_dim / 2);
+    const unsigned char* sb = scale + (size_t)o * (in_dim / 32);
+    const size_t xr = (size_t)row * in_dim;
+    float acc = 0.0f;
+    for (int b = lane; b < in_dim / 2; b += LANES) {
+        const unsigned byte = pb[b];
+        const float s = e8m0(sb[(2 * b) / 32]);
+        acc += e2m1(byte & 0xFu) * s * load_w(x, xr + 2 * b, exact) + e2m1(byte >> 4) * s * load_w(x, xr + 2 * b + 1, exact);
+    }
+    for (int m = LANES / 2; m > 0; m >>= 1) acc += LANE_SHFL_XOR(acc, m);
+    if (lane == 0) out[(size_t)row * out_dim + o] = acc;
+}
+
+// AttnRes mix per row: sources are blocks [nb, N, d] plus, when given, p [N, d]; score_v =
+// <v / rms(v), q>, softmax over the sources, out = Σ α_v·v. Grid N; nb + 1 ≤ 64.
+extern "C" __global__ void __launch_bounds__(MT)
+attnres_mix(const float* __restrict__ blocks, int nb, const float* __restrict__ p, const float* __restrict__ q,
+            float eps, float* __restrict__ out, int N, int d) {
+    __shared__ float sh[MT / LANES];
+    __shared__ float score[64];
+    const int r = blockIdx.x, ns = nb + (p ? 1 : 0);
+    for (int s = 0; s < ns; ++s) {
+        const float* v = (s < nb ? blocks + ((size_t)s * N + r) * d : p + (size_t)r * d);
+        float ss = 0.0f, dot = 0.0f;
+        for (int c = threadIdx.x; c < d; c += MT) {
+            ss += v[c] * v[c];
+            dot += v[c] * q[c];
+        }
+        ss = block_reduce(ss, sh, false);
+        dot = block_reduce(dot, sh, false);
+        if (threadIdx.x == 0) score[s] = dot * rsqrtf(ss / d + eps);
+    }
+    __syncthreads();
+    float mx = -__int_as_float(0x7f800000);
+    for (int s = 0; s < ns; ++s) mx = fmaxf(mx, score[s]);
+    float total = 0.0f;
+    for (int s = 0; s < ns; ++s) total += expf(score[s] - mx);
+    for (int c = threadIdx.x; c < d; c += MT) {
+        float acc = 0.0f;
+        for (int s = 0; s < ns; ++s) {
+            const float* v = (s < nb ? blocks + ((size_t)s * N + r) * d : p + (size_t)r * d);
+            acc += expf(score[s] - mx) / total * v[c];
+        }
+        out[(size_t)r * d + c] = acc;
+    }
+}
