@@ -14,6 +14,7 @@ mod model_ops;
 mod moe;
 mod ops;
 mod sample;
+mod staging;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -88,6 +89,7 @@ pub struct CudaDevice {
     arch: String,
     name: String,
     cache_dir: Option<PathBuf>,
+    staging: staging::Staging,
 }
 
 impl CudaDevice {
@@ -115,6 +117,7 @@ impl CudaDevice {
             arch: format!("sm_{major}{minor}"),
             name,
             cache_dir,
+            staging: Default::default(),
         })
     }
 

@@ -120,11 +120,8 @@ impl DKda {
         self.b.forward(gpu, x, n, gpu.p(&beta))?;
         gpu.k.sigmoid(dev, gpu.p(&beta), n * h)?;
 
-        let rec_host: Vec<f32> = states
-            .iter()
-            .flat_map(|st| st.recurrent.iter().copied())
-            .collect();
-        let rec = dev.upload(&rec_host)?;
+        let rec_parts: Vec<&[f32]> = states.iter().map(|st| st.recurrent.as_slice()).collect();
+        let rec = dev.upload_parts(&rec_parts)?;
         let core = gpu.zeros::<f32>(n * p)?;
         gpu.k.kda_recurrent(
             dev,
@@ -165,13 +162,14 @@ impl DKda {
         let out = gpu.zeros::<f32>(n * self.o.out_dim)?;
         self.o.forward(gpu, gpu.p(&normed), n, gpu.p(&out))?;
 
-        let conv_new = dev.download(&conv_state)?;
-        let rec_new = dev.download(&rec)?;
-        for (i, st) in states.iter_mut().enumerate() {
-            let (c, r) = (st.conv.len(), st.recurrent.len());
-            st.conv.copy_from_slice(&conv_new[i * c..(i + 1) * c]);
-            st.recurrent.copy_from_slice(&rec_new[i * r..(i + 1) * r]);
-        }
+        let mut convs: Vec<&mut [f32]> =
+            states.iter_mut().map(|st| st.conv.as_mut_slice()).collect();
+        dev.download_parts(&conv_state, &mut convs)?;
+        let mut recs: Vec<&mut [f32]> = states
+            .iter_mut()
+            .map(|st| st.recurrent.as_mut_slice())
+            .collect();
+        dev.download_parts(&rec, &mut recs)?;
         Ok(out)
     }
 }

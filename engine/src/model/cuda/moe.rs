@@ -123,6 +123,8 @@ impl DMoe {
         let most = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
         let xs = gpu.act(most * ed)?;
         let ys = gpu.zeros::<f32>(most * ed)?;
+        // Every routed expert has the same shape: one set of working buffers for the layer.
+        let scratch = self.experts[0].scratch(gpu, most)?;
         for (ex, w) in self.experts.iter().zip(starts.windows(2)) {
             let (a, m) = (w[0], w[1] - w[0]);
             if m == 0 {
@@ -130,7 +132,7 @@ impl DMoe {
             }
             let (r_at, w_at) = (gpu.p_at(&rows_dev, a), gpu.p_at(&w_dev, a));
             gpu.k.gather_act(dev, src, r_at, gpu.p(&xs), m, ed)?;
-            ex.forward(gpu, gpu.p(&xs), m, gpu.p(&ys))?;
+            ex.forward_in(gpu, gpu.p(&xs), m, gpu.p(&ys), &scratch)?;
             gpu.k
                 .scatter_add_weighted(dev, gpu.p(&routed), gpu.p(&ys), r_at, w_at, m, ed)?;
         }

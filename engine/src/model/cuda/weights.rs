@@ -183,18 +183,32 @@ impl DMlp {
 
     /// `out [rows, out_dim]` f32 ← the GEMM input `x [rows, in]`.
     pub fn forward(&self, gpu: &Gpu, x: DevPtr, rows: usize, out: DevPtr) -> Result<()> {
-        let gu = gpu.zeros::<f32>(rows * 2 * self.inter)?;
-        self.gate_up.forward(gpu, x, rows, gpu.p(&gu))?;
-        let act = gpu.act(rows * self.inter)?;
-        gpu.k.glu(
-            &gpu.dev,
-            gpu.p(&gu),
-            gpu.p(&act),
-            rows,
-            self.inter,
-            self.situ,
-        )?;
-        self.down.forward(gpu, gpu.p(&act), rows, out)
+        let scratch = self.scratch(gpu, rows)?;
+        self.forward_in(gpu, x, rows, out, &scratch)
+    }
+
+    /// Working buffers for calls of up to `rows` rows (reused across the experts of a layer).
+    pub fn scratch(&self, gpu: &Gpu, rows: usize) -> Result<MlpScratch> {
+        Ok(MlpScratch {
+            gate_up: gpu.zeros::<f32>(rows * 2 * self.inter)?,
+            act: gpu.act(rows * self.inter)?,
+        })
+    }
+
+    /// [`forward`](Self::forward) in `scratch` (from [`scratch`](Self::scratch) of an MLP of the
+    /// same intermediate width, for at least `rows` rows).
+    pub fn forward_in(
+        &self,
+        gpu: &Gpu,
+        x: DevPtr,
+        rows: usize,
+        out: DevPtr,
+        scratch: &MlpScratch,
+    ) -> Result<()> {
+        let (gu, act) = (gpu.p(&scratch.gate_up), gpu.p(&scratch.act));
+        self.gate_up.forward(gpu, x, rows, gu)?;
+        gpu.k.glu(&gpu.dev, gu, act, rows, self.inter, self.situ)?;
+        self.down.forward(gpu, act, rows, out)
     }
 }
 
@@ -212,6 +226,11 @@ pub(super) fn upload_weights(gpu: &Gpu, w: &[f32]) -> Result<CudaSlice<u16>> {
         w.iter().map(|&x| bf16_bits(x)).collect()
     };
     Ok(gpu.dev.upload(&words)?)
+}
+
+pub(super) struct MlpScratch {
+    gate_up: CudaSlice<f32>,
+    act: CudaSlice<u16>,
 }
 
 /// Uploads host data that is only needed for one forward call (indices, offsets).
