@@ -27,7 +27,7 @@ use tessera_kernels::Device;
 use crate::checkpoint::Checkpoint;
 use crate::config::{AttnKind, FfnKind, ModelConfig};
 use crate::error::{EngineError, Result};
-use crate::state::{LayerState, SequenceState};
+use crate::state::{KdaState, LayerState, MlaState, SequenceState};
 use k3::{AttnResRun, ResQuery};
 use kda::KdaLayer;
 use linear::{Linear, Norm};
@@ -41,6 +41,17 @@ pub enum LogitsWanted {
     None,
     Last,
     All,
+}
+
+impl LogitsWanted {
+    /// The rows, of a segment occupying `range` of the batch, whose logits are wanted.
+    fn rows(self, range: Range<usize>) -> Range<usize> {
+        match self {
+            LogitsWanted::None => 0..0,
+            LogitsWanted::Last => range.end - 1..range.end,
+            LogitsWanted::All => range,
+        }
+    }
 }
 
 pub struct Segment<'a> {
@@ -407,26 +418,18 @@ impl Model {
                 _ => layer.input_norm.forward(&h),
             };
             let mixed = match &layer.mixer {
-                Mixer::Kda(m) => {
-                    let mut st: Vec<_> = segments
-                        .iter_mut()
-                        .map(|s| match &mut s.state.layers[l] {
-                            LayerState::Kda(k) => k,
-                            LayerState::Mla(_) => unreachable!("state built from the same config"),
-                        })
-                        .collect();
-                    m.forward(&xn, &rows, &mut st, self.batch_invariant)
-                }
-                Mixer::Mla(m) => {
-                    let mut st: Vec<_> = segments
-                        .iter_mut()
-                        .map(|s| match &mut s.state.layers[l] {
-                            LayerState::Mla(k) => k,
-                            LayerState::Kda(_) => unreachable!("state built from the same config"),
-                        })
-                        .collect();
-                    m.forward(&xn, &rows, &mut st, self.batch_invariant)
-                }
+                Mixer::Kda(m) => m.forward(
+                    &xn,
+                    &rows,
+                    &mut kda_states(segments, l),
+                    self.batch_invariant,
+                ),
+                Mixer::Mla(m) => m.forward(
+                    &xn,
+                    &rows,
+                    &mut mla_states(segments, l),
+                    self.batch_invariant,
+                ),
             };
             let xn = match (&mut attn_res, &layer.res) {
                 (Some(run), Some((_, q))) => {
@@ -455,11 +458,7 @@ impl Model {
 
         let mut results = Vec::with_capacity(segments.len());
         for (seg, range) in segments.iter().zip(rows.ranges()) {
-            let wanted = match seg.logits {
-                LogitsWanted::None => 0..0,
-                LogitsWanted::Last => range.end - 1..range.end,
-                LogitsWanted::All => range,
-            };
+            let wanted = seg.logits.rows(range);
             if wanted.is_empty() {
                 results.push(Vec::new());
                 continue;
@@ -484,6 +483,28 @@ impl Model {
         }];
         Ok(self.forward(&mut segs)?.pop().unwrap_or_default())
     }
+}
+
+/// Layer `l`'s KDA state of every segment (the layer is a KDA layer).
+fn kda_states<'a>(segments: &'a mut [Segment<'_>], l: usize) -> Vec<&'a mut KdaState> {
+    segments
+        .iter_mut()
+        .map(|s| match &mut s.state.layers[l] {
+            LayerState::Kda(k) => k,
+            LayerState::Mla(_) => unreachable!("state built from the same config"),
+        })
+        .collect()
+}
+
+/// Layer `l`'s MLA state of every segment (the layer is an MLA layer).
+fn mla_states<'a>(segments: &'a mut [Segment<'_>], l: usize) -> Vec<&'a mut MlaState> {
+    segments
+        .iter_mut()
+        .map(|s| match &mut s.state.layers[l] {
+            LayerState::Mla(m) => m,
+            LayerState::Kda(_) => unreachable!("state built from the same config"),
+        })
+        .collect()
 }
 
 fn add_into(acc: &mut [f32], x: &[f32]) {

@@ -19,9 +19,8 @@ use tessera_kernels::cuda::{
     Linear as Blas, ModelKernels, NormRows, ValidAsZeroBits,
 };
 
-use super::{EmbedSplice, Ffn, LogitsWanted, Mixer, Model, Segment};
+use super::{kda_states, mla_states, EmbedSplice, Ffn, Mixer, Model, Rows, Segment};
 use crate::error::{EngineError, Result};
-use crate::state::LayerState;
 use mixers::{DKda, DMla};
 use moe::DMoe;
 use weights::{upload_i32, upload_weights, DLinear, DMlp, DVec};
@@ -81,16 +80,16 @@ impl Gpu {
     }
 }
 
-/// Row layout of one forward call: segment `s` owns rows `starts[s]..starts[s+1]`.
+/// Row layout of one forward call, on the host and (segment starts) on the device.
 pub(super) struct Step {
     rows: usize,
-    starts: Vec<usize>,
+    layout: Rows,
     seg_start: CudaSlice<i32>,
 }
 
 impl Step {
     fn ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {
-        self.starts.windows(2).map(|w| w[0]..w[1])
+        self.layout.ranges()
     }
 }
 
@@ -197,15 +196,12 @@ impl CudaModel {
     ) -> Result<Vec<Vec<f32>>> {
         let gpu = &self.gpu;
         let (dev, d) = (&gpu.dev, self.hidden);
-        let mut starts = vec![0];
-        for s in segments.iter() {
-            starts.push(starts.last().unwrap() + s.tokens.len());
-        }
-        let n = *starts.last().unwrap();
+        let layout = Rows::new(segments.iter().map(|s| s.tokens.len()));
+        let n = layout.total();
         let step = Step {
             rows: n,
-            seg_start: upload_i32(dev, &starts)?,
-            starts,
+            seg_start: upload_i32(dev, &layout.starts)?,
+            layout,
         };
         let ids: Vec<usize> = segments
             .iter()
@@ -246,24 +242,10 @@ impl CudaModel {
             gpu.k.rms_norm(dev, &nr)?;
             let mixed = match &layer.mixer {
                 DMixer::Kda(m) => {
-                    let mut st: Vec<_> = segments
-                        .iter_mut()
-                        .map(|s| match &mut s.state.layers[l] {
-                            LayerState::Kda(k) => k,
-                            LayerState::Mla(_) => unreachable!("state built from the same config"),
-                        })
-                        .collect();
-                    m.forward(gpu, &step, gpu.p(&xn_b), &mut st)?
+                    m.forward(gpu, &step, gpu.p(&xn_b), &mut kda_states(segments, l))?
                 }
                 DMixer::Mla(m) => {
-                    let mut st: Vec<_> = segments
-                        .iter_mut()
-                        .map(|s| match &mut s.state.layers[l] {
-                            LayerState::Mla(k) => k,
-                            LayerState::Kda(_) => unreachable!("state built from the same config"),
-                        })
-                        .collect();
-                    m.forward(gpu, &step, gpu.p(&xn_b), &mut st)?
+                    m.forward(gpu, &step, gpu.p(&xn_b), &mut mla_states(segments, l))?
                 }
             };
             let ffn_in = match (&mut res, &layer.res) {
@@ -316,11 +298,7 @@ impl CudaModel {
         let mut rows = Vec::new();
         let mut counts = Vec::with_capacity(segments.len());
         for (seg, range) in segments.iter().zip(step.ranges()) {
-            let wanted = match seg.logits {
-                LogitsWanted::None => 0..0,
-                LogitsWanted::Last => range.end - 1..range.end,
-                LogitsWanted::All => range,
-            };
+            let wanted = seg.logits.rows(range);
             counts.push(wanted.len());
             rows.extend(wanted);
         }
