@@ -11,7 +11,8 @@
 //!   `tests/reference/bf16_spread.py`), greedy agreement reported beside the reference's own.
 //!
 //! In both modes decoding token by token equals one prefill of the whole sequence, and several
-//! sequences in one batch equal each alone. Prints one line per check; exits non-zero when any
+//! sequences in one batch equal each alone (in bf16 within the reference's own bf16 spread: the
+//! row count of a call picks the MoE kernels there). Prints one line per check; exits non-zero when any
 //! fails.
 //!
 //! `cargo run --release -p tessera-engine --features cuda --example cuda_model_check [DIR…]`
@@ -238,14 +239,22 @@ fn run_fixture(
         })
         .collect();
     let batched = gpu.forward(&mut segs).map_err(|e| e.to_string())?;
-    let mut worst = 0f32;
-    for (t, b) in prompts.iter().zip(&batched) {
-        let alone = prompt_logits(&gpu, t).map_err(|e| e.to_string())?;
-        worst = worst.max(rel_err(b, &alone));
+    // In bf16 the batch's row count picks the MoE kernels (the small-batch ones up to 64 rows,
+    // per-expert GEMMs above), so a chaotic prompt may move as far as bf16 moves it anyway.
+    let (mut worst, mut ok) = (0f32, true);
+    for (p, b) in reference.prompts.iter().zip(&batched) {
+        let alone = prompt_logits(&gpu, &p.prompt_ids).map_err(|e| e.to_string())?;
+        let e = rel_err(b, &alone);
+        let tol = match (exact, spread.get(&format!("{name}/{}", p.name))) {
+            (false, Some(s)) => SPLIT_REL_TOL.max(BF16_SPREAD_SLACK * s.rel_err),
+            _ => SPLIT_REL_TOL,
+        };
+        ok &= e <= tol;
+        worst = worst.max(e);
     }
     c.check(
         &format!("{mode} {name} batch of {} = each alone", prompts.len()),
-        worst <= SPLIT_REL_TOL,
+        ok,
         format!("worst rel err {worst:.2e}"),
     );
     Ok(())

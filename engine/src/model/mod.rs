@@ -261,7 +261,9 @@ impl Model {
 
     /// Runs every later forward call on `device`: `cpu`, or a CUDA GPU (build feature `cuda`),
     /// where the weights are uploaded as bf16 (MXFP4 experts stay packed) and activations and
-    /// recurrent state are f32. The host copy of the weights is kept.
+    /// recurrent state are f32. The host copy of the weights is kept. On a GPU, results are not
+    /// batch invariant: the row count of a call picks the MoE kernels (the small-batch decode
+    /// kernels up to 64 rows, per-expert GEMMs above), which round differently in bf16.
     pub fn to_device(&mut self, device: Device) -> Result<()> {
         self.place(device, false)
     }

@@ -49,6 +49,11 @@ extern "C" __global__ void to_act(const float* __restrict__ x, void* __restrict_
         store_act(y, i, x[i], exact);
 }
 
+extern "C" __global__ void from_bf16(const bf16_t* __restrict__ x, float* __restrict__ y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = bf2f(x[i]);
+}
+
 extern "C" __global__ void add_inplace(float* __restrict__ acc, const float* __restrict__ x, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         acc[i] += x[i];
@@ -268,8 +273,8 @@ scatter_add_weighted(float* __restrict__ acc, const float* __restrict__ y, const
 }
 
 // MXFP4 weight [out, in] (compressed-tensors: two E2M1 codes per byte, low nibble first, one E8M0
-// scale per 32 inputs) times x [rows, in]ᵀ (a GEMM input) into f32 out [rows, out]: w4a16, dequantised in
-// registers. One warp per (row, output). Grid (ceil(out / warps), rows).
+// scale per 32 inputs) times x [rows, in]ᵀ (a GEMM input) into f32 out (row r at out + r·ldo): w4a16,
+// dequantised in registers. One warp per (row, output). Grid (ceil(out / warps), rows).
 __device__ __forceinline__ float e2m1(unsigned code) {
     const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
     const float m = mag[code & 7u];
@@ -280,7 +285,8 @@ __device__ __forceinline__ float e8m0(unsigned char e) {
 }
 extern "C" __global__ void __launch_bounds__(MT)
 mxfp4_linear(const void* __restrict__ x, const unsigned char* __restrict__ packed,
-             const unsigned char* __restrict__ scale, float* __restrict__ out, int in_dim, int out_dim, int exact) {
+             const unsigned char* __restrict__ scale, float* __restrict__ out, int in_dim, int out_dim, int ldo,
+             int exact) {
     const int o = blockIdx.x * (MT / LANES) + threadIdx.x / LANES, row = blockIdx.y;
     const int lane = threadIdx.x & LANE_MASK;
     if (o >= out_dim) return;
@@ -294,7 +300,7 @@ mxfp4_linear(const void* __restrict__ x, const unsigned char* __restrict__ packe
         acc += e2m1(byte & 0xFu) * s * load_w(x, xr + 2 * b, exact) + e2m1(byte >> 4) * s * load_w(x, xr + 2 * b + 1, exact);
     }
     for (int m = LANES / 2; m > 0; m >>= 1) acc += LANE_SHFL_XOR(acc, m);
-    if (lane == 0) out[(size_t)row * out_dim + o] = acc;
+    if (lane == 0) out[(size_t)row * ldo + o] = acc;
 }
 
 // AttnRes mix per row: sources are blocks [nb, N, d] plus, when given, p [N, d]; score_v =

@@ -48,6 +48,7 @@ pub struct ModelKernels {
 pub const MODEL_KERNELS: &[&str] = &[
     "embed_rows",
     "to_act",
+    "from_bf16",
     "add_inplace",
     "mul_sigmoid",
     "sigmoid_inplace",
@@ -158,6 +159,18 @@ impl ModelKernels {
     ) -> Result<(), CudaError> {
         let a = [Arg::P(x), Arg::P(y), Arg::L(n as i64), self.ex()];
         self.launch(dev, "to_act", flat(n), &a)
+    }
+
+    /// `y[n]` f32 ← `x[n]` bf16 (the tuned kernels' outputs).
+    pub fn from_bf16(
+        &self,
+        dev: &CudaDevice,
+        x: DevPtr,
+        y: DevPtr,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let a = [Arg::P(x), Arg::P(y), Arg::L(n as i64)];
+        self.launch(dev, "from_bf16", flat(n), &a)
     }
 
     /// `acc[n] += x[n]`.
@@ -406,8 +419,9 @@ impl ModelKernels {
         self.launch(dev, "scatter_add_weighted", grid(n, 1, MT, 0), &a)
     }
 
-    /// `out [rows, out_dim]` f32 ← the GEMM input `x [rows, in_dim]` times the packed MXFP4 weight
-    /// (`packed [out_dim, in_dim/2]`, `scale [out_dim, in_dim/32]`)ᵀ.
+    /// `out [rows, out_dim]` f32 (row `r` at `out + r·out_stride`) ← the GEMM input `x [rows,
+    /// in_dim]` times the packed MXFP4 weight (`packed [out_dim, in_dim/2]`, `scale [out_dim,
+    /// in_dim/32]`)ᵀ.
     #[allow(clippy::too_many_arguments)]
     pub fn mxfp4_linear(
         &self,
@@ -419,10 +433,12 @@ impl ModelKernels {
         rows: usize,
         in_dim: usize,
         out_dim: usize,
+        out_stride: usize,
     ) -> Result<(), CudaError> {
-        if !in_dim.is_multiple_of(32) {
+        if !in_dim.is_multiple_of(32) || out_stride < out_dim {
             return Err(CudaError::Shape(format!(
-                "mxfp4 linear: in_dim {in_dim} is not a multiple of 32"
+                "mxfp4 linear: in_dim {in_dim} is not a multiple of 32, or output stride \
+                 {out_stride} below {out_dim}"
             )));
         }
         let a = [
@@ -432,6 +448,7 @@ impl ModelKernels {
             Arg::P(out),
             i(in_dim),
             i(out_dim),
+            i(out_stride),
             self.ex(),
         ];
         let warps = (MT / 32) as usize;

@@ -263,6 +263,32 @@ impl Linear {
         w: (u64, GemmType),
         out: (u64, GemmType),
     ) -> Result<(), CudaError> {
+        // SAFETY: forwarded; rows of `out_dim` are the contiguous layout.
+        unsafe { self.gemm_strided(rows, in_dim, out_dim, x, w, out, out_dim) }
+    }
+
+    /// [`Self::gemm`] writing output row `r` at `out + r · out_stride` elements (e.g. into one
+    /// half of a wider buffer).
+    ///
+    /// # Safety
+    /// As for [`Self::gemm`], with `out` holding `rows` rows of `out_stride ≥ out_dim`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemm_strided(
+        &self,
+        rows: usize,
+        in_dim: usize,
+        out_dim: usize,
+        x: (u64, GemmType),
+        w: (u64, GemmType),
+        out: (u64, GemmType),
+        out_stride: usize,
+    ) -> Result<(), CudaError> {
+        if out_stride < out_dim || out_stride > i32::MAX as usize {
+            return Err(shape_err(
+                "gemm",
+                format!("output stride {out_stride} below the width {out_dim}"),
+            ));
+        }
         if rows == 0 || out_dim == 0 {
             return Ok(());
         }
@@ -288,7 +314,7 @@ impl Linear {
                 &beta as *const f32 as *const c_void,
                 out.0 as *mut c_void,
                 out.1.cuda(),
-                out_dim as i32,
+                out_stride as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )

@@ -8,6 +8,7 @@
 //! scheduler, prefix cache and disaggregated handoff work unchanged on this device; the price is
 //! a state upload and download per layer and call.
 
+mod experts;
 mod mixers;
 mod moe;
 mod weights;

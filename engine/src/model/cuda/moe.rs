@@ -7,6 +7,7 @@ use tessera_kernels::cpu;
 use tessera_kernels::cuda::{CudaSlice, GemmType, NormRows};
 
 use super::super::moe::Moe;
+use super::experts::DExperts;
 use super::weights::{upload_i32, DLinear, DMlp, DVec};
 use super::Gpu;
 use crate::error::Result;
@@ -22,7 +23,7 @@ pub(super) struct DMoe {
     hidden: usize,
     correction_bias: Vec<f32>,
     routing: cpu::MoeRouting,
-    experts: Vec<DMlp>,
+    experts: DExperts,
     shared: Option<DMlp>,
     latent: Option<DLatent>,
 }
@@ -34,11 +35,7 @@ impl DMoe {
             hidden: m.router.in_dim,
             correction_bias: m.correction_bias.clone(),
             routing: m.routing,
-            experts: m
-                .experts
-                .iter()
-                .map(|e| DMlp::upload(gpu, e))
-                .collect::<Result<_>>()?,
+            experts: DExperts::upload(gpu, &m.experts, &m.routing, &m.correction_bias)?,
             shared: match &m.shared {
                 Some(s) => Some(DMlp::upload(gpu, s)?),
                 None => None,
@@ -60,7 +57,7 @@ impl DMoe {
     /// `x`: the normed input as f32 and as a GEMM input `[rows, hidden]`; returns f32
     /// `[rows, hidden]`.
     pub fn forward(&self, gpu: &Gpu, x_f32: u64, x_b: u64, rows: usize) -> Result<CudaSlice<f32>> {
-        let (d, e) = (self.hidden, self.experts.len());
+        let (d, e) = (self.hidden, self.correction_bias.len());
         let dev = &gpu.dev;
         let logits = gpu.zeros::<f32>(rows * e)?;
         // SAFETY: `x_f32` holds `rows · d` f32, the router `[e, d]` f32, `logits` `rows · e`.
@@ -74,7 +71,61 @@ impl DMoe {
                 (gpu.p(&logits), GemmType::F32),
             )
         }?;
-        let logits = dev.download(&logits)?;
+        let out = gpu.zeros::<f32>(rows * d)?;
+        if let Some(s) = &self.shared {
+            s.forward(gpu, x_b, rows, gpu.p(&out))?;
+        }
+        let z = match &self.latent {
+            Some(l) => {
+                let z = gpu.zeros::<f32>(rows * l.down.out_dim)?;
+                l.down.forward(gpu, x_b, rows, gpu.p(&z))?;
+                Some(z)
+            }
+            None => None,
+        };
+        let (src, ed) = match (&z, &self.latent) {
+            (Some(z), Some(l)) => (gpu.p(z), l.down.out_dim),
+            _ => (x_f32, d),
+        };
+        let routed = if self.experts.takes_fast_path(rows) {
+            self.experts
+                .forward_fast(gpu, &logits, &self.routing, src, rows)?
+        } else {
+            self.routed_per_expert(gpu, &logits, src, ed, rows)?
+        };
+        match &self.latent {
+            Some(l) => {
+                let rb = gpu.act(rows * ed)?;
+                match &l.norm {
+                    Some(nw) => {
+                        let mut nr = NormRows::plain(gpu.p(&routed), nw.ptr(gpu), rows, ed, nw.eps);
+                        nr.out_act = gpu.p(&rb);
+                        gpu.k.rms_norm(dev, &nr)?;
+                    }
+                    None => gpu.k.to_act(dev, gpu.p(&routed), gpu.p(&rb), rows * ed)?,
+                }
+                let up = gpu.zeros::<f32>(rows * d)?;
+                l.up.forward(gpu, gpu.p(&rb), rows, gpu.p(&up))?;
+                gpu.k.add(dev, gpu.p(&out), gpu.p(&up), rows * d)?;
+            }
+            None => gpu.k.add(dev, gpu.p(&out), gpu.p(&routed), rows * d)?,
+        }
+        Ok(out)
+    }
+
+    /// The routed sum by host routing (the CPU engine's code on the downloaded f32 scores) and
+    /// one gathered GEMM chain per active expert: any batch, and the exact mode.
+    fn routed_per_expert(
+        &self,
+        gpu: &Gpu,
+        logits: &CudaSlice<f32>,
+        src: u64,
+        ed: usize,
+        rows: usize,
+    ) -> Result<CudaSlice<f32>> {
+        let dev = &gpu.dev;
+        let e = self.correction_bias.len();
+        let logits = dev.download(logits)?;
         let k = self.routing.top_k;
         let (mut idx, mut weight) = (vec![0u32; rows * k], vec![0f32; rows * k]);
         cpu::route_sigmoid_grouped(
@@ -98,62 +149,29 @@ impl DMoe {
             all_w.extend(list.iter().map(|&(_, w)| w));
             starts.push(all_rows.len());
         }
-        let out = gpu.zeros::<f32>(rows * d)?;
-        if let Some(s) = &self.shared {
-            s.forward(gpu, x_b, rows, gpu.p(&out))?;
-        }
+        let routed = gpu.zeros::<f32>(rows * ed)?;
         if all_rows.is_empty() {
-            return Ok(out);
+            return Ok(routed);
         }
-        let z = match &self.latent {
-            Some(l) => {
-                let z = gpu.zeros::<f32>(rows * l.down.out_dim)?;
-                l.down.forward(gpu, x_b, rows, gpu.p(&z))?;
-                Some(z)
-            }
-            None => None,
-        };
-        let (src, ed) = match (&z, &self.latent) {
-            (Some(z), Some(l)) => (gpu.p(z), l.down.out_dim),
-            _ => (x_f32, d),
-        };
         let rows_dev = upload_i32(dev, &all_rows)?;
         let w_dev = dev.upload(&all_w)?;
-        let routed = gpu.zeros::<f32>(rows * ed)?;
         let most = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
         let xs = gpu.act(most * ed)?;
         let ys = gpu.zeros::<f32>(most * ed)?;
-        // Every routed expert has the same shape: one set of working buffers for the layer.
-        let scratch = self.experts[0].scratch(gpu, most)?;
-        for (ex, w) in self.experts.iter().zip(starts.windows(2)) {
+        let scratch = self.experts.scratch(gpu, most)?;
+        for (ex, w) in starts.windows(2).enumerate() {
             let (a, m) = (w[0], w[1] - w[0]);
             if m == 0 {
                 continue;
             }
             let (r_at, w_at) = (gpu.p_at(&rows_dev, a), gpu.p_at(&w_dev, a));
             gpu.k.gather_act(dev, src, r_at, gpu.p(&xs), m, ed)?;
-            ex.forward_in(gpu, gpu.p(&xs), m, gpu.p(&ys), &scratch)?;
+            self.experts
+                .forward_expert(gpu, ex, gpu.p(&xs), m, gpu.p(&ys), &scratch)?;
             gpu.k
                 .scatter_add_weighted(dev, gpu.p(&routed), gpu.p(&ys), r_at, w_at, m, ed)?;
         }
-        match &self.latent {
-            Some(l) => {
-                let rb = gpu.act(rows * ed)?;
-                match &l.norm {
-                    Some(nw) => {
-                        let mut nr = NormRows::plain(gpu.p(&routed), nw.ptr(gpu), rows, ed, nw.eps);
-                        nr.out_act = gpu.p(&rb);
-                        gpu.k.rms_norm(dev, &nr)?;
-                    }
-                    None => gpu.k.to_act(dev, gpu.p(&routed), gpu.p(&rb), rows * ed)?,
-                }
-                let up = gpu.zeros::<f32>(rows * d)?;
-                l.up.forward(gpu, gpu.p(&rb), rows, gpu.p(&up))?;
-                gpu.k.add(dev, gpu.p(&out), gpu.p(&up), rows * d)?;
-            }
-            None => gpu.k.add(dev, gpu.p(&out), gpu.p(&routed), rows * d)?,
-        }
-        Ok(out)
+        Ok(routed)
     }
 
     pub fn out_dim(&self) -> usize {

@@ -141,7 +141,7 @@ impl DProj {
             } => {
                 let (p, s) = (dptr(&gpu.dev, packed, 0), dptr(&gpu.dev, scale, 0));
                 gpu.k
-                    .mxfp4_linear(&gpu.dev, x, p, s, out, rows, *in_dim, *out_dim)?;
+                    .mxfp4_linear(&gpu.dev, x, p, s, out, rows, *in_dim, *out_dim, *out_dim)?;
                 Ok(())
             }
         }
