@@ -1,16 +1,15 @@
 //! The model's weights in device memory: projections as bf16 (`[out, in]`, the checkpoint
-//! layout; f32 in the exact check mode), MXFP4 experts still packed, norms and small vectors as
-//! f32. Built from the loaded CPU model, so both backends read the same checkpoint through one
-//! loader.
+//! layout; f32 in the exact check mode), norms and small vectors as f32 (routed experts, MXFP4
+//! ones still packed, are in [`super::experts`]). Built from the loaded CPU model, so both
+//! backends read the same checkpoint through one loader.
 
 use tessera_kernels::cuda::{bf16_bits, dptr, CudaDevice, CudaSlice, DevPtr};
 
 use super::super::linear::{Linear, Norm};
 use super::super::mlp::{Mlp, Proj};
-use super::super::mxfp4::Mxfp4Linear;
 use super::Gpu;
 use crate::config::Activation;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 
 pub(super) struct DLinear {
     pub w: CudaSlice<u16>,
@@ -77,99 +76,22 @@ impl DVec {
     }
 }
 
-/// A projection on the device: bf16, or MXFP4 dequantised inside the kernel.
-pub(super) enum DProj {
-    Dense(DLinear),
-    Mxfp4 {
-        packed: CudaSlice<u8>,
-        scale: CudaSlice<u8>,
-        in_dim: usize,
-        out_dim: usize,
-    },
-}
-
-impl DProj {
-    /// `parts` stacked along the output dimension (all dense or all MXFP4: one expert).
-    fn upload(gpu: &Gpu, parts: &[&Proj]) -> Result<Self> {
-        let dense: Vec<&Linear> = parts
-            .iter()
-            .filter_map(|p| match p {
-                Proj::Dense(l) => Some(l),
-                Proj::Mxfp4(_) => None,
-            })
-            .collect();
-        if dense.len() == parts.len() {
-            return Ok(DProj::Dense(DLinear::from_parts(gpu, &dense)?));
-        }
-        let packed: Vec<&Mxfp4Linear> = parts
-            .iter()
-            .filter_map(|p| match p {
-                Proj::Mxfp4(l) => Some(l),
-                Proj::Dense(_) => None,
-            })
-            .collect();
-        assert_eq!(
-            packed.len(),
-            parts.len(),
-            "one expert mixes MXFP4 and dense"
-        );
-        let bytes: Vec<u8> = packed
-            .iter()
-            .flat_map(|l| l.packed.iter().copied())
-            .collect();
-        let scales: Vec<u8> = packed
-            .iter()
-            .flat_map(|l| l.scale.iter().copied())
-            .collect();
-        Ok(DProj::Mxfp4 {
-            packed: gpu.dev.upload(&bytes)?,
-            scale: gpu.dev.upload(&scales)?,
-            in_dim: packed[0].in_dim,
-            out_dim: packed.iter().map(|l| l.out_dim).sum(),
-        })
-    }
-
-    /// `out [rows, out_dim]` f32 ← the GEMM input `x [rows, in_dim]`.
-    fn forward(&self, gpu: &Gpu, x: DevPtr, rows: usize, out: DevPtr) -> Result<()> {
-        match self {
-            DProj::Dense(l) => l.forward(gpu, x, rows, out),
-            DProj::Mxfp4 {
-                packed,
-                scale,
-                in_dim,
-                out_dim,
-            } => {
-                let (p, s) = (dptr(&gpu.dev, packed, 0), dptr(&gpu.dev, scale, 0));
-                gpu.k
-                    .mxfp4_linear(&gpu.dev, x, p, s, out, rows, *in_dim, *out_dim, *out_dim)?;
-                Ok(())
-            }
-        }
-    }
-
-    fn out_dim(&self) -> usize {
-        match self {
-            DProj::Dense(l) => l.out_dim,
-            DProj::Mxfp4 { out_dim, .. } => *out_dim,
-        }
-    }
-}
-
-/// A gated MLP with gate and up stacked into one projection.
+/// A dense gated MLP (the dense layers and the shared experts; routed experts are
+/// [`super::experts::DExperts`]) with gate and up stacked into one projection.
 pub(super) struct DMlp {
-    gate_up: DProj,
-    down: DProj,
+    gate_up: DLinear,
+    down: DLinear,
     inter: usize,
     situ: Option<(f32, f32)>,
 }
 
 impl DMlp {
     pub fn upload(gpu: &Gpu, m: &Mlp) -> Result<Self> {
-        let gate_up = DProj::upload(gpu, &[&m.gate, &m.up])?;
+        let gate_up = DLinear::from_parts(gpu, &[dense(&m.gate)?, dense(&m.up)?])?;
         Ok(DMlp {
-            inter: gate_up.out_dim() / 2,
+            inter: gate_up.out_dim / 2,
             gate_up,
-            down: DProj::upload(gpu, &[&m.down])?,
+            down: DLinear::upload(gpu, dense(&m.down)?)?,
             situ: match m.act {
                 Activation::Silu => None,
                 Activation::Situ { gate_beta, up_beta } => Some((gate_beta, up_beta)),
@@ -178,37 +100,23 @@ impl DMlp {
     }
 
     pub fn out_dim(&self) -> usize {
-        self.down.out_dim()
+        self.down.out_dim
     }
 
     /// `out [rows, out_dim]` f32 ← the GEMM input `x [rows, in]`.
     pub fn forward(&self, gpu: &Gpu, x: DevPtr, rows: usize, out: DevPtr) -> Result<()> {
-        let scratch = self.scratch(gpu, rows)?;
-        self.forward_in(gpu, x, rows, out, &scratch)
-    }
-
-    /// Working buffers for calls of up to `rows` rows (reused across the experts of a layer).
-    pub fn scratch(&self, gpu: &Gpu, rows: usize) -> Result<MlpScratch> {
-        Ok(MlpScratch {
-            gate_up: gpu.zeros::<f32>(rows * 2 * self.inter)?,
-            act: gpu.act(rows * self.inter)?,
-        })
-    }
-
-    /// [`forward`](Self::forward) in `scratch` (from [`scratch`](Self::scratch) of an MLP of the
-    /// same intermediate width, for at least `rows` rows).
-    pub fn forward_in(
-        &self,
-        gpu: &Gpu,
-        x: DevPtr,
-        rows: usize,
-        out: DevPtr,
-        scratch: &MlpScratch,
-    ) -> Result<()> {
-        let (gu, act) = (gpu.p(&scratch.gate_up), gpu.p(&scratch.act));
-        self.gate_up.forward(gpu, x, rows, gu)?;
-        gpu.k.glu(&gpu.dev, gu, act, rows, self.inter, self.situ)?;
-        self.down.forward(gpu, act, rows, out)
+        let gu = gpu.zeros::<f32>(rows * 2 * self.inter)?;
+        let act = gpu.act(rows * self.inter)?;
+        self.gate_up.forward(gpu, x, rows, gpu.p(&gu))?;
+        gpu.k.glu(
+            &gpu.dev,
+            gpu.p(&gu),
+            gpu.p(&act),
+            rows,
+            self.inter,
+            self.situ,
+        )?;
+        self.down.forward(gpu, gpu.p(&act), rows, out)
     }
 }
 
@@ -228,9 +136,14 @@ pub(super) fn upload_weights(gpu: &Gpu, w: &[f32]) -> Result<CudaSlice<u16>> {
     Ok(gpu.dev.upload(&words)?)
 }
 
-pub(super) struct MlpScratch {
-    gate_up: CudaSlice<f32>,
-    act: CudaSlice<u16>,
+/// A dense projection of an MLP; MXFP4 is only loaded for routed experts.
+fn dense(p: &Proj) -> Result<&Linear> {
+    match p {
+        Proj::Dense(l) => Ok(l),
+        Proj::Mxfp4(_) => Err(EngineError::InvalidInput(
+            "MXFP4 weights outside the routed experts are not supported".into(),
+        )),
+    }
 }
 
 /// Uploads host data that is only needed for one forward call (indices, offsets).
