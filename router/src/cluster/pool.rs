@@ -504,25 +504,7 @@ impl WorkerPool {
         futures_util::future::join_all(all.iter().map(|w| w.probe(t))).await;
     }
 
-    /// Picks a healthy encoder not in `exclude`: affinity on the image hash `key` (an encoder
-    /// that saw the image keeps its embeddings cached), then load.
-    pub fn pick_encoder(&self, key: u64, exclude: &[String]) -> Option<Lease> {
-        let slack = self.opts.affinity_slack;
-        self.pick(Role::Encoder, exclude, |c, rr| {
-            policy::prefill_choice(c, Some(key), slack, rr)
-        })
-    }
-
-    fn pick(
-        &self,
-        role: Role,
-        exclude: &[String],
-        choose: impl Fn(&[Candidate<'_>], usize) -> Option<usize>,
-    ) -> Option<Lease> {
-        self.pick_where(role, exclude, |_| true, choose)
-    }
-
-    /// [`WorkerPool::pick`] among the workers `fits` accepts.
+    /// Picks a healthy worker of `role` not in `exclude` among those `fits` accepts, by `choose`.
     fn pick_where(
         &self,
         role: Role,

@@ -96,11 +96,14 @@ impl Flow {
         let mut tried: Vec<String> = avoid.to_vec();
         let mut last = None;
         loop {
-            let Some(encoder) = self.pool.pick_encoder(key, &tried) else {
+            let Some(encoder) = self.pool.pick_encoder_for(key, &tried, prefill) else {
                 let e = last.unwrap_or_else(|| {
-                    BackendError::Unavailable(
-                        "no healthy encoder worker: images cannot be encoded".into(),
-                    )
+                    let why = self
+                        .pool
+                        .unpaired(Role::Encoder, &tried, PairWith::Worker(prefill));
+                    BackendError::Unavailable(why.unwrap_or_else(|| {
+                        "no healthy encoder worker: images cannot be encoded".into()
+                    }))
                 });
                 return Err(Stop::Failed(e).into());
             };

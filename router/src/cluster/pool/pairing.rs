@@ -79,6 +79,22 @@ impl WorkerPool {
         })
     }
 
+    /// Picks a healthy encoder not in `exclude` that can push embeddings into `prefill` (same
+    /// transport): affinity on the image hash `key` (an encoder that saw the image keeps its
+    /// embeddings cached), then load.
+    pub fn pick_encoder_for(
+        &self,
+        key: u64,
+        exclude: &[String],
+        prefill: &Worker,
+    ) -> Option<Lease> {
+        let slack = self.opts.affinity_slack;
+        let fits = self.pairs_with(Role::Prefill, PairWith::Worker(prefill));
+        self.pick_where(Role::Encoder, exclude, fits, |c, rr| {
+            policy::prefill_choice(c, Some(key), slack, rr)
+        })
+    }
+
     /// Which workers may pair with `peer`, workers of role `other` (any worker when `peer` names
     /// no healthy one: that pool's own pick reports it).
     fn pairs_with(&self, other: Role, peer: PairWith<'_>) -> impl Fn(&Worker) -> bool {
@@ -99,9 +115,8 @@ impl WorkerPool {
     /// reason.
     pub fn unpaired(&self, role: Role, exclude: &[String], peer: PairWith<'_>) -> Option<String> {
         let other = match role {
-            Role::Decode => Role::Prefill,
+            Role::Decode | Role::Encoder => Role::Prefill,
             Role::Prefill => Role::Decode,
-            _ => return None,
         };
         let healthy = |r: Role, exclude: &[String]| -> Vec<Arc<Worker>> {
             self.workers(r)
@@ -136,8 +151,8 @@ impl WorkerPool {
             ),
         };
         Some(format!(
-            "{what}; healthy {r} workers: {}. Start every prefill and decode worker with the \
-             same --transport",
+            "{what}; healthy {r} workers: {}. Start every encoder, prefill and decode worker \
+             with the same --transport",
             list(&candidates)
         ))
     }
@@ -282,5 +297,43 @@ mod tests {
         // An empty prefill pool leaves the decode pick alone (the prefill pick reports it).
         let pool = paired_pool(&[], &[("127.0.0.1:21", Some(Ucx))]);
         assert!(pool.pick_decode(&[]).is_some());
+    }
+
+    #[tokio::test]
+    async fn encoders_push_only_into_prefill_workers_of_their_transport() {
+        use v1::TransferBackend::{Tcp, Ucx};
+        let (p_ucx, d_ucx) = ("127.0.0.1:11", "127.0.0.1:22");
+        let (e_tcp, e_ucx) = ("127.0.0.1:31", "127.0.0.1:32");
+        let pool = paired_pool(&[(p_ucx, Some(Ucx))], &[(d_ucx, Some(Ucx))]);
+        pool.add_encoders(&[e_tcp.to_string(), e_ucx.to_string()])
+            .unwrap();
+        pool.worker(Role::Encoder, e_tcp)
+            .observe_transport(Tcp as i32);
+        pool.worker(Role::Encoder, e_ucx)
+            .observe_transport(Ucx as i32);
+        let prefill = pool.worker(Role::Prefill, p_ucx);
+        for key in 0..8 {
+            assert_eq!(
+                pool.pick_encoder_for(key, &[], &prefill).unwrap().addr,
+                e_ucx
+            );
+        }
+        assert!(pool
+            .unpaired(Role::Encoder, &[], PairWith::Worker(&prefill))
+            .is_none());
+        // With the matching encoder out (it failed this request) none is left, and the reason
+        // names both sides' transports.
+        let avoid = [e_ucx.to_string()];
+        assert!(pool.pick_encoder_for(0, &avoid, &prefill).is_none());
+        let why = pool
+            .unpaired(Role::Encoder, &avoid, PairWith::Worker(&prefill))
+            .unwrap();
+        assert!(
+            why.contains(
+                "no encoder worker speaks the page transport of prefill worker 127.0.0.1:11 (ucx)"
+            ) && why.contains("127.0.0.1:31 (tcp)")
+                && why.contains("--transport"),
+            "{why}"
+        );
     }
 }
