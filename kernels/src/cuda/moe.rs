@@ -40,6 +40,14 @@ pub struct MoeDims {
     pub di: usize,
 }
 
+impl MoeDims {
+    /// Whether the kernels take these dimensions for a batch of `batch` tokens (experts ≤ 1024,
+    /// widths multiples of 32, batch ≤ 16); the reason when not.
+    pub fn check(&self, batch: usize) -> Result<(), CudaError> {
+        check_dims(self, batch)
+    }
+}
+
 /// The activation between gate/up and down: SiTU with its two clip betas (K3), or SiLU-GLU.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum MoeActivation {
@@ -101,7 +109,7 @@ pub struct MoeWorkspace {
 impl MoeWorkspace {
     /// Checks `dims` (experts ≤ 1024, widths multiples of 32) and `batch` (≤ 16).
     pub fn new(dev: &CudaDevice, dims: MoeDims, batch: usize) -> Result<Self, CudaError> {
-        check_dims(&dims, batch)?;
+        dims.check(batch)?;
         let pairs = batch * dims.top_k;
         let s = dev.stream();
         Ok(MoeWorkspace {

@@ -140,9 +140,9 @@ impl DExperts {
             di,
         };
         // The tuned kernels: bf16 (not the exact mode), one expert group (or every group
-        // kept), widths in multiples of 32 and at most 1024 experts (`MoeWorkspace::new`).
+        // kept), widths in multiples of 32 and at most 1024 experts (`MoeDims::check`).
         let grouped = routing.n_group > 1 && routing.topk_group < routing.n_group;
-        let fast = if !gpu.k.exact() && !grouped && MoeWorkspace::new(&gpu.dev, dims, 1).is_ok() {
+        let fast = if !gpu.k.exact() && !grouped && dims.check(1).is_ok() {
             Some(Fast {
                 kernels: MoeDecode::load(&gpu.dev)?,
                 dims,
@@ -208,12 +208,20 @@ impl DExperts {
         while start < rows {
             let b = MOE_MAX_BATCH.min(rows - start);
             let mut ws = MoeWorkspace::new(&gpu.dev, f.dims, b)?;
-            let mut chunk_logits = gpu.zeros::<f32>(b * e)?;
-            gpu.dev
-                .stream()
-                .memcpy_dtod(&logits.slice(start * e..(start + b) * e), &mut chunk_logits)?;
+            // The router reads a whole buffer: a copy of this chunk's rows when there are several.
+            let chunk;
+            let chunk_logits = if b == rows {
+                logits
+            } else {
+                let mut c = gpu.zeros::<f32>(b * e)?;
+                gpu.dev
+                    .stream()
+                    .memcpy_dtod(&logits.slice(start * e..(start + b) * e), &mut c)?;
+                chunk = c;
+                &chunk
+            };
             f.kernels
-                .route(&gpu.dev, &chunk_logits, &f.bias, routing, &mut ws)?;
+                .route(&gpu.dev, chunk_logits, &f.bias, routing, &mut ws)?;
             let xb = gpu.zeros::<u16>(b * din)?;
             gpu.k
                 .to_act(&gpu.dev, x + (start * din * 4) as u64, gpu.p(&xb), b * din)?;
