@@ -331,7 +331,8 @@ impl PrefillService {
                                 "page larger than a slot",
                             ));
                         }
-                        out[at..at + len].copy_from_slice(pool.arena_bytes(off, len));
+                        pool.read_bytes(off, &mut out[at..at + len])
+                            .map_err(|e| internal(&e))?;
                         at += len;
                     }
                     lens.push(at - start);

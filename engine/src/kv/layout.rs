@@ -474,6 +474,12 @@ impl KvLayout {
         }
     }
 
+    /// Byte offset of plane `plane` in the arena: a page's offset in any plane is this plus its
+    /// offset in plane 0.
+    pub fn plane_base(&self, plane: Plane) -> usize {
+        plane.index() * (self.parents + 1) * self.plane_bytes
+    }
+
     /// Byte offset of the start of page `id` (slot stride, all fields) in `plane`, for `group`.
     pub fn page_offset(&self, plane: Plane, group: GroupId, id: PageId) -> Result<usize, KvError> {
         let g = self.group(group)?;
@@ -487,9 +493,7 @@ impl KvLayout {
         if slot >= g.pages_per_parent {
             return Err(KvError::InvalidPage(id));
         }
-        Ok(plane.index() * (self.parents + 1) * self.plane_bytes
-            + parent * self.plane_bytes
-            + slot * g.page_stride)
+        Ok(self.plane_base(plane) + parent * self.plane_bytes + slot * g.page_stride)
     }
 
     /// Byte offset of `(plane, page, field)` in the arena, for a page bound to `group`.

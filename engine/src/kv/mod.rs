@@ -20,7 +20,7 @@ pub mod prefix;
 mod tests;
 
 pub use layout::{Field, GroupKind, GroupLayout, KvDims, KvLayout, StateDtypes};
-pub use pool::{GroupUsage, HostArena, KvArena, PagePool};
+pub use pool::{DynArena, GroupUsage, HostArena, KvArena, PagePool};
 pub use prefix::{page_hashes_marked, BlockHash, PageMark, PrefixHit, PrefixIndex, PrefixStats};
 
 use std::fmt;
@@ -104,6 +104,10 @@ pub enum KvError {
     ArenaTooSmall { have: usize, need: usize },
     #[error("host arena needs 4-byte (f32) fields, layout has {0:?}")]
     HostDtype(StateDtypes),
+    #[error("the page pool lives in device memory; read its bytes instead")]
+    NotOnHost,
+    #[error("device arena: {0}")]
+    Device(String),
     #[error("prefix index: {0}")]
     Prefix(String),
 }

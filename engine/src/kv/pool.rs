@@ -10,21 +10,68 @@
 //!   ([`PagePool::copy_page`], the copy-on-write);
 //! - nothing panics on a bad ID: a double free or a stale ID is a [`KvError`].
 //!
-//! Storage sits behind [`KvArena`] (byte offsets, zero and copy) so a device arena can replace
-//! the host one; typed host access ([`PagePool::slice`]) exists for [`HostArena`] only.
+//! Storage sits behind [`KvArena`] (byte offsets: zero, copy, read, write) so a device arena
+//! replaces the host one when the model runs on a GPU; typed host access ([`PagePool::slice`])
+//! works on a host arena only, byte access ([`PagePool::read_bytes`]) on any.
 
 use std::collections::BTreeSet;
 
 use super::layout::{Field, KvLayout};
 use super::{GroupId, KvError, PageId, Plane};
 
-/// One contiguous buffer of `layout.arena_bytes()` bytes; offsets are in bytes.
-pub trait KvArena {
+/// One contiguous buffer of `layout.arena_bytes()` bytes; offsets are in bytes. Offsets and
+/// lengths come from the layout and are multiples of 4.
+pub trait KvArena: Send {
     fn len_bytes(&self) -> usize;
     /// Sets `[offset, offset + len)` to zero.
-    fn zero(&mut self, offset: usize, len: usize);
+    fn zero(&mut self, offset: usize, len: usize) -> Result<(), KvError>;
     /// Copies `len` bytes from `src` to `dst` (ranges never overlap here).
-    fn copy(&mut self, src: usize, dst: usize, len: usize);
+    fn copy(&mut self, src: usize, dst: usize, len: usize) -> Result<(), KvError>;
+    /// Copies `out.len()` bytes at `offset` into `out`.
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), KvError>;
+    /// Overwrites `bytes.len()` bytes at `offset`.
+    fn write(&mut self, offset: usize, bytes: &[u8]) -> Result<(), KvError>;
+    /// The arena as host f32s, when it lives in host memory.
+    fn host(&self) -> Option<&[f32]> {
+        None
+    }
+    fn host_mut(&mut self) -> Option<&mut [f32]> {
+        None
+    }
+    /// `(device ordinal, base address)` when the arena lives in GPU memory.
+    fn device(&self) -> Option<(usize, u64)> {
+        None
+    }
+}
+
+/// The pool's storage, host or device, chosen at run time by where the model runs.
+pub type DynArena = Box<dyn KvArena>;
+
+impl KvArena for DynArena {
+    fn len_bytes(&self) -> usize {
+        (**self).len_bytes()
+    }
+    fn zero(&mut self, offset: usize, len: usize) -> Result<(), KvError> {
+        (**self).zero(offset, len)
+    }
+    fn copy(&mut self, src: usize, dst: usize, len: usize) -> Result<(), KvError> {
+        (**self).copy(src, dst, len)
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), KvError> {
+        (**self).read(offset, out)
+    }
+    fn write(&mut self, offset: usize, bytes: &[u8]) -> Result<(), KvError> {
+        (**self).write(offset, bytes)
+    }
+    fn host(&self) -> Option<&[f32]> {
+        (**self).host()
+    }
+    fn host_mut(&mut self) -> Option<&mut [f32]> {
+        (**self).host_mut()
+    }
+    fn device(&self) -> Option<(usize, u64)> {
+        (**self).device()
+    }
 }
 
 /// The CPU arena: f32 everywhere (the CPU path computes in f32).
@@ -48,9 +95,6 @@ impl HostArena {
         }
         Ok(HostArena { data })
     }
-    fn floats(&self, offset: usize, len: usize) -> &[f32] {
-        &self.data[offset / 4..(offset + len) / 4]
-    }
     fn floats_mut(&mut self, offset: usize, len: usize) -> &mut [f32] {
         &mut self.data[offset / 4..(offset + len) / 4]
     }
@@ -60,11 +104,33 @@ impl KvArena for HostArena {
     fn len_bytes(&self) -> usize {
         self.data.len() * 4
     }
-    fn zero(&mut self, offset: usize, len: usize) {
+    fn zero(&mut self, offset: usize, len: usize) -> Result<(), KvError> {
         self.floats_mut(offset, len).fill(0.0);
+        Ok(())
     }
-    fn copy(&mut self, src: usize, dst: usize, len: usize) {
+    fn copy(&mut self, src: usize, dst: usize, len: usize) -> Result<(), KvError> {
         self.data.copy_within(src / 4..(src + len) / 4, dst / 4);
+        Ok(())
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), KvError> {
+        let floats = &self.data[offset / 4..(offset + out.len()) / 4];
+        for (o, f) in out.chunks_exact_mut(4).zip(floats) {
+            o.copy_from_slice(&f.to_ne_bytes());
+        }
+        Ok(())
+    }
+    fn write(&mut self, offset: usize, bytes: &[u8]) -> Result<(), KvError> {
+        let floats = self.floats_mut(offset, bytes.len());
+        for (f, b) in floats.iter_mut().zip(bytes.chunks_exact(4)) {
+            *f = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        Ok(())
+    }
+    fn host(&self) -> Option<&[f32]> {
+        Some(&self.data)
+    }
+    fn host_mut(&mut self) -> Option<&mut [f32]> {
+        Some(&mut self.data)
     }
 }
 
@@ -84,7 +150,7 @@ pub struct GroupUsage {
     pub bytes: usize,
 }
 
-pub struct PagePool<A: KvArena = HostArena> {
+pub struct PagePool<A: KvArena = DynArena> {
     layout: KvLayout,
     arena: A,
     /// Indexed by parent ID; entry 0 is the null parent and never bound.
@@ -100,76 +166,11 @@ pub struct PagePool<A: KvArena = HostArena> {
     live: Vec<usize>,
 }
 
-impl PagePool<HostArena> {
+impl PagePool<DynArena> {
     /// A pool over a fresh, zeroed host arena.
     pub fn new(layout: KvLayout) -> Result<Self, KvError> {
         let arena = HostArena::new(&layout)?;
-        Self::with_arena(layout, arena)
-    }
-
-    /// Host view of `(plane, page, field)`: exactly the field's elements.
-    pub fn slice(&self, plane: Plane, id: PageId, field: Field) -> Result<&[f32], KvError> {
-        let (off, len) = self.field_span(plane, id, field)?;
-        Ok(self.arena.floats(off, len))
-    }
-
-    /// The page's bytes in every plane of its group, as `(arena offset, length)` extents: what a
-    /// transfer moves for this page, whatever family the group belongs to.
-    pub fn page_extents(&self, id: PageId) -> Result<Vec<(usize, usize)>, KvError> {
-        let g = self.group_of(id)?;
-        let group = self.layout.group(g)?;
-        (0..group.layers.len())
-            .map(|k| {
-                Ok((
-                    self.layout.page_offset(Plane(k as u16), g, id)?,
-                    group.page_payload,
-                ))
-            })
-            .collect()
-    }
-
-    /// Raw bytes of the arena (the source side of a transfer).
-    pub fn arena_bytes(&self, offset: usize, len: usize) -> &[u8] {
-        let floats = self.arena.floats(offset, len);
-        // SAFETY: f32 has no padding; viewing its storage as bytes is always valid.
-        unsafe { std::slice::from_raw_parts(floats.as_ptr().cast::<u8>(), len) }
-    }
-
-    /// Writes raw bytes into page `id` at arena `offset` (the destination side of a transfer).
-    /// The extent must lie inside the page, and the page must be writable (held once, unsealed).
-    pub fn write_page_bytes(
-        &mut self,
-        id: PageId,
-        offset: usize,
-        bytes: &[u8],
-    ) -> Result<(), KvError> {
-        if self.refcount(id)? != 1 || self.is_sealed(id)? {
-            return Err(KvError::ReadOnly(id));
-        }
-        let inside = self
-            .page_extents(id)?
-            .iter()
-            .any(|&(o, l)| offset >= o && offset + bytes.len() <= o + l);
-        if !inside || !offset.is_multiple_of(4) || !bytes.len().is_multiple_of(4) {
-            return Err(KvError::InvalidPage(id));
-        }
-        let floats = self.arena.floats_mut(offset, bytes.len());
-        for (f, b) in floats.iter_mut().zip(bytes.chunks_exact(4)) {
-            *f = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
-        }
-        Ok(())
-    }
-
-    /// Writable host view; refused for a page that is shared or sealed.
-    pub fn slice_mut(
-        &mut self,
-        plane: Plane,
-        id: PageId,
-        field: Field,
-    ) -> Result<&mut [f32], KvError> {
-        self.check_writable(id)?;
-        let (off, len) = self.field_span(plane, id, field)?;
-        Ok(self.arena.floats_mut(off, len))
+        Self::with_arena(layout, Box::new(arena))
     }
 }
 
@@ -206,6 +207,77 @@ impl<A: KvArena> PagePool<A> {
         &mut self.arena
     }
 
+    /// Host view of `(plane, page, field)`: exactly the field's elements. Refused for a device
+    /// arena (read its bytes with [`Self::read_bytes`]).
+    pub fn slice(&self, plane: Plane, id: PageId, field: Field) -> Result<&[f32], KvError> {
+        let (off, len) = self.field_span(plane, id, field)?;
+        let host = self.arena.host().ok_or(KvError::NotOnHost)?;
+        Ok(&host[off / 4..(off + len) / 4])
+    }
+
+    /// Writable host view; refused for a page that is shared or sealed, and for a device arena.
+    pub fn slice_mut(
+        &mut self,
+        plane: Plane,
+        id: PageId,
+        field: Field,
+    ) -> Result<&mut [f32], KvError> {
+        self.check_writable(id)?;
+        let (off, len) = self.field_span(plane, id, field)?;
+        let host = self.arena.host_mut().ok_or(KvError::NotOnHost)?;
+        Ok(&mut host[off / 4..(off + len) / 4])
+    }
+
+    /// The page's bytes in every plane of its group, as `(arena offset, length)` extents: what a
+    /// transfer moves for this page, whatever family the group belongs to.
+    pub fn page_extents(&self, id: PageId) -> Result<Vec<(usize, usize)>, KvError> {
+        let g = self.group_of(id)?;
+        let group = self.layout.group(g)?;
+        (0..group.layers.len())
+            .map(|k| {
+                Ok((
+                    self.layout.page_offset(Plane(k as u16), g, id)?,
+                    group.page_payload,
+                ))
+            })
+            .collect()
+    }
+
+    /// Copies raw arena bytes at `offset` into `out` (the source side of a transfer).
+    pub fn read_bytes(&self, offset: usize, out: &mut [u8]) -> Result<(), KvError> {
+        if !offset.is_multiple_of(4)
+            || !out.len().is_multiple_of(4)
+            || offset + out.len() > self.layout.arena_bytes()
+        {
+            return Err(KvError::Layout(format!(
+                "arena read of {} B at {offset} is outside the arena or unaligned",
+                out.len()
+            )));
+        }
+        self.arena.read(offset, out)
+    }
+
+    /// Writes raw bytes into page `id` at arena `offset` (the destination side of a transfer).
+    /// The extent must lie inside the page, and the page must be writable (held once, unsealed).
+    pub fn write_page_bytes(
+        &mut self,
+        id: PageId,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<(), KvError> {
+        if self.refcount(id)? != 1 || self.is_sealed(id)? {
+            return Err(KvError::ReadOnly(id));
+        }
+        let inside = self
+            .page_extents(id)?
+            .iter()
+            .any(|&(o, l)| offset >= o && offset + bytes.len() <= o + l);
+        if !inside || !offset.is_multiple_of(4) || !bytes.len().is_multiple_of(4) {
+            return Err(KvError::InvalidPage(id));
+        }
+        self.arena.write(offset, bytes)
+    }
+
     /// A fresh zeroed page for `group`, held once by the caller.
     pub fn alloc(&mut self, group: GroupId) -> Result<PageId, KvError> {
         let g = self.layout.group(group)?;
@@ -230,7 +302,7 @@ impl<A: KvArena> PagePool<A> {
         let id = PageId((first + slot) as u32);
         for k in 0..n_planes {
             let off = self.layout.page_offset(Plane(k as u16), group, id)?;
-            self.arena.zero(off, stride);
+            self.arena.zero(off, stride)?;
         }
         self.refcount[id.0 as usize] = 1;
         self.sealed[id.0 as usize] = false;
@@ -323,7 +395,7 @@ impl<A: KvArena> PagePool<A> {
         for k in 0..n_planes {
             let s = self.layout.page_offset(Plane(k as u16), g, src)?;
             let d = self.layout.page_offset(Plane(k as u16), g, dst)?;
-            self.arena.copy(s, d, stride);
+            self.arena.copy(s, d, stride)?;
         }
         Ok(())
     }

@@ -17,6 +17,7 @@ mod mla;
 mod mlp;
 mod moe;
 pub(crate) mod mxfp4;
+mod paged;
 
 use std::ops::Range;
 use std::path::Path;
@@ -34,6 +35,7 @@ use linear::{Linear, Norm};
 use mla::MlaLayer;
 use mlp::Mlp;
 use moe::Moe;
+pub use paged::{PagedLayer, PagedState};
 
 /// Which logits a segment wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -351,45 +353,15 @@ impl Model {
         splices: &[Vec<EmbedSplice<'_>>],
     ) -> Result<Vec<Vec<f32>>> {
         let d = self.config.hidden_size;
-        if splices.len() > segments.len() {
-            return Err(EngineError::InvalidInput(
-                "more embedding splices than segments".into(),
-            ));
-        }
         for seg in segments.iter() {
-            if seg.tokens.is_empty() {
-                return Err(EngineError::InvalidInput("a segment has no tokens".into()));
-            }
             if seg.state.layers.len() != self.layers.len() {
                 return Err(EngineError::InvalidInput(
                     "state does not belong to this model".into(),
                 ));
             }
         }
-        for (seg, seg_splices) in segments.iter().zip(splices) {
-            for sp in seg_splices {
-                let k = sp.values.len() / d;
-                if sp.values.len() % d != 0 || sp.row + k > seg.tokens.len() {
-                    return Err(EngineError::InvalidInput(format!(
-                        "an embedding splice of {} floats at row {} does not fit a segment of {} \
-                         tokens with hidden size {d}",
-                        sp.values.len(),
-                        sp.row,
-                        seg.tokens.len()
-                    )));
-                }
-            }
-        }
-        let vocab = self.config.vocab_size;
-        if let Some(&t) = segments
-            .iter()
-            .flat_map(|s| s.tokens.iter())
-            .find(|&&t| t as usize >= vocab)
-        {
-            return Err(EngineError::InvalidInput(format!(
-                "token id {t} is outside the vocabulary (size {vocab})"
-            )));
-        }
+        let tokens: Vec<&[u32]> = segments.iter().map(|s| s.tokens).collect();
+        self.check_batch(&tokens, splices)?;
         #[cfg(feature = "cuda")]
         if let Some(gpu) = &self.cuda {
             return gpu.forward(segments, splices);
@@ -484,6 +456,44 @@ impl Model {
             logits,
         }];
         Ok(self.forward(&mut segs)?.pop().unwrap_or_default())
+    }
+
+    /// Refuses empty segments, token IDs outside the vocabulary and splices that do not fit.
+    fn check_batch(&self, tokens: &[&[u32]], splices: &[Vec<EmbedSplice<'_>>]) -> Result<()> {
+        let d = self.config.hidden_size;
+        if splices.len() > tokens.len() {
+            return Err(EngineError::InvalidInput(
+                "more embedding splices than segments".into(),
+            ));
+        }
+        if tokens.iter().any(|t| t.is_empty()) {
+            return Err(EngineError::InvalidInput("a segment has no tokens".into()));
+        }
+        for (seg, seg_splices) in tokens.iter().zip(splices) {
+            for sp in seg_splices {
+                let k = sp.values.len() / d;
+                if sp.values.len() % d != 0 || sp.row + k > seg.len() {
+                    return Err(EngineError::InvalidInput(format!(
+                        "an embedding splice of {} floats at row {} does not fit a segment of {} \
+                         tokens with hidden size {d}",
+                        sp.values.len(),
+                        sp.row,
+                        seg.len()
+                    )));
+                }
+            }
+        }
+        let vocab = self.config.vocab_size;
+        if let Some(&t) = tokens
+            .iter()
+            .flat_map(|s| s.iter())
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {t} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        Ok(())
     }
 }
 

@@ -59,7 +59,9 @@ pub fn copy_pages(src: &PagePool, dst: &mut PagePool, pairs: &[(PageId, PageId)]
     let mut moved = 0;
     for &(s, d) in pairs {
         for (so, dof, len) in page_extents(src, dst, &[(s, d)])? {
-            dst.write_page_bytes(d, dof, src.arena_bytes(so, len))?;
+            let mut bytes = vec![0u8; len];
+            src.read_bytes(so, &mut bytes)?;
+            dst.write_page_bytes(d, dof, &bytes)?;
             moved += len;
         }
     }

@@ -7,10 +7,12 @@
 //! what the step reads into a scratch `SequenceState`, runs the forward pass, and scatters the new
 //! rows and the new KDA state back. A KDA page that is shared (published to the prefix cache, or
 //! restored from it) is never written: the step writes a fresh page and drops its reference to the
-//! old one, which is the copy-on-write of the design.
+//! old one, which is the copy-on-write of the design. On a GPU the pool's arena is in device
+//! memory and the step reads and writes the pages themselves ([`StepPages`]): nothing is gathered.
 
 use crate::config::ModelConfig;
 use crate::kv::{Field, GroupId, KvError, KvLayout, PageId, PagePool, Plane};
+use crate::model::{PagedLayer, PagedState};
 use crate::state::{KdaState, LayerState, MlaState, SequenceState};
 
 /// Where each layer's state lives in the pool.
@@ -217,6 +219,17 @@ impl PagedSeq {
                 }
             }
         }
+        self.commit(pool, reserved, st.len)
+    }
+
+    /// After a step that wrote its state in place in the pool ([`StepPages`]): the fresh state
+    /// pages become the sequence's (the old ones are released) and its length is `new_len`.
+    pub fn commit(
+        &mut self,
+        pool: &mut PagePool,
+        reserved: Reserved,
+        new_len: usize,
+    ) -> Result<(), KvError> {
         for (i, fresh) in reserved.kda_out.into_iter().enumerate() {
             if !fresh.is_null() {
                 let old = std::mem::replace(&mut self.kda_pages[i], fresh);
@@ -225,8 +238,80 @@ impl PagedSeq {
                 }
             }
         }
-        self.len = st.len;
+        self.len = new_len;
         Ok(())
+    }
+}
+
+/// Builds the [`PagedState`] of one step whose forward reads and writes the pool's pages.
+pub struct StepPages {
+    state: PagedState,
+}
+
+impl StepPages {
+    pub fn new(slots: &LayerSlots, pool: &PagePool) -> Result<Self, KvError> {
+        let layout = pool.layout();
+        let mut layers = Vec::with_capacity(slots.slots.len());
+        for &(g, plane) in &slots.slots {
+            let base = layout.plane_base(plane);
+            layers.push(if Some(g) == slots.mla_group {
+                PagedLayer::Mla {
+                    latent: base + layout.field_range(g, Field::Latent)?.0,
+                }
+            } else {
+                PagedLayer::Kda {
+                    group: slots.kda_index(g),
+                    conv: base + layout.field_range(g, Field::Conv)?.0,
+                    recurrent: base + layout.field_range(g, Field::Recurrent)?.0,
+                }
+            });
+        }
+        Ok(StepPages {
+            state: PagedState {
+                page_tokens: slots.page_tokens,
+                layers,
+                kda: vec![Vec::new(); slots.kda_groups.len()],
+                start: Vec::new(),
+                mla_pages: Vec::new(),
+            },
+        })
+    }
+
+    /// Adds a sequence's segment: it reads its current pages and writes where `reserved` says.
+    pub fn push(
+        &mut self,
+        slots: &LayerSlots,
+        pool: &PagePool,
+        seq: &PagedSeq,
+        reserved: &Reserved,
+    ) -> Result<(), KvError> {
+        let layout = pool.layout();
+        let at = |g: GroupId, p: PageId| layout.page_offset(Plane(0), g, p);
+        for (i, &g) in slots.kda_groups.iter().enumerate() {
+            let (cur, fresh) = (seq.kda_pages[i], reserved.kda_out[i]);
+            let src = if cur.is_null() {
+                None
+            } else {
+                Some(at(g, cur)?)
+            };
+            let dst = at(g, if fresh.is_null() { cur } else { fresh })?;
+            self.state.kda[i].push((src, dst));
+        }
+        let mla = match slots.mla_group {
+            Some(g) => seq
+                .mla_pages
+                .iter()
+                .map(|&p| at(g, p))
+                .collect::<Result<_, _>>()?,
+            None => Vec::new(),
+        };
+        self.state.mla_pages.push(mla);
+        self.state.start.push(seq.len);
+        Ok(())
+    }
+
+    pub fn state(&self) -> &PagedState {
+        &self.state
     }
 }
 
@@ -264,4 +349,74 @@ fn writable(pool: &PagePool, page: PageId) -> bool {
     !page.is_null()
         && pool.refcount(page).is_ok_and(|r| r == 1)
         && !pool.is_sealed(page).unwrap_or(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::StateDtypes;
+
+    /// The offsets a paged step hands the device forward address exactly the bytes the pool
+    /// assigns to each layer's field of each page: reads from the current state page, writes to
+    /// the fresh one after a seal (copy-on-write) and in place otherwise.
+    #[test]
+    fn step_offsets_address_the_pool_fields() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/kl_grouped/config.json"
+        );
+        let text = std::fs::read_to_string(path).unwrap();
+        let cfg = ModelConfig::from_json_str(&text, std::path::Path::new(path)).unwrap();
+        let layout = KvLayout::plan(&cfg, 4, 4 << 20, StateDtypes::F32).unwrap();
+        let slots = LayerSlots::new(&cfg, &layout);
+        assert!(slots.mla_group.is_some() && !slots.kda_groups.is_empty());
+        let mut pool = PagePool::new(layout).unwrap();
+        let mut seq = PagedSeq::new(&slots);
+        let r = seq.reserve(&slots, &mut pool, 10).unwrap();
+        seq.commit(&mut pool, r, 10).unwrap();
+        // Publish the first group's state: the next step must write a fresh page for it.
+        pool.seal(seq.kda_pages[0]).unwrap();
+        let before = seq.kda_pages.clone();
+        let r = seq.reserve(&slots, &mut pool, 13).unwrap();
+        let mut step = StepPages::new(&slots, &pool).unwrap();
+        step.push(&slots, &pool, &seq, &r).unwrap();
+        let st = step.state();
+        assert_eq!(st.start, vec![10]);
+        assert_eq!(st.mla_pages[0].len(), 4);
+        for (l, &(g, plane)) in slots.slots.iter().enumerate() {
+            match st.layers[l] {
+                PagedLayer::Mla { latent } => {
+                    for (j, &page) in seq.mla_pages.iter().enumerate() {
+                        assert_eq!(
+                            latent + st.mla_pages[0][j],
+                            pool.byte_offset(plane, page, Field::Latent).unwrap()
+                        );
+                    }
+                }
+                PagedLayer::Kda {
+                    group,
+                    conv,
+                    recurrent,
+                } => {
+                    assert_eq!(slots.kda_groups[group], g);
+                    let (src, dst) = st.kda[group][0];
+                    let want_dst = if group == 0 {
+                        assert_ne!(r.kda_out[0], PageId::NULL);
+                        r.kda_out[0]
+                    } else {
+                        assert_eq!(r.kda_out[group], PageId::NULL);
+                        before[group]
+                    };
+                    for (field, base) in [(Field::Conv, conv), (Field::Recurrent, recurrent)] {
+                        let at = |p| pool.byte_offset(plane, p, field).unwrap();
+                        assert_eq!(base + src.unwrap(), at(before[group]));
+                        assert_eq!(base + dst, at(want_dst));
+                    }
+                }
+            }
+        }
+        let Reserved { kda_out } = r;
+        assert_eq!(kda_out.iter().filter(|p| !p.is_null()).count(), 1);
+        Reserved { kda_out }.abandon(&mut pool);
+    }
 }

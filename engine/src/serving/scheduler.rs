@@ -22,7 +22,7 @@ use crate::model::{LogitsWanted, Model, Segment};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::vision::{self, PlacedImage};
 
-use super::paged::{LayerSlots, PagedSeq, Reserved};
+use super::paged::{LayerSlots, PagedSeq, Reserved, StepPages};
 
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
@@ -238,7 +238,9 @@ impl Scheduler {
         tracing::info!("kv layout: {}", layout.report());
         let slots = LayerSlots::new(&model.config, &layout);
         let index = PrefixIndex::new(&layout);
-        let pool = PagePool::new(layout)?;
+        // On a GPU the arena is device memory and steps read and write the pages in place.
+        let arena = model.new_kv_arena(&layout)?;
+        let pool = PagePool::with_arena(layout, arena)?;
         Ok(Scheduler {
             cfg,
             model_cfg: model.config.clone(),
@@ -563,9 +565,11 @@ impl Scheduler {
                 for &layer in &group.layers {
                     let (_, plane) = layout.locate(layer).expect("a layer");
                     for &f in fields {
-                        for v in self.pool.slice(plane, page, f).expect("readable") {
-                            v.to_bits().hash(&mut h);
-                        }
+                        let off = self.pool.byte_offset(plane, page, f).expect("a field");
+                        let (_, len) = layout.field_range(g, f).expect("a field");
+                        let mut bytes = vec![0u8; len];
+                        self.pool.read_bytes(off, &mut bytes).expect("readable");
+                        bytes.hash(&mut h);
                     }
                 }
                 (page.0, h.finish())
@@ -674,42 +678,70 @@ impl Scheduler {
         if plan.is_empty() {
             return Ok(0);
         }
-        // Gather, run, scatter.
-        let mut states = Vec::with_capacity(plan.len());
-        for &(i, _) in &plan {
-            states.push(
-                self.running[i]
-                    .paged
-                    .gather(&self.slots, &self.pool, &self.model_cfg)?,
-            );
-        }
-        let logits = {
-            // Image rows of each prefill chunk (an image may straddle chunks).
-            let splices: Vec<_> = plan
+        // Image rows of each prefill chunk (an image may straddle chunks).
+        let splices: Vec<_> = plan
+            .iter()
+            .map(|&(i, end)| {
+                let s = &self.running[i];
+                let end = end.min(s.req.prompt.len());
+                if s.req.images.is_empty() || s.paged.len >= end {
+                    Vec::new()
+                } else {
+                    vision::splices_in(&s.req.images, s.paged.len, end)
+                }
+            })
+            .collect();
+        let wanted: Vec<LogitsWanted> = plan
+            .iter()
+            .map(|&(i, end)| {
+                if end == self.running[i].tokens.len() {
+                    LogitsWanted::Last
+                } else {
+                    LogitsWanted::None
+                }
+            })
+            .collect();
+        // On a device arena the forward reads and writes the pages themselves; on the host it
+        // runs on states gathered from the pool and scattered back.
+        let mut states = Vec::new();
+        let logits = if self.pool.arena().device().is_some() {
+            let mut pages = StepPages::new(&self.slots, &self.pool)?;
+            for &(i, _) in &plan {
+                let r = reserved[i].as_ref().expect("reserved above");
+                pages.push(&self.slots, &self.pool, &self.running[i].paged, r)?;
+            }
+            let tokens: Vec<&[u32]> = plan
                 .iter()
                 .map(|&(i, end)| {
                     let s = &self.running[i];
-                    let end = end.min(s.req.prompt.len());
-                    if s.req.images.is_empty() || s.paged.len >= end {
-                        Vec::new()
-                    } else {
-                        vision::splices_in(&s.req.images, s.paged.len, end)
-                    }
+                    &s.tokens[s.paged.len..end]
                 })
                 .collect();
+            model.forward_paged(
+                &tokens,
+                &wanted,
+                &splices,
+                pages.state(),
+                &**self.pool.arena(),
+            )?
+        } else {
+            for &(i, _) in &plan {
+                states.push(self.running[i].paged.gather(
+                    &self.slots,
+                    &self.pool,
+                    &self.model_cfg,
+                )?);
+            }
             let mut segs: Vec<Segment> = plan
                 .iter()
                 .zip(states.iter_mut())
-                .map(|(&(i, end), st)| {
+                .zip(&wanted)
+                .map(|((&(i, end), st), &logits)| {
                     let s = &self.running[i];
                     Segment {
                         tokens: &s.tokens[s.paged.len..end],
                         state: st,
-                        logits: if end == s.tokens.len() {
-                            LogitsWanted::Last
-                        } else {
-                            LogitsWanted::None
-                        },
+                        logits,
                     }
                 })
                 .collect();
@@ -717,13 +749,16 @@ impl Scheduler {
         };
         let mut processed = 0;
         let mut sampled = Vec::with_capacity(plan.len());
-        for ((&(i, end), st), lg) in plan.iter().zip(&states).zip(logits) {
+        for (k, (&(i, end), lg)) in plan.iter().zip(logits).enumerate() {
             let r = reserved[i].take().expect("reserved above");
             let s = &mut self.running[i];
             processed += end - s.paged.len;
             let was_prefill = end <= s.req.prompt.len();
             let chunk_end = end;
-            s.paged.scatter(&self.slots, &mut self.pool, st, r)?;
+            match states.get(k) {
+                Some(st) => s.paged.scatter(&self.slots, &mut self.pool, st, r)?,
+                None => s.paged.commit(&mut self.pool, r, end)?,
+            }
             if self.cfg.prefix_cache {
                 publish(
                     &mut self.index,

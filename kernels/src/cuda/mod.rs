@@ -33,12 +33,13 @@ pub use mla::{
     MLA_ROPE,
 };
 pub use model_ops::{
-    dptr, DevPtr, KdaRecurrent, MlaAbsorbed, ModelKernels, NormRows, MAX_ATTN_RES_SOURCES,
-    MAX_CONV_KERNEL, MODEL_KERNELS, MODEL_SOURCE,
+    base_ptr, dptr, DevPtr, KdaRecurrent, MlaAbsorbed, ModelKernels, NormRows, PagedHistory,
+    SegState, MAX_ATTN_RES_SOURCES, MAX_CONV_KERNEL, MODEL_KERNELS, MODEL_SOURCE,
 };
 pub use moe::{MoeActivation, MoeDecode, MoeDims, MoeExperts, MoeWorkspace, MOE_MAX_BATCH};
 pub use ops::{GemmType, Linear, RowOps};
 pub use sample::{Sampler, SamplingRows};
+pub use staging::copy_within;
 
 /// KDA short convolution (prefill and the one-token update). CUDA only: the kernels of the
 /// model families below use PTX-only instructions (ballots, ldmatrix) without HIP fallbacks.

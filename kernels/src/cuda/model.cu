@@ -93,17 +93,22 @@ rmsnorm_rows(const float* __restrict__ x, const int* __restrict__ in_rows, int i
     }
 }
 
+// Per-sequence state in a pool (the page arena, or a scratch buffer): segment s reads its state at
+// src + src_off[s] (all zeros when src_off[s] < 0) and leaves the advanced state at dst + dst_off[s]
+// (the same place, or a fresh page: the copy-on-write). Offsets are in floats.
+
 // Causal depthwise conv + SiLU per sequence: segment s owns rows seg_start[s]..seg_start[s+1] of
-// x [N, C]; state [S, C, K-1] holds each channel's previous K-1 inputs, oldest first, and is
-// advanced. One thread per (segment, channel).
+// x [N, C]; its state [C, K-1] holds each channel's previous K-1 inputs, oldest first. One thread
+// per (segment, channel).
 extern "C" __global__ void __launch_bounds__(MT)
-short_conv_silu_seg(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ state,
+short_conv_silu_seg(const float* __restrict__ x, const float* __restrict__ w, const float* src, float* dst,
+                    const long long* __restrict__ src_off, const long long* __restrict__ dst_off,
                     const int* __restrict__ seg_start, float* __restrict__ out, int C, int K) {
     const int c = blockIdx.x * MT + threadIdx.x, s = blockIdx.y;
     if (c >= C) return;
     float win[16];  // the last K-1 inputs, oldest first (K ≤ 17)
-    float* st = state + ((size_t)s * C + c) * (K - 1);
-    for (int j = 0; j < K - 1; ++j) win[j] = st[j];
+    const long long so = src_off[s];
+    for (int j = 0; j < K - 1; ++j) win[j] = so >= 0 ? src[so + (long long)c * (K - 1) + j] : 0.0f;
     for (int t = seg_start[s]; t < seg_start[s + 1]; ++t) {
         const float xt = x[(size_t)t * C + c];
         float acc = 0.0f;
@@ -113,6 +118,7 @@ short_conv_silu_seg(const float* __restrict__ x, const float* __restrict__ w, fl
         for (int j = 0; j + 1 < K - 1; ++j) win[j] = win[j + 1];
         if (K > 1) win[K - 2] = xt;
     }
+    float* st = dst + dst_off[s] + (long long)c * (K - 1);
     for (int j = 0; j < K - 1; ++j) st[j] = win[j];
 }
 
@@ -142,14 +148,20 @@ l2norm_heads(float* __restrict__ x, int stride, int col0, int dk, float eps) {
 
 // The KDA delta rule, token by token, per (segment, head): S ← diag(e^g)·S; u = β(v − Sᵀk);
 // S ← S + k·uᵀ; o = Sᵀ(scale·q). qkv [N, 3P] (q, k, v column blocks), g [N, P], beta [N, H],
-// state [S, H, dk, dv] f32, out [N, P]. One thread per value column (blockDim = dv).
+// each segment's state [H, dk, dv] f32 in a pool (see above), out [N, P]. One thread per value
+// column (blockDim = dv); the thread owns that column of S, so the copy into dst needs no barrier.
 extern "C" __global__ void kda_recurrent_seg(const float* __restrict__ qkv, const float* __restrict__ g,
-                                             const float* __restrict__ beta, float* __restrict__ state,
+                                             const float* __restrict__ beta, const float* src, float* dst,
+                                             const long long* __restrict__ src_off,
+                                             const long long* __restrict__ dst_off,
                                              const int* __restrict__ seg_start, float* __restrict__ out,
                                              int H, int dk, float scale) {
     extern __shared__ float sm[];  // q, k, e^g: 3·dk
     const int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x, dv = blockDim.x, P = H * dk;
-    float* S = state + ((size_t)s * H + h) * dk * dv;
+    float* S = dst + dst_off[s] + (size_t)h * dk * dv;
+    const float* S0 = src_off[s] >= 0 ? src + src_off[s] + (size_t)h * dk * dv : nullptr;
+    if (S0 != S)
+        for (int i = 0; i < dk; ++i) S[(size_t)i * dv + j] = S0 ? S0[(size_t)i * dv + j] : 0.0f;
     for (int t = seg_start[s]; t < seg_start[s + 1]; ++t) {
         const float* row = qkv + (size_t)t * 3 * P;
         for (int i = j; i < dk; i += dv) {
@@ -191,22 +203,38 @@ mla_absorb_q(const float* __restrict__ q, const void* __restrict__ kvb, float* _
     }
 }
 
-// Row t attends to history rows hist[hoff[t] .. hoff[t] + vis[t]) of [c_kv (r) | k_pe (dr)]:
-// score = scale·(q_lat·c_kv + q_pe·k_pe), softmax, lat = Σ p·c_kv. scores: scratch of
-// [T, H, max_s]. Grid (T, H).
+// New latent rows into their places: row t's [c_kv (r) | k_pe (dr)] (c_kv already normed, k_pe the
+// tail of kv [T, r+dr]) goes to base + dst[t] (floats). Grid T.
 extern "C" __global__ void __launch_bounds__(MT)
-mla_attend(const float* __restrict__ qlat, const float* __restrict__ q, const float* __restrict__ hist,
-           const int* __restrict__ hoff, const int* __restrict__ vis, float* __restrict__ scores,
-           float* __restrict__ lat, int H, int dn, int dr, int r, int max_s, float scale) {
+mla_store_rows(const float* __restrict__ kv, const float* __restrict__ ckv, float* base,
+               const long long* __restrict__ dst, int r, int dr) {
+    const int t = blockIdx.x;
+    float* row = base + dst[t];
+    for (int c = threadIdx.x; c < r; c += MT) row[c] = ckv[(size_t)t * r + c];
+    for (int c = threadIdx.x; c < dr; c += MT) row[r + c] = kv[(size_t)t * (r + dr) + r + c];
+}
+
+// Row t attends to the first vis[t] rows of its sequence's latent history [c_kv (r) | k_pe (dr)],
+// paged: history row j sits at base + pages[first[t] + j / page_tokens] + (j % page_tokens)·(r+dr)
+// (floats). score = scale·(q_lat·c_kv + q_pe·k_pe), softmax, lat = Σ p·c_kv. scores: scratch of
+// [T, H, max_s]. Grid (T, H).
+__device__ __forceinline__ const float* hist_row(const float* base, const long long* pages, int first,
+                                                 int page_tokens, int j, int width) {
+    return base + pages[first + j / page_tokens] + (size_t)(j % page_tokens) * width;
+}
+extern "C" __global__ void __launch_bounds__(MT)
+mla_attend(const float* __restrict__ qlat, const float* __restrict__ q, const float* base,
+           const long long* __restrict__ pages, const int* __restrict__ first, int page_tokens,
+           const int* __restrict__ vis, float* __restrict__ scores, float* __restrict__ lat, int H, int dn,
+           int dr, int r, int max_s, float scale) {
     __shared__ float sh[MT / LANES];
-    const int t = blockIdx.x, h = blockIdx.y, n = vis[t];
+    const int t = blockIdx.x, h = blockIdx.y, n = vis[t], f = first[t], w = r + dr;
     const float* ql = qlat + ((size_t)t * H + h) * r;
     const float* qp = q + ((size_t)t * H + h) * (dn + dr) + dn;
-    const float* base = hist + (size_t)hoff[t] * (r + dr);
     float* sc = scores + ((size_t)t * H + h) * max_s;
     float mx = -__int_as_float(0x7f800000);
     for (int j = threadIdx.x; j < n; j += MT) {
-        const float* row = base + (size_t)j * (r + dr);
+        const float* row = hist_row(base, pages, f, page_tokens, j, w);
         float acc = 0.0f;
         for (int c = 0; c < r; ++c) acc += ql[c] * row[c];
         for (int c = 0; c < dr; ++c) acc += qp[c] * row[r + c];
@@ -223,7 +251,7 @@ mla_attend(const float* __restrict__ qlat, const float* __restrict__ q, const fl
     __syncthreads();
     for (int c = threadIdx.x; c < r; c += MT) {
         float acc = 0.0f;
-        for (int j = 0; j < n; ++j) acc += sc[j] * base[(size_t)j * (r + dr) + c];
+        for (int j = 0; j < n; ++j) acc += sc[j] * hist_row(base, pages, f, page_tokens, j, w)[c];
         lat[((size_t)t * H + h) * r + c] = acc * inv;
     }
 }

@@ -5,7 +5,7 @@
 //! [`dptr`]) so callers can hand in sub-ranges and leave optional inputs null; each wrapper
 //! documents the extents its kernel reads and writes, and the caller owns that contract.
 
-use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaError};
 
@@ -14,6 +14,11 @@ pub const MODEL_SOURCE: &str = include_str!("model.cu");
 
 /// A device address (`CUdeviceptr`); 0 stands for "none" where a kernel takes an optional input.
 pub type DevPtr = u64;
+
+/// The device address of a buffer's first element, as seen from `stream`.
+pub fn base_ptr<T, S: DevicePtr<T>>(stream: &CudaStream, s: &S) -> DevPtr {
+    s.device_ptr(stream).0
+}
 
 /// The device address of a buffer (or a view of one), element `offset` onward.
 pub fn dptr<T, S: DevicePtr<T>>(dev: &CudaDevice, s: &S, offset: usize) -> DevPtr {
@@ -58,6 +63,7 @@ pub const MODEL_KERNELS: &[&str] = &[
     "l2norm_heads",
     "kda_recurrent_seg",
     "mla_absorb_q",
+    "mla_store_rows",
     "mla_attend",
     "mla_unabsorb",
     "glu_act",
@@ -218,14 +224,15 @@ impl ModelKernels {
 
     /// Causal depthwise conv + SiLU for `segments` sequences: `x, out [N, channels]` f32, rows of
     /// segment `s` at `seg_start[s]..seg_start[s+1]` (i32 device array of `segments + 1`),
-    /// `weight [channels, kernel]` f32, `state [segments, channels, kernel-1]` f32 (advanced).
+    /// `weight [channels, kernel]` f32, each segment's state `[channels, kernel-1]` f32 where
+    /// `state` says (read, advanced, written).
     #[allow(clippy::too_many_arguments)]
     pub fn short_conv_silu(
         &self,
         dev: &CudaDevice,
         x: DevPtr,
         weight: DevPtr,
-        state: DevPtr,
+        state: &SegState,
         seg_start: DevPtr,
         out: DevPtr,
         segments: usize,
@@ -240,7 +247,10 @@ impl ModelKernels {
         let a = [
             Arg::P(x),
             Arg::P(weight),
-            Arg::P(state),
+            Arg::P(state.src),
+            Arg::P(state.dst),
+            Arg::P(state.src_off),
+            Arg::P(state.dst_off),
             Arg::P(seg_start),
             Arg::P(out),
             i(channels),
@@ -307,7 +317,10 @@ impl ModelKernels {
             Arg::P(k.qkv),
             Arg::P(k.g),
             Arg::P(k.beta),
-            Arg::P(k.state),
+            Arg::P(k.state.src),
+            Arg::P(k.state.dst),
+            Arg::P(k.state.src_off),
+            Arg::P(k.state.dst_off),
             Arg::P(k.seg_start),
             Arg::P(k.out),
             i(k.heads),
@@ -317,6 +330,31 @@ impl ModelKernels {
         let smem = (3 * k.head_dim * 4) as u32;
         let cfg = grid(k.segments, k.heads, k.head_dim as u32, smem);
         self.launch(dev, "kda_recurrent_seg", cfg, &a)
+    }
+
+    /// Writes `rows` new latent rows `[c_kv | k_pe]` (`ckv [rows, rank]`, the k_pe tail of `kv
+    /// [rows, rank + rope]`) to `base + dst[t]` floats (`dst`: i64 device array).
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_store_rows(
+        &self,
+        dev: &CudaDevice,
+        kv: DevPtr,
+        ckv: DevPtr,
+        base: DevPtr,
+        dst: DevPtr,
+        rows: usize,
+        rank: usize,
+        rope: usize,
+    ) -> Result<(), CudaError> {
+        let a = [
+            Arg::P(kv),
+            Arg::P(ckv),
+            Arg::P(base),
+            Arg::P(dst),
+            i(rank),
+            i(rope),
+        ];
+        self.launch(dev, "mla_store_rows", grid(rows, 1, MT, 0), &a)
     }
 
     /// MLA absorbed attention; see [`MlaAbsorbed`].
@@ -337,8 +375,10 @@ impl ModelKernels {
         let a = [
             Arg::P(m.q_lat),
             Arg::P(m.q),
-            Arg::P(m.hist),
-            Arg::P(m.hist_offset),
+            Arg::P(m.hist.base),
+            Arg::P(m.hist.pages),
+            Arg::P(m.hist.first),
+            i(m.hist.page_tokens),
             Arg::P(m.visible),
             Arg::P(m.scores),
             Arg::P(m.lat),
@@ -535,15 +575,38 @@ impl NormRows {
     }
 }
 
+/// Where each segment's fixed-size state lives, in a page arena or a scratch buffer: segment `s`
+/// reads it at `src + src_off[s]` (zeros when `src_off[s] < 0`) and writes the advanced state to
+/// `dst + dst_off[s]`, which may be the same place. The offsets are i64 device arrays, in f32
+/// elements.
+#[derive(Clone, Copy, Debug)]
+pub struct SegState {
+    pub src: DevPtr,
+    pub dst: DevPtr,
+    pub src_off: DevPtr,
+    pub dst_off: DevPtr,
+}
+
+/// A paged latent history: row `j` of the sequence whose page list starts at entry `first[t]`
+/// of `pages` lies at `base + pages[first[t] + j / page_tokens] + (j % page_tokens)·width`
+/// floats (`pages` i64, `first` i32 per query row, device arrays).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedHistory {
+    pub base: DevPtr,
+    pub pages: DevPtr,
+    pub first: DevPtr,
+    pub page_tokens: usize,
+}
+
 /// The KDA delta rule over `segments` sequences: `qkv [N, 3·heads·head_dim]` (q, k, v column
-/// blocks; q and k already L2-normalised), `g [N, heads·head_dim]`, `beta [N, heads]`, `state
-/// [segments, heads, head_dim, head_dim]` (advanced), `out [N, heads·head_dim]`; rows of segment
-/// `s` at `seg_start[s]..seg_start[s+1]`.
+/// blocks; q and k already L2-normalised), `g [N, heads·head_dim]`, `beta [N, heads]`, each
+/// segment's state `[heads, head_dim, head_dim]` where `state` says, `out [N,
+/// heads·head_dim]`; rows of segment `s` at `seg_start[s]..seg_start[s+1]`.
 pub struct KdaRecurrent {
     pub qkv: DevPtr,
     pub g: DevPtr,
     pub beta: DevPtr,
-    pub state: DevPtr,
+    pub state: SegState,
     pub seg_start: DevPtr,
     pub out: DevPtr,
     pub segments: usize,
@@ -553,14 +616,14 @@ pub struct KdaRecurrent {
 }
 
 /// MLA in absorbed form for `rows` query rows: `q [rows, heads, nope+rope]` f32, `kv_b
-/// [heads·(nope+v_dim), rank]` bf16 (f32 when exact), latent history `hist [*, rank+rope]` f32 of which row `t`
-/// sees `visible[t]` rows from `hist_offset[t]` (i32 device arrays), scratch `q_lat, lat [rows,
-/// heads, rank]` and `scores [rows, heads, max_visible]`, output `out [rows, heads·v_dim]`.
+/// [heads·(nope+v_dim), rank]` bf16 (f32 when exact), a paged latent history of rows `[rank +
+/// rope]` f32 of which row `t` sees the first `visible[t]` (i32 device array), scratch `q_lat,
+/// lat [rows, heads, rank]` and `scores [rows, heads, max_visible]`, output `out [rows,
+/// heads·v_dim]`.
 pub struct MlaAbsorbed {
     pub q: DevPtr,
     pub kv_b: DevPtr,
-    pub hist: DevPtr,
-    pub hist_offset: DevPtr,
+    pub hist: PagedHistory,
     pub visible: DevPtr,
     pub q_lat: DevPtr,
     pub lat: DevPtr,

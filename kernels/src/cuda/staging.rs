@@ -4,7 +4,7 @@
 
 use std::sync::Mutex;
 
-use cudarc::driver::{result, CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
+use cudarc::driver::{result, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PinnedHostSlice};
 use rayon::prelude::*;
 
 use super::{CudaDevice, CudaError};
@@ -107,4 +107,34 @@ fn copy(dst: &mut [f32], src: &[f32]) {
             .zip(src.par_chunks(PAR_MIN))
             .for_each(|(d, s)| d.copy_from_slice(s));
     }
+}
+
+/// Copies `len` bytes inside `buf` from byte `src` to byte `dst` (the ranges must not
+/// overlap), in stream order.
+pub fn copy_within(
+    stream: &CudaStream,
+    buf: &mut CudaSlice<u8>,
+    src: usize,
+    dst: usize,
+    len: usize,
+) -> Result<(), CudaError> {
+    let end = src.max(dst) + len;
+    if end > buf.len() || src.abs_diff(dst) < len {
+        return Err(CudaError::Shape(format!(
+            "copy_within: {len} B from {src} to {dst} in a buffer of {} B",
+            buf.len()
+        )));
+    }
+    let (base, _sync) = buf.device_ptr_mut(stream);
+    // SAFETY: both ranges lie inside `buf` (checked above) and do not overlap; the copy is
+    // queued on the stream that owns `buf`.
+    unsafe {
+        result::memcpy_dtod_async(
+            base + dst as u64,
+            base + src as u64,
+            len,
+            stream.cu_stream(),
+        )
+    }?;
+    Ok(())
 }

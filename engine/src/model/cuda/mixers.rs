@@ -1,7 +1,5 @@
-//! The token mixers on the device. State crosses per call: each sequence's KDA conv window and
-//! recurrent state, and its MLA latent history, are uploaded from its `SequenceState` and the
-//! advanced state is written back, so prefix caching, preemption and the page pool, which own
-//! host state, work unchanged.
+//! The token mixers on the device. Each reads and advances its sequences' state where
+//! [`super::state_io`] says it lives (the device page arena when serving).
 //!
 //! MLA always runs the absorbed form (as the CPU path does under batch invariance); KDA always the
 //! recurrence, token by token. Both are the same maths as the CPU path's chunked and expanded
@@ -11,10 +9,10 @@ use tessera_kernels::cuda::{KdaRecurrent, MlaAbsorbed, NormRows};
 
 use super::super::kda::{KdaLayer, OutGate};
 use super::super::mla::{MlaLayer, QueryProj};
-use super::weights::{upload_i32, DLinear, DVec};
+use super::state_io::{KdaIo, MlaIo};
+use super::weights::{DLinear, DVec};
 use super::{Gpu, Step};
 use crate::error::Result;
-use crate::state::{KdaState, MlaState};
 
 const QK_L2_EPS: f32 = 1e-6;
 
@@ -66,31 +64,35 @@ impl DKda {
         })
     }
 
+    /// Floats of one sequence's conv window and recurrent state.
+    pub fn state_lens(&self) -> (usize, usize) {
+        let p = self.heads * self.head_dim;
+        (
+            3 * p * (self.kernel - 1),
+            self.heads * self.head_dim * self.head_dim,
+        )
+    }
+
     /// `x`: the normed input as a GEMM input `[n, hidden]`; returns the mixer output f32 `[n, hidden]`.
     pub fn forward(
         &self,
         gpu: &Gpu,
         step: &Step,
         x: u64,
-        states: &mut [&mut KdaState],
+        io: &KdaIo,
     ) -> Result<tessera_kernels::cuda::CudaSlice<f32>> {
-        let (n, s) = (step.rows, states.len());
+        let (n, s) = (step.rows, step.segments());
         let (h, dk) = (self.heads, self.head_dim);
         let p = h * dk;
         let dev = &gpu.dev;
         let mixed = gpu.zeros::<f32>(n * 3 * p)?;
         self.qkv.forward(gpu, x, n, gpu.p(&mixed))?;
-        let conv_host: Vec<f32> = states
-            .iter()
-            .flat_map(|st| st.conv.iter().copied())
-            .collect();
-        let conv_state = dev.upload(&conv_host)?;
         let conv_out = gpu.zeros::<f32>(n * 3 * p)?;
         gpu.k.short_conv_silu(
             dev,
             gpu.p(&mixed),
             self.conv.ptr(gpu),
-            gpu.p(&conv_state),
+            &io.conv,
             gpu.p(&step.seg_start),
             gpu.p(&conv_out),
             s,
@@ -120,8 +122,6 @@ impl DKda {
         self.b.forward(gpu, x, n, gpu.p(&beta))?;
         gpu.k.sigmoid(dev, gpu.p(&beta), n * h)?;
 
-        let rec_parts: Vec<&[f32]> = states.iter().map(|st| st.recurrent.as_slice()).collect();
-        let rec = dev.upload_parts(&rec_parts)?;
         let core = gpu.zeros::<f32>(n * p)?;
         gpu.k.kda_recurrent(
             dev,
@@ -129,7 +129,7 @@ impl DKda {
                 qkv: gpu.p(&conv_out),
                 g: gpu.p(&g),
                 beta: gpu.p(&beta),
-                state: gpu.p(&rec),
+                state: io.recurrent,
                 seg_start: gpu.p(&step.seg_start),
                 out: gpu.p(&core),
                 segments: s,
@@ -161,15 +161,6 @@ impl DKda {
         gpu.k.rms_norm(dev, &norm)?;
         let out = gpu.zeros::<f32>(n * self.o.out_dim)?;
         self.o.forward(gpu, gpu.p(&normed), n, gpu.p(&out))?;
-
-        let mut convs: Vec<&mut [f32]> =
-            states.iter_mut().map(|st| st.conv.as_mut_slice()).collect();
-        dev.download_parts(&conv_state, &mut convs)?;
-        let mut recs: Vec<&mut [f32]> = states
-            .iter_mut()
-            .map(|st| st.recurrent.as_mut_slice())
-            .collect();
-        dev.download_parts(&rec, &mut recs)?;
         Ok(out)
     }
 }
@@ -221,13 +212,18 @@ impl DMla {
         })
     }
 
+    /// `(rank, rope)`: a latent row is `[c_kv (rank) | k_pe (rope)]`.
+    pub fn latent(&self) -> (usize, usize) {
+        (self.rank, self.rope)
+    }
+
     /// `x`: the normed input as a GEMM input `[n, hidden]`; returns the mixer output f32 `[n, hidden]`.
     pub fn forward(
         &self,
         gpu: &Gpu,
         step: &Step,
         x: u64,
-        states: &mut [&mut MlaState],
+        io: &MlaIo,
     ) -> Result<tessera_kernels::cuda::CudaSlice<f32>> {
         let n = step.rows;
         let (h, dn, dr, dv, r) = (self.heads, self.nope, self.rope, self.v_dim, self.rank);
@@ -245,7 +241,7 @@ impl DMla {
                 b.forward(gpu, gpu.p(&qa_b), n, gpu.p(&q))?;
             }
         }
-        // New latent rows: c_kv normed on the device, then appended to each sequence's history.
+        // New latent rows: c_kv normed on the device, then stored into each sequence's history.
         let kv = gpu.zeros::<f32>(n * (r + dr))?;
         self.kv_a.forward(gpu, x, n, gpu.p(&kv))?;
         let ckv = gpu.zeros::<f32>(n * r)?;
@@ -253,30 +249,17 @@ impl DMla {
         nr.in_stride = r + dr;
         nr.out_f32 = gpu.p(&ckv);
         gpu.k.rms_norm(dev, &nr)?;
-        let (kv_host, ckv_host) = (dev.download(&kv)?, dev.download(&ckv)?);
-        let mut hist_host = Vec::new();
-        let (mut hoff, mut vis) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for (st, range) in states.iter_mut().zip(step.ranges()) {
-            let before = st.ckv.len() / r;
-            for t in range.clone() {
-                st.ckv.extend_from_slice(&ckv_host[t * r..(t + 1) * r]);
-                st.kpe
-                    .extend_from_slice(&kv_host[t * (r + dr) + r..(t + 1) * (r + dr)]);
-            }
-            let offset = hist_host.len() / (r + dr);
-            let total = st.ckv.len() / r;
-            for j in 0..total {
-                hist_host.extend_from_slice(&st.ckv[j * r..(j + 1) * r]);
-                hist_host.extend_from_slice(&st.kpe[j * dr..(j + 1) * dr]);
-            }
-            for i in 0..range.len() {
-                hoff.push(offset);
-                vis.push(before + i + 1);
-            }
-        }
-        let max_visible = vis.iter().copied().max().unwrap_or(1);
-        let hist = dev.upload(&hist_host)?;
-        let (hoff, vis) = (upload_i32(dev, &hoff)?, upload_i32(dev, &vis)?);
+        gpu.k.mla_store_rows(
+            dev,
+            gpu.p(&kv),
+            gpu.p(&ckv),
+            io.hist.base,
+            io.row_dst,
+            n,
+            r,
+            dr,
+        )?;
+        let max_visible = io.max_visible;
         let q_lat = gpu.zeros::<f32>(n * h * r)?;
         let lat = gpu.zeros::<f32>(n * h * r)?;
         let scores = gpu.zeros::<f32>(n * h * max_visible)?;
@@ -286,9 +269,8 @@ impl DMla {
             &MlaAbsorbed {
                 q: gpu.p(&q),
                 kv_b: gpu.p(&self.kv_b.w),
-                hist: gpu.p(&hist),
-                hist_offset: gpu.p(&hoff),
-                visible: gpu.p(&vis),
+                hist: io.hist,
+                visible: io.visible,
                 q_lat: gpu.p(&q_lat),
                 lat: gpu.p(&lat),
                 scores: gpu.p(&scores),

@@ -4,14 +4,19 @@
 //! weights and GEMM inputs in f32 too: the same code, held to the f32 reference's tolerance. Same contract as the CPU forward: a batch of
 //! segments, each with its own `SequenceState`, updated in place.
 //!
-//! Sequence state stays on the host between calls (see [`mixers`]), which is what lets the
-//! scheduler, prefix cache and disaggregated handoff work unchanged on this device; the price is
-//! a state upload and download per layer and call.
+//! Sequence state: when serving, it lives in the page arena in device memory
+//! ([`Model::forward_paged`](super::Model::forward_paged), [`arena::DeviceArena`]) and never
+//! crosses to the host; `Model::forward` with caller-owned `SequenceState`s uploads and reads it
+//! back per layer ([`state_io`]).
 
+mod arena;
 mod experts;
 mod mixers;
 mod moe;
+mod state_io;
 mod weights;
+
+pub(crate) use arena::DeviceArena;
 
 use std::ops::Range;
 
@@ -20,10 +25,11 @@ use tessera_kernels::cuda::{
     Linear as Blas, ModelKernels, NormRows, ValidAsZeroBits,
 };
 
-use super::{kda_states, mla_states, EmbedSplice, Ffn, Mixer, Model, Rows, Segment};
+use super::{EmbedSplice, Ffn, LogitsWanted, Mixer, Model, PagedState, Rows, Segment};
 use crate::error::{EngineError, Result};
 use mixers::{DKda, DMla};
 use moe::DMoe;
+use state_io::{PagedTables, States};
 use weights::{upload_i32, upload_weights, DLinear, DMlp, DVec};
 
 impl From<CudaError> for EngineError {
@@ -43,9 +49,50 @@ pub(super) struct Gpu {
     dev: CudaDevice,
     k: ModelKernels,
     blas: Blas,
+    profile: Option<Profile>,
+}
+
+/// Where the time of forward calls goes, by part of the model (`TESSERA_CUDA_PROFILE=1`): each
+/// part is bracketed by stream synchronisations, so the profile slows the forward it measures.
+#[derive(Default)]
+struct Profile {
+    parts: std::sync::Mutex<std::collections::BTreeMap<&'static str, (u64, f64)>>,
 }
 
 impl Gpu {
+    /// Runs `f` as part `name` of the profile (just runs it when profiling is off).
+    fn timed<R>(&self, name: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let Some(p) = &self.profile else {
+            return f();
+        };
+        self.dev.synchronize()?;
+        let t = std::time::Instant::now();
+        let r = f()?;
+        self.dev.synchronize()?;
+        let mut parts = p.parts.lock().unwrap_or_else(|e| e.into_inner());
+        let e = parts.entry(name).or_default();
+        e.0 += 1;
+        e.1 += t.elapsed().as_secs_f64();
+        Ok(r)
+    }
+
+    /// The profile so far, one line per part, and resets it.
+    fn take_profile(&self) -> Option<String> {
+        let p = self.profile.as_ref()?;
+        let mut parts = p.parts.lock().unwrap_or_else(|e| e.into_inner());
+        let total: f64 = parts.values().map(|v| v.1).sum();
+        let mut out = format!("forward profile: {:.1} ms in all", total * 1e3);
+        for (name, (n, secs)) in parts.iter() {
+            out.push_str(&format!(
+                "\n  {name:<10} {:>9.2} ms {:>5.1}%  ({n} calls)",
+                secs * 1e3,
+                100.0 * secs / total.max(1e-12)
+            ));
+        }
+        parts.clear();
+        Some(out)
+    }
+
     fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         Ok(self.dev.stream().alloc_zeros::<T>(n.max(1))?)
     }
@@ -92,6 +139,10 @@ impl Step {
     fn ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {
         self.layout.ranges()
     }
+
+    fn segments(&self) -> usize {
+        self.layout.ranges().count()
+    }
 }
 
 enum DMixer {
@@ -131,7 +182,15 @@ impl CudaModel {
         let dev = CudaDevice::open(ordinal, tessera_kernels::cuda::default_cache_dir())?;
         let k = ModelKernels::load(&dev, exact)?;
         let blas = Blas::new(&dev)?;
-        let gpu = Gpu { dev, k, blas };
+        let profile = std::env::var("TESSERA_CUDA_PROFILE")
+            .is_ok_and(|v| v == "1")
+            .then(Profile::default);
+        let gpu = Gpu {
+            dev,
+            k,
+            blas,
+            profile,
+        };
         let d = model.config.hidden_size;
         let res_q = |q: &super::k3::ResQuery| DVec::upload(&gpu, &q.q, q.eps);
         let mut layers = Vec::with_capacity(model.layers.len());
@@ -189,24 +248,93 @@ impl CudaModel {
         format!("{} ({})", self.gpu.dev.name(), self.gpu.dev.arch())
     }
 
-    /// The forward pass; inputs already validated by [`Model::forward_spliced`].
+    /// The forward profile so far, when `TESSERA_CUDA_PROFILE=1` (see [`Profile`]); resets it.
+    pub(crate) fn take_profile(&self) -> Option<String> {
+        self.gpu.take_profile()
+    }
+
+    /// The device this model runs on, for a page arena to be allocated beside it.
+    pub(crate) fn device(&self) -> &CudaDevice {
+        &self.gpu.dev
+    }
+
+    /// The forward pass over caller-owned states; inputs already validated by
+    /// [`Model::forward_spliced`].
     pub(crate) fn forward(
         &self,
         segments: &mut [Segment<'_>],
         splices: &[Vec<EmbedSplice<'_>>],
     ) -> Result<Vec<Vec<f32>>> {
+        let tokens: Vec<&[u32]> = segments.iter().map(|s| s.tokens).collect();
+        let wanted: Vec<LogitsWanted> = segments.iter().map(|s| s.logits).collect();
+        let step = self.step(&tokens)?;
+        let logits = self.run(
+            &step,
+            &tokens,
+            &wanted,
+            splices,
+            &mut States::Host(segments),
+        )?;
+        for seg in segments.iter_mut() {
+            seg.state.len += seg.tokens.len();
+        }
+        Ok(logits)
+    }
+
+    /// The forward pass over states in a device page arena at `arena` (an address on this
+    /// model's GPU); inputs already validated by [`Model::forward_paged`].
+    pub(crate) fn forward_paged(
+        &self,
+        tokens: &[&[u32]],
+        wanted: &[LogitsWanted],
+        splices: &[Vec<EmbedSplice<'_>>],
+        state: &PagedState,
+        arena: u64,
+    ) -> Result<Vec<Vec<f32>>> {
+        let step = self.step(tokens)?;
+        let width = self
+            .layers
+            .iter()
+            .find_map(|l| match &l.mixer {
+                DMixer::Mla(m) => Some(m.latent().0 + m.latent().1),
+                DMixer::Kda(_) => None,
+            })
+            .unwrap_or(0);
+        let tables = self.gpu.timed("tables", || {
+            PagedTables::new(&self.gpu, &step, arena, state, width)
+        })?;
+        self.run(
+            &step,
+            tokens,
+            wanted,
+            splices,
+            &mut States::Paged(Box::new(tables)),
+        )
+    }
+
+    fn step(&self, tokens: &[&[u32]]) -> Result<Step> {
+        let layout = Rows::new(tokens.iter().map(|t| t.len()));
+        Ok(Step {
+            rows: layout.total(),
+            seg_start: upload_i32(&self.gpu.dev, &layout.starts)?,
+            layout,
+        })
+    }
+
+    fn run(
+        &self,
+        step: &Step,
+        tokens: &[&[u32]],
+        wanted: &[LogitsWanted],
+        splices: &[Vec<EmbedSplice<'_>>],
+        states: &mut States<'_, '_>,
+    ) -> Result<Vec<Vec<f32>>> {
         let gpu = &self.gpu;
         let (dev, d) = (&gpu.dev, self.hidden);
-        let layout = Rows::new(segments.iter().map(|s| s.tokens.len()));
-        let n = layout.total();
-        let step = Step {
-            rows: n,
-            seg_start: upload_i32(dev, &layout.starts)?,
-            layout,
-        };
-        let ids: Vec<usize> = segments
+        let n = step.rows;
+        let ids: Vec<usize> = tokens
             .iter()
-            .flat_map(|s| s.tokens.iter().map(|&t| t as usize))
+            .flat_map(|t| t.iter().map(|&t| t as usize))
             .collect();
         let ids = upload_i32(dev, &ids)?;
         let mut h = gpu.zeros::<f32>(n * d)?;
@@ -243,10 +371,18 @@ impl CudaModel {
             gpu.k.rms_norm(dev, &nr)?;
             let mixed = match &layer.mixer {
                 DMixer::Kda(m) => {
-                    m.forward(gpu, &step, gpu.p(&xn_b), &mut kda_states(segments, l))?
+                    let (conv, rec) = m.state_lens();
+                    let io = gpu.timed("state io", || states.kda_io(gpu, l, conv, rec))?;
+                    let out = gpu.timed("kda", || m.forward(gpu, step, gpu.p(&xn_b), &io))?;
+                    gpu.timed("state io", || states.kda_done(gpu, l, io))?;
+                    out
                 }
                 DMixer::Mla(m) => {
-                    m.forward(gpu, &step, gpu.p(&xn_b), &mut mla_states(segments, l))?
+                    let (rank, rope) = m.latent();
+                    let io = gpu.timed("state io", || states.mla_io(gpu, step, l, rank, rope))?;
+                    let out = gpu.timed("mla", || m.forward(gpu, step, gpu.p(&xn_b), &io))?;
+                    gpu.timed("state io", || states.mla_done(gpu, step, l, io, rank, rope))?;
+                    out
                 }
             };
             let ffn_in = match (&mut res, &layer.res) {
@@ -262,14 +398,14 @@ impl CudaModel {
             nr.out_f32 = gpu.p(&xn_f);
             gpu.k.rms_norm(dev, &nr)?;
             let f = match &layer.ffn {
-                DFfn::Dense(m) => {
+                DFfn::Dense(m) => gpu.timed("mlp", || {
                     let f = gpu.zeros::<f32>(n * m.out_dim())?;
                     m.forward(gpu, gpu.p(&xn_b), n, gpu.p(&f))?;
-                    f
-                }
+                    Ok(f)
+                })?,
                 DFfn::Moe(m) => {
                     debug_assert_eq!(m.out_dim(), d);
-                    m.forward(gpu, gpu.p(&xn_f), gpu.p(&xn_b), n)?
+                    gpu.timed("moe", || m.forward(gpu, gpu.p(&xn_f), gpu.p(&xn_b), n))?
                 }
             };
             match &mut res {
@@ -281,30 +417,27 @@ impl CudaModel {
             run.fold_delta(gpu)?;
             run.mix(gpu, true, q, gpu.p(&h))?;
         }
-        for seg in segments.iter_mut() {
-            seg.state.len += seg.tokens.len();
-        }
-        self.logits(segments, &step, &h)
+        gpu.timed("logits", || self.logits(wanted, step, &h))
     }
 
     /// Final norm and LM head over the rows each segment asked for; one download.
     fn logits(
         &self,
-        segments: &[Segment<'_>],
+        wanted: &[LogitsWanted],
         step: &Step,
         h: &CudaSlice<f32>,
     ) -> Result<Vec<Vec<f32>>> {
         let gpu = &self.gpu;
         let (d, v) = (self.hidden, self.vocab);
         let mut rows = Vec::new();
-        let mut counts = Vec::with_capacity(segments.len());
-        for (seg, range) in segments.iter().zip(step.ranges()) {
-            let wanted = seg.logits.rows(range);
-            counts.push(wanted.len());
-            rows.extend(wanted);
+        let mut counts = Vec::with_capacity(wanted.len());
+        for (w, range) in wanted.iter().zip(step.ranges()) {
+            let r = w.rows(range);
+            counts.push(r.len());
+            rows.extend(r);
         }
         if rows.is_empty() {
-            return Ok(vec![Vec::new(); segments.len()]);
+            return Ok(vec![Vec::new(); wanted.len()]);
         }
         let m = rows.len();
         let map = upload_i32(&gpu.dev, &rows)?;
@@ -316,7 +449,7 @@ impl CudaModel {
         let logits = gpu.zeros::<f32>(m * v)?;
         self.lm_head.forward(gpu, gpu.p(&hb), m, gpu.p(&logits))?;
         let all = gpu.dev.download(&logits)?;
-        let mut out = Vec::with_capacity(segments.len());
+        let mut out = Vec::with_capacity(wanted.len());
         let mut at = 0;
         for c in counts {
             out.push(all[at * v..(at + c) * v].to_vec());
