@@ -712,7 +712,7 @@ fn run() -> Result<usize, CudaError> {
             din: 3584,
             di: 3072,
         };
-        for batch in [1, 7, 16] {
+        for batch in [1, 7, 16, 64] {
             moe::check_routing(&dev, &moe_k, &mut checks, &mut rng, k3_routing, batch)?;
         }
         let small = MoeDims {
@@ -722,7 +722,8 @@ fn run() -> Result<usize, CudaError> {
             di: 384,
         };
         for mxfp4 in [false, true] {
-            for batch in [1, 5, 16] {
+            // 40 experts top-6: at 33 and 64 tokens experts serve many tokens each.
+            for batch in [1, 5, 16, 33, 64] {
                 moe::check_moe_experts(&dev, &moe_k, &mut checks, &mut rng, small, batch, mxfp4)?;
             }
             let k3 = MoeDims {

@@ -276,7 +276,7 @@ pub(crate) fn bench_moe(dev: &CudaDevice, moe: &MoeDecode, iters: usize) -> Resu
             _ => unreachable!(),
         };
         let kind = if mxfp4 { "mxfp4" } else { "bf16" };
-        for batch in [1usize, 4, 8, 16] {
+        for batch in [1usize, 4, 8, 16, 32, 64] {
             let logits = dev.upload(&fill(batch * dims.experts, rng.next_u64(), |r| r.normal()))?;
             let x = dev.upload(&bf16_vec(batch * dims.din, &mut rng, 1.0))?;
             let mut ws = MoeWorkspace::new(dev, dims, batch)?;

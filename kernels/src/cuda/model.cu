@@ -149,19 +149,21 @@ l2norm_heads(float* __restrict__ x, int stride, int col0, int dk, float eps) {
 // The KDA delta rule, token by token, per (segment, head): S ← diag(e^g)·S; u = β(v − Sᵀk);
 // S ← S + k·uᵀ; o = Sᵀ(scale·q). qkv [N, 3P] (q, k, v column blocks), g [N, P], beta [N, H],
 // each segment's state [H, dk, dv] f32 in a pool (see above), out [N, P]. One thread per value
-// column (blockDim = dv); the thread owns that column of S, so the copy into dst needs no barrier.
-extern "C" __global__ void kda_recurrent_seg(const float* __restrict__ qkv, const float* __restrict__ g,
-                                             const float* __restrict__ beta, const float* src, float* dst,
-                                             const long long* __restrict__ src_off,
-                                             const long long* __restrict__ dst_off,
-                                             const int* __restrict__ seg_start, float* __restrict__ out,
-                                             int H, int dk, float scale) {
+// column (blockDim = dv): the thread keeps its column of S in registers for the whole segment, so
+// the state is read once and written once (dk ≤ KDA_MAX_DK).
+#define KDA_MAX_DK 128
+extern "C" __global__ void __launch_bounds__(KDA_MAX_DK)
+kda_recurrent_seg(const float* __restrict__ qkv, const float* __restrict__ g,
+                  const float* __restrict__ beta, const float* src, float* dst,
+                  const long long* __restrict__ src_off, const long long* __restrict__ dst_off,
+                  const int* __restrict__ seg_start, float* __restrict__ out, int H, int dk,
+                  float scale) {
     extern __shared__ float sm[];  // q, k, e^g: 3·dk
     const int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x, dv = blockDim.x, P = H * dk;
-    float* S = dst + dst_off[s] + (size_t)h * dk * dv;
     const float* S0 = src_off[s] >= 0 ? src + src_off[s] + (size_t)h * dk * dv : nullptr;
-    if (S0 != S)
-        for (int i = 0; i < dk; ++i) S[(size_t)i * dv + j] = S0 ? S0[(size_t)i * dv + j] : 0.0f;
+    float col[KDA_MAX_DK];
+#pragma unroll
+    for (int i = 0; i < KDA_MAX_DK; ++i) col[i] = (i < dk && S0) ? S0[(size_t)i * dv + j] : 0.0f;
     for (int t = seg_start[s]; t < seg_start[s + 1]; ++t) {
         const float* row = qkv + (size_t)t * 3 * P;
         for (int i = j; i < dk; i += dv) {
@@ -171,36 +173,45 @@ extern "C" __global__ void kda_recurrent_seg(const float* __restrict__ qkv, cons
         }
         __syncthreads();
         float kv = 0.0f;
-        for (int i = 0; i < dk; ++i) {
-            const float sv = S[(size_t)i * dv + j] * sm[2 * dk + i];
-            S[(size_t)i * dv + j] = sv;
-            kv += sm[dk + i] * sv;
+#pragma unroll
+        for (int i = 0; i < KDA_MAX_DK; ++i) {
+            if (i < dk) {
+                col[i] *= sm[2 * dk + i];
+                kv += sm[dk + i] * col[i];
+            }
         }
         const float u = beta[(size_t)t * H + h] * (row[2 * P + h * dk + j] - kv);
         float o = 0.0f;
-        for (int i = 0; i < dk; ++i) {
-            const float sv = S[(size_t)i * dv + j] + sm[dk + i] * u;
-            S[(size_t)i * dv + j] = sv;
-            o += sm[i] * sv;
+#pragma unroll
+        for (int i = 0; i < KDA_MAX_DK; ++i) {
+            if (i < dk) {
+                col[i] += sm[dk + i] * u;
+                o += sm[i] * col[i];
+            }
         }
         out[(size_t)t * P + h * dk + j] = o;
         __syncthreads();
     }
+    float* S = dst + dst_off[s] + (size_t)h * dk * dv;
+#pragma unroll
+    for (int i = 0; i < KDA_MAX_DK; ++i)
+        if (i < dk) S[(size_t)i * dv + j] = col[i];
 }
 
 // MLA, absorbed form. kv_b [H·(dn+dv), r] bf16: per head dn rows of W_UK then dv rows of W_UV.
-// q [T, H, dn+dr]; q_lat[t, h, c] = Σ_n q_nope[t, h, n] · W_UK[h][n, c]. Grid (T, H).
+// q [T, H, dn+dr]; q_lat[t, h, c] = Σ_n q_nope[t, h, n] · W_UK[h][n, c]. One thread per c.
+// Grid (T, H, ceil(r / MT)).
 extern "C" __global__ void __launch_bounds__(MT)
 mla_absorb_q(const float* __restrict__ q, const void* __restrict__ kvb, float* __restrict__ qlat,
              int H, int dn, int dr, int dv, int r, int exact) {
-    const int t = blockIdx.x, h = blockIdx.y;
+    const int t = blockIdx.x, h = blockIdx.y, c = blockIdx.z * MT + threadIdx.x;
+    if (c >= r) return;
     const float* qn = q + ((size_t)t * H + h) * (dn + dr);
-    const size_t w = (size_t)h * (dn + dv) * r;
-    for (int c = threadIdx.x; c < r; c += MT) {
-        float acc = 0.0f;
-        for (int n = 0; n < dn; ++n) acc += qn[n] * load_w(kvb, w + (size_t)n * r + c, exact);
-        qlat[((size_t)t * H + h) * r + c] = acc;
-    }
+    const size_t w = (size_t)h * (dn + dv) * r + c;
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int n = 0; n < dn; ++n) acc += qn[n] * load_w(kvb, w + (size_t)n * r, exact);
+    qlat[((size_t)t * H + h) * r + c] = acc;
 }
 
 // New latent rows into their places: row t's [c_kv (r) | k_pe (dr)] (c_kv already normed, k_pe the
@@ -229,19 +240,22 @@ mla_attend(const float* __restrict__ qlat, const float* __restrict__ q, const fl
            int dr, int r, int max_s, float scale) {
     __shared__ float sh[MT / LANES];
     const int t = blockIdx.x, h = blockIdx.y, n = vis[t], f = first[t], w = r + dr;
+    const int lane = threadIdx.x & LANE_MASK, warp = threadIdx.x / LANES;
     const float* ql = qlat + ((size_t)t * H + h) * r;
     const float* qp = q + ((size_t)t * H + h) * (dn + dr) + dn;
     float* sc = scores + ((size_t)t * H + h) * max_s;
     float mx = -__int_as_float(0x7f800000);
-    for (int j = threadIdx.x; j < n; j += MT) {
+    // Scores: one warp per history row, its lanes across the row (coalesced).
+    for (int j = warp; j < n; j += MT / LANES) {
         const float* row = hist_row(base, pages, f, page_tokens, j, w);
         float acc = 0.0f;
-        for (int c = 0; c < r; ++c) acc += ql[c] * row[c];
-        for (int c = 0; c < dr; ++c) acc += qp[c] * row[r + c];
-        sc[j] = acc * scale;
-        mx = fmaxf(mx, sc[j]);
+        for (int c = lane; c < r; c += LANES) acc += ql[c] * row[c];
+        for (int c = lane; c < dr; c += LANES) acc += qp[c] * row[r + c];
+        for (int m = LANES / 2; m > 0; m >>= 1) acc += LANE_SHFL_XOR(acc, m);
+        if (lane == 0) sc[j] = acc * scale;
+        mx = fmaxf(mx, acc * scale);
     }
-    mx = block_reduce(mx, sh, true);
+    mx = block_reduce(mx, sh, true);  // its barrier also publishes sc[]
     float sum = 0.0f;
     for (int j = threadIdx.x; j < n; j += MT) {
         sc[j] = __expf(sc[j] - mx);
@@ -251,24 +265,27 @@ mla_attend(const float* __restrict__ qlat, const float* __restrict__ q, const fl
     __syncthreads();
     for (int c = threadIdx.x; c < r; c += MT) {
         float acc = 0.0f;
+#pragma unroll 4
         for (int j = 0; j < n; ++j) acc += sc[j] * hist_row(base, pages, f, page_tokens, j, w)[c];
         lat[((size_t)t * H + h) * r + c] = acc * inv;
     }
 }
 
-// out[t, h·dv + v] = Σ_c lat[t, h, c] · W_UV[h][v, c]: one warp per output value. Grid (T, H).
+// out[t, h·dv + v] = Σ_c lat[t, h, c] · W_UV[h][v, c]: one warp per output value. Grid (T, H,
+// ceil(dv / (MT / LANES))).
 extern "C" __global__ void __launch_bounds__(MT)
 mla_unabsorb(const float* __restrict__ lat, const void* __restrict__ kvb, float* __restrict__ out,
              int H, int dn, int dv, int r, int exact) {
     const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & LANE_MASK;
+    const int v = blockIdx.z * (MT / LANES) + threadIdx.x / LANES;
+    if (v >= dv) return;
     const float* l = lat + ((size_t)t * H + h) * r;
-    for (int v = threadIdx.x / LANES; v < dv; v += MT / LANES) {
-        const size_t w = ((size_t)h * (dn + dv) + dn + v) * r;
-        float acc = 0.0f;
-        for (int c = lane; c < r; c += LANES) acc += l[c] * load_w(kvb, w + c, exact);
-        for (int m = LANES / 2; m > 0; m >>= 1) acc += LANE_SHFL_XOR(acc, m);
-        if (lane == 0) out[((size_t)t * H + h) * dv + v] = acc;
-    }
+    const size_t w = ((size_t)h * (dn + dv) + dn + v) * r;
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int c = lane; c < r; c += LANES) acc += l[c] * load_w(kvb, w + c, exact);
+    for (int m = LANES / 2; m > 0; m >>= 1) acc += LANE_SHFL_XOR(acc, m);
+    if (lane == 0) out[((size_t)t * H + h) * dv + v] = acc;
 }
 
 // Gated activation of a stacked [rows, 2·inter] gate|up GEMM output into a GEMM input [rows, inter]:

@@ -29,6 +29,8 @@ pub fn dptr<T, S: DevicePtr<T>>(dev: &CudaDevice, s: &S, offset: usize) -> DevPt
 const MT: u32 = 128;
 /// Widest short-conv kernel `short_conv_silu_seg` keeps in registers.
 pub const MAX_CONV_KERNEL: usize = 17;
+/// Widest KDA head `kda_recurrent_seg` keeps in registers (`KDA_MAX_DK`).
+pub const KDA_MAX_HEAD_DIM: usize = 128;
 /// Most AttnRes sources (`blocks + 1`) `attnres_mix` takes.
 pub const MAX_ATTN_RES_SOURCES: usize = 64;
 
@@ -72,6 +74,15 @@ pub const MODEL_KERNELS: &[&str] = &[
     "mxfp4_linear",
     "attnres_mix",
 ];
+
+/// A 3-D grid of `block`-thread blocks.
+fn grid3(x: usize, y: usize, z: usize, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, z as u32),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
 
 fn grid(x: usize, y: usize, block: u32, smem: u32) -> LaunchConfig {
     LaunchConfig {
@@ -307,9 +318,9 @@ impl ModelKernels {
 
     /// The KDA recurrence; see [`KdaRecurrent`].
     pub fn kda_recurrent(&self, dev: &CudaDevice, k: &KdaRecurrent) -> Result<(), CudaError> {
-        if k.head_dim == 0 || k.head_dim > 1024 {
+        if k.head_dim == 0 || k.head_dim > KDA_MAX_HEAD_DIM {
             return Err(CudaError::Shape(format!(
-                "kda recurrent: head_dim {} outside 1..=1024",
+                "kda recurrent: head_dim {} outside 1..={KDA_MAX_HEAD_DIM}",
                 k.head_dim
             )));
         }
@@ -371,7 +382,8 @@ impl ModelKernels {
             i(m.rank),
             self.ex(),
         ];
-        self.launch(dev, "mla_absorb_q", grid(t, h, MT, 0), &a)?;
+        let cols = m.rank.div_ceil(MT as usize);
+        self.launch(dev, "mla_absorb_q", grid3(t, h, cols, MT), &a)?;
         let a = [
             Arg::P(m.q_lat),
             Arg::P(m.q),
@@ -400,7 +412,13 @@ impl ModelKernels {
             i(m.rank),
             self.ex(),
         ];
-        self.launch(dev, "mla_unabsorb", grid(t, h, MT, 0), &a)
+        let warps = (MT / 32) as usize;
+        self.launch(
+            dev,
+            "mla_unabsorb",
+            grid3(t, h, m.v_dim.div_ceil(warps), MT),
+            &a,
+        )
     }
 
     /// `out [rows, inter]` (a GEMM input) ← activation of the stacked `gate_up [rows, 2·inter]` f32:

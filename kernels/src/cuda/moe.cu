@@ -1,4 +1,4 @@
-// MoE decode for small batches (1-16 tokens): routing, the expert plan, gate+up+SiTU fused, the
+// MoE decode for small batches (1-64 tokens): routing, the expert plan, gate+up+SiTU fused, the
 // down projection and the weighted combine. Experts in bf16 or MXFP4 (w4a16: packed E2M1 codes
 // with one E8M0 scale per 32 inputs, dequantised in registers as the weights stream in).
 //
@@ -30,7 +30,11 @@
 #define MOE_MIN_BLOCKS 4
 #endif
 #define MOE_COLS (MOE_WARPS * MOE_COLS_PER_WARP)
-#define MOE_MAXT 16
+// Most (token, slot) pairs one expert serves in a call: the batch bound (a token picks an expert
+// at most once).
+#ifndef MOE_MAXT
+#define MOE_MAXT 64
+#endif
 #define ROUTE_PER_LANE 32
 
 // ---------------------------------------------------------------------------------------------

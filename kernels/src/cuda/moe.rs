@@ -1,4 +1,4 @@
-//! MoE decode on CUDA (`moe.cu`) for batches of 1–16 tokens: sigmoid routing with the
+//! MoE decode on CUDA (`moe.cu`) for batches of 1–64 tokens: sigmoid routing with the
 //! correction bias, the per-step expert plan, gate+up+SiTU fused, the down projection and the
 //! weighted combine; experts in bf16 or packed MXFP4 (dequantised in the kernels, w4a16).
 //! Semantics: [`crate::cpu::route_sigmoid_grouped`] with one expert group, then per token
@@ -14,7 +14,7 @@ const WARPS: usize = 4;
 const COLS_PER_WARP: usize = 2;
 const COLS: usize = WARPS * COLS_PER_WARP;
 /// Most tokens one decode call takes (and so most tokens one expert serves).
-pub const MOE_MAX_BATCH: usize = 16;
+pub const MOE_MAX_BATCH: usize = 64;
 const MAX_EXPERTS: usize = 1024;
 
 fn shape_err(msg: String) -> CudaError {
@@ -107,7 +107,7 @@ pub struct MoeWorkspace {
 }
 
 impl MoeWorkspace {
-    /// Checks `dims` (experts ≤ 1024, widths multiples of 32) and `batch` (≤ 16).
+    /// Checks `dims` (experts ≤ 1024, widths multiples of 32) and `batch` (≤ `MOE_MAX_BATCH`).
     pub fn new(dev: &CudaDevice, dims: MoeDims, batch: usize) -> Result<Self, CudaError> {
         dims.check(batch)?;
         let pairs = batch * dims.top_k;
@@ -148,6 +148,7 @@ impl MoeDecode {
         let defines = [
             ("MOE_WARPS", WARPS.to_string()),
             ("MOE_COLS_PER_WARP", COLS_PER_WARP.to_string()),
+            ("MOE_MAXT", MOE_MAX_BATCH.to_string()),
         ];
         let m = dev.module("moe", MOE_SOURCE, &defines)?;
         Ok(MoeDecode {

@@ -2,7 +2,7 @@
 //! (`gate`, `up`: `[experts, inter, in]`; `down`: `[experts, in, inter]`; bf16, or packed MXFP4),
 //! so one copy of the weights serves both paths: per-expert cuBLAS GEMMs for any batch (and the
 //! exact mode), and the small-batch decode kernels (`MoeDecode`: routing, plan, gate+up+act,
-//! down, combine on the GPU) for up to `MOE_MAX_BATCH` rows at a time in bf16.
+//! down, combine on the GPU) for up to `MOE_MAX_BATCH` rows in one pass, in bf16.
 
 use tessera_kernels::cpu::MoeRouting;
 use tessera_kernels::cuda::{
@@ -15,10 +15,6 @@ use super::weights::upload_weights;
 use super::Gpu;
 use crate::config::Activation;
 use crate::error::{EngineError, Result};
-
-/// Above this many rows the per-expert GEMMs read each expert's weights once, where the
-/// small-batch kernels would read them once per `MOE_MAX_BATCH` rows.
-const FAST_MAX_ROWS: usize = 4 * MOE_MAX_BATCH;
 
 /// One projection of every expert, stacked.
 enum Stack {
@@ -104,6 +100,9 @@ struct Fast {
     kernels: MoeDecode,
     dims: MoeDims,
     bias: CudaSlice<f32>,
+    /// One workspace per batch size seen, kept for later steps (every launch is on the one
+    /// stream, so a step never reuses a workspace a previous step still reads).
+    workspaces: std::sync::Mutex<std::collections::HashMap<usize, MoeWorkspace>>,
 }
 
 pub(super) struct DExperts {
@@ -147,6 +146,7 @@ impl DExperts {
                 kernels: MoeDecode::load(&gpu.dev)?,
                 dims,
                 bias: gpu.dev.upload(correction_bias)?,
+                workspaces: Default::default(),
             })
         } else {
             None
@@ -162,13 +162,16 @@ impl DExperts {
         })
     }
 
-    /// Whether a call of `rows` rows takes the small-batch kernels.
+    /// Whether a call of `rows` rows takes the small-batch kernels: up to `MOE_MAX_BATCH` rows,
+    /// one call reads each active expert's weights once; above it the per-expert GEMMs do (and
+    /// their tiles use tensor cores).
     pub fn takes_fast_path(&self, rows: usize) -> bool {
-        self.fast.is_some() && rows <= FAST_MAX_ROWS
+        self.fast.is_some() && rows <= MOE_MAX_BATCH
     }
 
-    /// Routing and the routed sum on the GPU, `MOE_MAX_BATCH` rows at a time: `logits [rows,
-    /// experts]` f32, `x [rows, din]` f32; returns the weighted expert sum f32 `[rows, din]`.
+    /// Routing and the routed sum on the GPU in one pass (`rows ≤ MOE_MAX_BATCH`): `logits
+    /// [rows, experts]` f32, `x [rows, din]` f32; returns the weighted expert sum f32 `[rows,
+    /// din]`.
     pub fn forward_fast(
         &self,
         gpu: &Gpu,
@@ -178,8 +181,8 @@ impl DExperts {
         rows: usize,
     ) -> Result<CudaSlice<f32>> {
         let f = self.fast.as_ref().expect("checked by takes_fast_path");
-        let (din, e) = (self.din, f.dims.experts);
-        let out = gpu.zeros::<f32>(rows * din)?;
+        let din = self.din;
+        let out = gpu.scratch::<f32>(rows * din)?;
         let experts = match (&self.gate, &self.up, &self.down) {
             (Stack::Dense(gate), Stack::Dense(up), Stack::Dense(down)) => {
                 MoeExperts::Bf16 { gate, up, down }
@@ -204,34 +207,21 @@ impl DExperts {
             },
             _ => unreachable!("Stack::upload refuses a mixed layer"),
         };
-        let mut start = 0;
-        while start < rows {
-            let b = MOE_MAX_BATCH.min(rows - start);
-            let mut ws = MoeWorkspace::new(&gpu.dev, f.dims, b)?;
-            // The router reads a whole buffer: a copy of this chunk's rows when there are several.
-            let chunk;
-            let chunk_logits = if b == rows {
-                logits
-            } else {
-                let mut c = gpu.zeros::<f32>(b * e)?;
-                gpu.dev
-                    .stream()
-                    .memcpy_dtod(&logits.slice(start * e..(start + b) * e), &mut c)?;
-                chunk = c;
-                &chunk
-            };
-            f.kernels
-                .route(&gpu.dev, chunk_logits, &f.bias, routing, &mut ws)?;
-            let xb = gpu.zeros::<u16>(b * din)?;
-            gpu.k
-                .to_act(&gpu.dev, x + (start * din * 4) as u64, gpu.p(&xb), b * din)?;
-            let mut yb = gpu.zeros::<u16>(b * din)?;
-            f.kernels
-                .experts(&gpu.dev, &xb, &experts, self.act, &mut ws, &mut yb)?;
-            gpu.k
-                .from_bf16(&gpu.dev, gpu.p(&yb), gpu.p_at(&out, start * din), b * din)?;
-            start += b;
-        }
+        let mut cache = f.workspaces.lock().unwrap_or_else(|e| e.into_inner());
+        let ws = match cache.entry(rows) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(MoeWorkspace::new(&gpu.dev, f.dims, rows)?)
+            }
+        };
+        f.kernels.route(&gpu.dev, logits, &f.bias, routing, ws)?;
+        let xb = gpu.scratch::<u16>(rows * din)?;
+        gpu.k.to_act(&gpu.dev, x, gpu.p(&xb), rows * din)?;
+        let mut yb = gpu.scratch::<u16>(rows * din)?;
+        f.kernels
+            .experts(&gpu.dev, &xb, &experts, self.act, ws, &mut yb)?;
+        gpu.k
+            .from_bf16(&gpu.dev, gpu.p(&yb), gpu.p(&out), rows * din)?;
         Ok(out)
     }
 
@@ -262,7 +252,7 @@ impl DExperts {
 
     pub fn scratch(&self, gpu: &Gpu, rows: usize) -> Result<ExpertScratch> {
         Ok(ExpertScratch {
-            gate_up: gpu.zeros::<f32>(rows * 2 * self.di)?,
+            gate_up: gpu.scratch::<f32>(rows * 2 * self.di)?,
             act: gpu.act(rows * self.di)?,
         })
     }

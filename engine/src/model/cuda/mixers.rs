@@ -85,9 +85,9 @@ impl DKda {
         let (h, dk) = (self.heads, self.head_dim);
         let p = h * dk;
         let dev = &gpu.dev;
-        let mixed = gpu.zeros::<f32>(n * 3 * p)?;
+        let mixed = gpu.scratch::<f32>(n * 3 * p)?;
         self.qkv.forward(gpu, x, n, gpu.p(&mixed))?;
-        let conv_out = gpu.zeros::<f32>(n * 3 * p)?;
+        let conv_out = gpu.scratch::<f32>(n * 3 * p)?;
         gpu.k.short_conv_silu(
             dev,
             gpu.p(&mixed),
@@ -103,10 +103,10 @@ impl DKda {
             gpu.k
                 .l2norm_heads(dev, gpu.p(&conv_out), n, 3 * p, col0, h, dk, QK_L2_EPS)?;
         }
-        let fa = gpu.zeros::<f32>(n * dk)?;
+        let fa = gpu.scratch::<f32>(n * dk)?;
         self.f_a.forward(gpu, x, n, gpu.p(&fa))?;
         let fa_b = gpu.to_act(&fa)?;
-        let g = gpu.zeros::<f32>(n * p)?;
+        let g = gpu.scratch::<f32>(n * p)?;
         self.f_b.forward(gpu, gpu.p(&fa_b), n, gpu.p(&g))?;
         gpu.k.kda_gate(
             dev,
@@ -118,30 +118,32 @@ impl DKda {
             n * p,
             self.lower_bound,
         )?;
-        let beta = gpu.zeros::<f32>(n * h)?;
+        let beta = gpu.scratch::<f32>(n * h)?;
         self.b.forward(gpu, x, n, gpu.p(&beta))?;
         gpu.k.sigmoid(dev, gpu.p(&beta), n * h)?;
 
-        let core = gpu.zeros::<f32>(n * p)?;
-        gpu.k.kda_recurrent(
-            dev,
-            &KdaRecurrent {
-                qkv: gpu.p(&conv_out),
-                g: gpu.p(&g),
-                beta: gpu.p(&beta),
-                state: io.recurrent,
-                seg_start: gpu.p(&step.seg_start),
-                out: gpu.p(&core),
-                segments: s,
-                heads: h,
-                head_dim: dk,
-                scale: 1.0 / (dk as f32).sqrt(),
-            },
-        )?;
-        let gate = gpu.zeros::<f32>(n * p)?;
+        let core = gpu.scratch::<f32>(n * p)?;
+        gpu.timed("kda:recurrence", || {
+            Ok(gpu.k.kda_recurrent(
+                dev,
+                &KdaRecurrent {
+                    qkv: gpu.p(&conv_out),
+                    g: gpu.p(&g),
+                    beta: gpu.p(&beta),
+                    state: io.recurrent,
+                    seg_start: gpu.p(&step.seg_start),
+                    out: gpu.p(&core),
+                    segments: s,
+                    heads: h,
+                    head_dim: dk,
+                    scale: 1.0 / (dk as f32).sqrt(),
+                },
+            )?)
+        })?;
+        let gate = gpu.scratch::<f32>(n * p)?;
         match &self.gate {
             DOutGate::LowRank { a, b } => {
-                let ga = gpu.zeros::<f32>(n * a.out_dim)?;
+                let ga = gpu.scratch::<f32>(n * a.out_dim)?;
                 a.forward(gpu, x, n, gpu.p(&ga))?;
                 let ga_b = gpu.to_act(&ga)?;
                 b.forward(gpu, gpu.p(&ga_b), n, gpu.p(&gate))?;
@@ -159,7 +161,7 @@ impl DKda {
         norm.gate = gpu.p(&gate);
         norm.out_act = gpu.p(&normed);
         gpu.k.rms_norm(dev, &norm)?;
-        let out = gpu.zeros::<f32>(n * self.o.out_dim)?;
+        let out = gpu.scratch::<f32>(n * self.o.out_dim)?;
         self.o.forward(gpu, gpu.p(&normed), n, gpu.p(&out))?;
         Ok(out)
     }
@@ -228,11 +230,11 @@ impl DMla {
         let n = step.rows;
         let (h, dn, dr, dv, r) = (self.heads, self.nope, self.rope, self.v_dim, self.rank);
         let dev = &gpu.dev;
-        let q = gpu.zeros::<f32>(n * h * (dn + dr))?;
+        let q = gpu.scratch::<f32>(n * h * (dn + dr))?;
         match &self.q {
             DQuery::Full(l) => l.forward(gpu, x, n, gpu.p(&q))?,
             DQuery::LowRank { a, norm, b } => {
-                let qa = gpu.zeros::<f32>(n * a.out_dim)?;
+                let qa = gpu.scratch::<f32>(n * a.out_dim)?;
                 a.forward(gpu, x, n, gpu.p(&qa))?;
                 let qa_b = gpu.act(n * a.out_dim)?;
                 let mut nr = NormRows::plain(gpu.p(&qa), norm.ptr(gpu), n, a.out_dim, norm.eps);
@@ -242,9 +244,9 @@ impl DMla {
             }
         }
         // New latent rows: c_kv normed on the device, then stored into each sequence's history.
-        let kv = gpu.zeros::<f32>(n * (r + dr))?;
+        let kv = gpu.scratch::<f32>(n * (r + dr))?;
         self.kv_a.forward(gpu, x, n, gpu.p(&kv))?;
-        let ckv = gpu.zeros::<f32>(n * r)?;
+        let ckv = gpu.scratch::<f32>(n * r)?;
         let mut nr = NormRows::plain(gpu.p(&kv), self.kv_norm.ptr(gpu), n, r, self.kv_norm.eps);
         nr.in_stride = r + dr;
         nr.out_f32 = gpu.p(&ckv);
@@ -260,40 +262,42 @@ impl DMla {
             dr,
         )?;
         let max_visible = io.max_visible;
-        let q_lat = gpu.zeros::<f32>(n * h * r)?;
-        let lat = gpu.zeros::<f32>(n * h * r)?;
-        let scores = gpu.zeros::<f32>(n * h * max_visible)?;
-        let att = gpu.zeros::<f32>(n * h * dv)?;
-        gpu.k.mla_absorbed(
-            dev,
-            &MlaAbsorbed {
-                q: gpu.p(&q),
-                kv_b: gpu.p(&self.kv_b.w),
-                hist: io.hist,
-                visible: io.visible,
-                q_lat: gpu.p(&q_lat),
-                lat: gpu.p(&lat),
-                scores: gpu.p(&scores),
-                out: gpu.p(&att),
-                rows: n,
-                heads: h,
-                nope: dn,
-                rope: dr,
-                v_dim: dv,
-                rank: r,
-                max_visible,
-                scale: 1.0 / ((dn + dr) as f32).sqrt(),
-            },
-        )?;
+        let q_lat = gpu.scratch::<f32>(n * h * r)?;
+        let lat = gpu.scratch::<f32>(n * h * r)?;
+        let scores = gpu.scratch::<f32>(n * h * max_visible)?;
+        let att = gpu.scratch::<f32>(n * h * dv)?;
+        gpu.timed("mla:attention", || {
+            Ok(gpu.k.mla_absorbed(
+                dev,
+                &MlaAbsorbed {
+                    q: gpu.p(&q),
+                    kv_b: gpu.p(&self.kv_b.w),
+                    hist: io.hist,
+                    visible: io.visible,
+                    q_lat: gpu.p(&q_lat),
+                    lat: gpu.p(&lat),
+                    scores: gpu.p(&scores),
+                    out: gpu.p(&att),
+                    rows: n,
+                    heads: h,
+                    nope: dn,
+                    rope: dr,
+                    v_dim: dv,
+                    rank: r,
+                    max_visible,
+                    scale: 1.0 / ((dn + dr) as f32).sqrt(),
+                },
+            )?)
+        })?;
         if let Some(g) = &self.gate {
             // The gate reads the layer input, not the attention output (K3-SPEC §3.3).
-            let gv = gpu.zeros::<f32>(n * h * dv)?;
+            let gv = gpu.scratch::<f32>(n * h * dv)?;
             g.forward(gpu, x, n, gpu.p(&gv))?;
             gpu.k
                 .mul_sigmoid(dev, gpu.p(&att), gpu.p(&gv), n * h * dv)?;
         }
         let att_b = gpu.to_act(&att)?;
-        let out = gpu.zeros::<f32>(n * self.o.out_dim)?;
+        let out = gpu.scratch::<f32>(n * self.o.out_dim)?;
         self.o.forward(gpu, gpu.p(&att_b), n, gpu.p(&out))?;
         Ok(out)
     }

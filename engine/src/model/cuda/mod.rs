@@ -54,6 +54,7 @@ pub(super) struct Gpu {
 
 /// Where the time of forward calls goes, by part of the model (`TESSERA_CUDA_PROFILE=1`): each
 /// part is bracketed by stream synchronisations, so the profile slows the forward it measures.
+/// A part named `outer:inner` is inside part `outer`, and counted in it too.
 #[derive(Default)]
 struct Profile {
     parts: std::sync::Mutex<std::collections::BTreeMap<&'static str, (u64, f64)>>,
@@ -80,7 +81,11 @@ impl Gpu {
     fn take_profile(&self) -> Option<String> {
         let p = self.profile.as_ref()?;
         let mut parts = p.parts.lock().unwrap_or_else(|e| e.into_inner());
-        let total: f64 = parts.values().map(|v| v.1).sum();
+        let total: f64 = parts
+            .iter()
+            .filter(|(k, _)| !k.contains(':'))
+            .map(|(_, v)| v.1)
+            .sum();
         let mut out = format!("forward profile: {:.1} ms in all", total * 1e3);
         for (name, (n, secs)) in parts.iter() {
             out.push_str(&format!(
@@ -105,10 +110,18 @@ impl Gpu {
         dptr(&self.dev, s, offset)
     }
 
+    /// An uninitialised buffer of `n` elements (at least one), for an output whose every
+    /// element the next op writes before anything reads it: one allocation call, no clearing.
+    fn scratch<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
+        // SAFETY: callers use it only for outputs written in full before they are read (GEMM
+        // outputs with beta = 0, row kernels that write every element of every row).
+        Ok(unsafe { self.dev.stream().alloc::<T>(n.max(1)) }?)
+    }
+
     /// A GEMM-input buffer of `n` elements (bf16, or f32 in the exact mode; 16-bit words
-    /// either way).
+    /// either way), written in full by the op that fills it.
     fn act(&self, n: usize) -> Result<CudaSlice<u16>> {
-        self.zeros::<u16>(n * self.k.act_bytes() / 2)
+        self.scratch::<u16>(n * self.k.act_bytes() / 2)
     }
 
     /// The storage type of GEMM inputs and projection weights.
@@ -337,7 +350,7 @@ impl CudaModel {
             .flat_map(|t| t.iter().map(|&t| t as usize))
             .collect();
         let ids = upload_i32(dev, &ids)?;
-        let mut h = gpu.zeros::<f32>(n * d)?;
+        let mut h = gpu.scratch::<f32>(n * d)?;
         gpu.k
             .embed_rows(dev, gpu.p(&ids), gpu.p(&self.embed), gpu.p(&h), n, d)?;
         for (range, seg_splices) in step.ranges().zip(splices) {
@@ -354,7 +367,7 @@ impl CudaModel {
             res = Some(AttnRes::new(gpu, emb, n, d, b, self.layers.len())?);
         }
         let xn_b = gpu.act(n * d)?;
-        let xn_f = gpu.zeros::<f32>(n * d)?;
+        let xn_f = gpu.scratch::<f32>(n * d)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let mixed_in = match (&mut res, &layer.res) {
                 (Some(run), Some((q, _))) => run.before_attention(gpu, l, q)?,
@@ -399,7 +412,7 @@ impl CudaModel {
             gpu.k.rms_norm(dev, &nr)?;
             let f = match &layer.ffn {
                 DFfn::Dense(m) => gpu.timed("mlp", || {
-                    let f = gpu.zeros::<f32>(n * m.out_dim())?;
+                    let f = gpu.scratch::<f32>(n * m.out_dim())?;
                     m.forward(gpu, gpu.p(&xn_b), n, gpu.p(&f))?;
                     Ok(f)
                 })?,
@@ -446,15 +459,12 @@ impl CudaModel {
         nr.in_rows = gpu.p(&map);
         nr.out_act = gpu.p(&hb);
         gpu.k.rms_norm(&gpu.dev, &nr)?;
-        let logits = gpu.zeros::<f32>(m * v)?;
+        let logits = gpu.scratch::<f32>(m * v)?;
         self.lm_head.forward(gpu, gpu.p(&hb), m, gpu.p(&logits))?;
-        let all = gpu.dev.download(&logits)?;
-        let mut out = Vec::with_capacity(wanted.len());
-        let mut at = 0;
-        for c in counts {
-            out.push(all[at * v..(at + c) * v].to_vec());
-            at += c;
-        }
+        // Straight into each segment's vector, through the page-locked staging buffer.
+        let mut out: Vec<Vec<f32>> = counts.iter().map(|&c| vec![0.0; c * v]).collect();
+        let mut parts: Vec<&mut [f32]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+        gpu.dev.download_parts(&logits, &mut parts)?;
         Ok(out)
     }
 }

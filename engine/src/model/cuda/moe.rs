@@ -59,7 +59,7 @@ impl DMoe {
     pub fn forward(&self, gpu: &Gpu, x_f32: u64, x_b: u64, rows: usize) -> Result<CudaSlice<f32>> {
         let (d, e) = (self.hidden, self.correction_bias.len());
         let dev = &gpu.dev;
-        let logits = gpu.zeros::<f32>(rows * e)?;
+        let logits = gpu.scratch::<f32>(rows * e)?;
         // SAFETY: `x_f32` holds `rows · d` f32, the router `[e, d]` f32, `logits` `rows · e`.
         unsafe {
             gpu.blas.gemm(
@@ -77,7 +77,7 @@ impl DMoe {
         }
         let z = match &self.latent {
             Some(l) => {
-                let z = gpu.zeros::<f32>(rows * l.down.out_dim)?;
+                let z = gpu.scratch::<f32>(rows * l.down.out_dim)?;
                 l.down.forward(gpu, x_b, rows, gpu.p(&z))?;
                 Some(z)
             }
@@ -87,12 +87,14 @@ impl DMoe {
             (Some(z), Some(l)) => (gpu.p(z), l.down.out_dim),
             _ => (x_f32, d),
         };
-        let routed = if self.experts.takes_fast_path(rows) {
-            self.experts
-                .forward_fast(gpu, &logits, &self.routing, src, rows)?
-        } else {
-            self.routed_per_expert(gpu, &logits, src, ed, rows)?
-        };
+        let routed = gpu.timed("moe:routed", || {
+            if self.experts.takes_fast_path(rows) {
+                self.experts
+                    .forward_fast(gpu, &logits, &self.routing, src, rows)
+            } else {
+                self.routed_per_expert(gpu, &logits, src, ed, rows)
+            }
+        })?;
         match &self.latent {
             Some(l) => {
                 let rb = gpu.act(rows * ed)?;
@@ -104,7 +106,7 @@ impl DMoe {
                     }
                     None => gpu.k.to_act(dev, gpu.p(&routed), gpu.p(&rb), rows * ed)?,
                 }
-                let up = gpu.zeros::<f32>(rows * d)?;
+                let up = gpu.scratch::<f32>(rows * d)?;
                 l.up.forward(gpu, gpu.p(&rb), rows, gpu.p(&up))?;
                 gpu.k.add(dev, gpu.p(&out), gpu.p(&up), rows * d)?;
             }
@@ -157,7 +159,7 @@ impl DMoe {
         let w_dev = dev.upload(&all_w)?;
         let most = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
         let xs = gpu.act(most * ed)?;
-        let ys = gpu.zeros::<f32>(most * ed)?;
+        let ys = gpu.scratch::<f32>(most * ed)?;
         let scratch = self.experts.scratch(gpu, most)?;
         for (ex, w) in starts.windows(2).enumerate() {
             let (a, m) = (w[0], w[1] - w[0]);

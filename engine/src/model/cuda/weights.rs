@@ -105,7 +105,7 @@ impl DMlp {
 
     /// `out [rows, out_dim]` f32 ← the GEMM input `x [rows, in]`.
     pub fn forward(&self, gpu: &Gpu, x: DevPtr, rows: usize, out: DevPtr) -> Result<()> {
-        let gu = gpu.zeros::<f32>(rows * 2 * self.inter)?;
+        let gu = gpu.scratch::<f32>(rows * 2 * self.inter)?;
         let act = gpu.act(rows * self.inter)?;
         self.gate_up.forward(gpu, x, rows, gpu.p(&gu))?;
         gpu.k.glu(
