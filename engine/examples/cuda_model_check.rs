@@ -142,17 +142,10 @@ fn serve_greedy(
             .iter()
             .map(|&(p, n)| {
                 let out = Arc::new(Mutex::new(Ok(Vec::new())));
-                let req = EngineRequest {
-                    prompt: p.to_vec(),
-                    max_new_tokens: n,
-                    sampling: SamplingParams::default(),
-                    stop_ids: Vec::new(),
-                    cache_salt: None,
-                    prefill_only: false,
-                    resumed_tokens: 0,
-                    images: Vec::new(),
-                };
-                sched.submit(req, Box::new(Collect(out.clone())));
+                sched.submit(
+                    EngineRequest::new(p.to_vec(), n),
+                    Box::new(Collect(out.clone())),
+                );
                 out
             })
             .collect();

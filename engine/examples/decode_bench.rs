@@ -55,17 +55,10 @@ fn serving(
     let mut sched = Scheduler::new(model, cfg)?;
     let outs: Vec<_> = (0..b).map(|_| Arc::new(Mutex::new(Vec::new()))).collect();
     for (p, out) in prompts.iter().zip(&outs) {
-        let req = EngineRequest {
-            prompt: p.clone(),
-            max_new_tokens: steps + 1,
-            sampling: Default::default(),
-            stop_ids: Vec::new(),
-            cache_salt: None,
-            prefill_only: false,
-            resumed_tokens: 0,
-            images: Vec::new(),
-        };
-        sched.submit(req, Box::new(Collect(out.clone())));
+        sched.submit(
+            EngineRequest::new(p.clone(), steps + 1),
+            Box::new(Collect(out.clone())),
+        );
     }
     let count = |outs: &[Arc<Mutex<Vec<u32>>>]| -> usize {
         outs.iter().map(|o| o.lock().unwrap().len()).sum()

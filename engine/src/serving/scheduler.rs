@@ -78,6 +78,22 @@ pub struct EngineRequest {
     pub images: Vec<PlacedImage>,
 }
 
+impl EngineRequest {
+    /// A plain request: `prompt`, up to `max_new_tokens` greedy tokens, no stop tokens, no images.
+    pub fn new(prompt: Vec<u32>, max_new_tokens: usize) -> Self {
+        EngineRequest {
+            prompt,
+            max_new_tokens,
+            sampling: SamplingParams::default(),
+            stop_ids: Vec::new(),
+            cache_salt: None,
+            prefill_only: false,
+            resumed_tokens: 0,
+            images: Vec::new(),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     Length,
