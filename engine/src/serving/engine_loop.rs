@@ -11,9 +11,8 @@ use crate::model::Model;
 
 use crate::kv::PagePool;
 
-use super::scheduler::{
-    EngineRequest, EventSink, Reservation, Scheduler, SchedulerConfig, SchedulerStats,
-};
+use super::request::{EngineRequest, EventSink, Reservation, SchedulerConfig, SchedulerStats};
+use super::scheduler::Scheduler;
 
 /// Work run on the engine thread between steps, with the scheduler (and its pool) borrowed.
 type Job = Box<dyn FnOnce(&mut Scheduler) + Send>;

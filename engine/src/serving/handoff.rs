@@ -8,7 +8,7 @@
 use crate::error::{EngineError, Result};
 use crate::kv::{PageId, PagePool};
 
-use super::scheduler::{Handoff, Reservation};
+use super::request::{Handoff, Reservation};
 
 /// The page pairs a handoff needs: every MLA page covering the prompt, and per KDA group the
 /// page holding the state at the prompt's end.

@@ -4,10 +4,12 @@
 pub mod engine_loop;
 pub mod handoff;
 pub mod paged;
+pub mod request;
 pub mod scheduler;
 
 pub use engine_loop::EngineHandle;
-pub use scheduler::{
-    EngineEvent, EngineRequest, EventSink, FinishReason, Handoff, Reservation, Scheduler,
-    SchedulerConfig, SchedulerStats,
+pub use request::{
+    EngineEvent, EngineRequest, EventSink, FinishReason, Handoff, Reservation, SchedulerConfig,
+    SchedulerStats,
 };
+pub use scheduler::Scheduler;
