@@ -38,3 +38,49 @@ fn a_model_runs_where_it_can_and_says_why_where_it_cannot() {
     assert_eq!(model.device(), Device::Cpu);
     assert_eq!(prompt_logits(&model, &[5, 17, 42]).unwrap(), on_cpu);
 }
+
+/// On the CPU the page pool lives in host memory and steps gather and scatter state; the paged
+/// forward, which reads state in place in a device arena, refuses a host arena with the reason
+/// instead of reading host memory as device addresses.
+#[test]
+fn the_paged_forward_needs_a_device_arena() {
+    use tessera_engine::kv::{KvArena, KvLayout, PagePool, StateDtypes};
+    use tessera_engine::model::{LogitsWanted, PagedState};
+    use tessera_engine::serving::paged::{LayerSlots, PagedSeq, StepPages};
+
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/kl_mixed");
+    let model = Model::load(&dir).unwrap();
+    assert!(!model.paged_on_device());
+    let layout = KvLayout::plan(&model.config, 4, 1 << 20, StateDtypes::F32).unwrap();
+    let arena = model.new_kv_arena(&layout).unwrap();
+    assert!(arena.device().is_none() && arena.host().is_some());
+    assert_eq!(arena.len_bytes(), layout.arena_bytes());
+
+    let tokens: [&[u32]; 1] = [&[5, 17]];
+    let state = PagedState {
+        page_tokens: 4,
+        layers: Vec::new(),
+        kda: Vec::new(),
+        start: vec![0],
+        mla_pages: vec![Vec::new()],
+    };
+    // Tables of the wrong shape are refused first, naming what does not match.
+    let err = model
+        .forward_paged(&tokens, &[LogitsWanted::Last], &[], &state, &*arena)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("tables"), "unhelpful: {err}");
+    // Tables of the right shape over a host arena: refused for the arena.
+    let slots = LayerSlots::new(&model.config, &layout);
+    let mut pool = PagePool::new(layout).unwrap();
+    let mut seq = PagedSeq::new(&slots);
+    let r = seq.reserve(&slots, &mut pool, 2).unwrap();
+    let mut pages = StepPages::new(&slots, &pool).unwrap();
+    pages.push(&slots, &pool, &seq, &r).unwrap();
+    let err = model
+        .forward_paged(&tokens, &[LogitsWanted::Last], &[], pages.state(), &*arena)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("device memory"), "unhelpful: {err}");
+    r.abandon(&mut pool);
+}
