@@ -327,6 +327,9 @@ async fn logs_of<F: std::future::Future<Output = ()>>(f: F) -> String {
         .with_writer(move || sink.clone())
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
+    // Other tests of this binary install and drop their own subscribers on other threads; a
+    // callsite first hit while none listened keeps a stale "never" until the cache is rebuilt.
+    tracing::callsite::rebuild_interest_cache();
     f.await;
     let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
     text
