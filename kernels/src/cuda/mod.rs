@@ -111,7 +111,9 @@ impl CudaDevice {
         // One stream, ordered launches: the per-argument event tracking is not needed.
         // SAFETY: every launch of this device goes to `stream`, so ordering is by the stream.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of its own rather than the legacy default stream, which cannot be captured
+        // into a graph ([`CudaDevice::capture`]).
+        let stream = ctx.new_stream()?;
         Ok(CudaDevice {
             ctx,
             stream,
@@ -198,6 +200,42 @@ impl CudaDevice {
     /// Waits for everything queued so far.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         Ok(self.stream.synchronize()?)
+    }
+
+    /// Records the work `f` queues on the device's stream into a [`Graph`] instead of running
+    /// it. `f` must only queue work: no synchronisation, no copies to or from pageable host
+    /// memory, no buffer that outlives it allocated inside (stream-ordered allocations made and
+    /// freed inside become the graph's own memory, the same addresses on every replay). On an
+    /// error from `f` the capture is ended and dropped.
+    pub fn capture<R, E: From<CudaError>>(
+        &self,
+        f: impl FnOnce() -> Result<R, E>,
+    ) -> Result<(Graph, R), E> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(CudaError::from)?;
+        let out = f();
+        let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        let r = out?;
+        match ended.map_err(CudaError::from)? {
+            Some(g) => Ok((Graph(g), r)),
+            None => Err(CudaError::Shape("the capture recorded no work".into()).into()),
+        }
+    }
+}
+
+/// Work recorded by [`CudaDevice::capture`], replayed on the device's stream with one call.
+pub struct Graph(cudarc::driver::CudaGraph);
+
+// SAFETY: a graph is not internally synchronised; `Graph` gives no shared access (`launch`
+// takes `&mut self`), so moving it between threads is sound.
+unsafe impl Send for Graph {}
+
+impl Graph {
+    /// Queues one replay on the stream it was captured from.
+    pub fn launch(&mut self) -> Result<(), CudaError> {
+        Ok(self.0.launch()?)
     }
 }
 

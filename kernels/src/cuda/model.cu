@@ -148,54 +148,84 @@ l2norm_heads(float* __restrict__ x, int stride, int col0, int dk, float eps) {
 
 // The KDA delta rule, token by token, per (segment, head): S ← diag(e^g)·S; u = β(v − Sᵀk);
 // S ← S + k·uᵀ; o = Sᵀ(scale·q). qkv [N, 3P] (q, k, v column blocks), g [N, P], beta [N, H],
-// each segment's state [H, dk, dv] f32 in a pool (see above), out [N, P]. One thread per value
-// column (blockDim = dv): the thread keeps its column of S in registers for the whole segment, so
-// the state is read once and written once (dk ≤ KDA_MAX_DK).
+// each segment's state [H, dk, dv = dk] f32 in a pool (see above), out [N, P]. The value columns
+// of S evolve independently, so a block takes KDA_COLS of them (grid (segments, H,
+// ceil(dk / KDA_COLS))) and splits each column's dk rows over KDA_PARTS threads, which keep their
+// rows in registers for the whole segment: the state is read once and written once, by enough
+// blocks to fill the GPU at batch 1. The per-column sums over the parts go through shared memory
+// in a fixed order.
 #define KDA_MAX_DK 128
-extern "C" __global__ void __launch_bounds__(KDA_MAX_DK)
+#define KDA_COLS 16
+#define KDA_PARTS 8
+#define KDA_ROWS (KDA_MAX_DK / KDA_PARTS)
+extern "C" __global__ void __launch_bounds__(KDA_COLS * KDA_PARTS)
 kda_recurrent_seg(const float* __restrict__ qkv, const float* __restrict__ g,
                   const float* __restrict__ beta, const float* src, float* dst,
                   const long long* __restrict__ src_off, const long long* __restrict__ dst_off,
                   const int* __restrict__ seg_start, float* __restrict__ out, int H, int dk,
                   float scale) {
-    extern __shared__ float sm[];  // q, k, e^g: 3·dk
-    const int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x, dv = blockDim.x, P = H * dk;
-    const float* S0 = src_off[s] >= 0 ? src + src_off[s] + (size_t)h * dk * dv : nullptr;
-    float col[KDA_MAX_DK];
+    __shared__ float sq[KDA_MAX_DK], sk[KDA_MAX_DK], se[KDA_MAX_DK];
+    __shared__ float red[KDA_PARTS][KDA_COLS];
+    const int s = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, P = H * dk;
+    const int jl = tid % KDA_COLS, part = tid / KDA_COLS, j = blockIdx.z * KDA_COLS + jl;
+    const int rows = (dk + KDA_PARTS - 1) / KDA_PARTS, i0 = part * rows;
+    const bool live = j < dk;
+    const float* S0 = src_off[s] >= 0 ? src + src_off[s] + (size_t)h * dk * dk : nullptr;
+    float col[KDA_ROWS];
 #pragma unroll
-    for (int i = 0; i < KDA_MAX_DK; ++i) col[i] = (i < dk && S0) ? S0[(size_t)i * dv + j] : 0.0f;
+    for (int r = 0; r < KDA_ROWS; ++r) {
+        const int i = i0 + r;
+        col[r] = (r < rows && i < dk && live && S0) ? S0[(size_t)i * dk + j] : 0.0f;
+    }
     for (int t = seg_start[s]; t < seg_start[s + 1]; ++t) {
         const float* row = qkv + (size_t)t * 3 * P;
-        for (int i = j; i < dk; i += dv) {
-            sm[i] = row[h * dk + i] * scale;
-            sm[dk + i] = row[P + h * dk + i];
-            sm[2 * dk + i] = expf(g[(size_t)t * P + h * dk + i]);
+        for (int i = tid; i < dk; i += KDA_COLS * KDA_PARTS) {
+            sq[i] = row[h * dk + i] * scale;
+            sk[i] = row[P + h * dk + i];
+            se[i] = expf(g[(size_t)t * P + h * dk + i]);
         }
         __syncthreads();
         float kv = 0.0f;
 #pragma unroll
-        for (int i = 0; i < KDA_MAX_DK; ++i) {
-            if (i < dk) {
-                col[i] *= sm[2 * dk + i];
-                kv += sm[dk + i] * col[i];
+        for (int r = 0; r < KDA_ROWS; ++r) {
+            const int i = i0 + r;
+            if (r < rows && i < dk) {
+                col[r] *= se[i];
+                kv += sk[i] * col[r];
             }
         }
-        const float u = beta[(size_t)t * H + h] * (row[2 * P + h * dk + j] - kv);
+        red[part][jl] = kv;
+        __syncthreads();
+        kv = 0.0f;
+#pragma unroll
+        for (int q = 0; q < KDA_PARTS; ++q) kv += red[q][jl];
+        const float u = live ? beta[(size_t)t * H + h] * (row[2 * P + h * dk + j] - kv) : 0.0f;
         float o = 0.0f;
 #pragma unroll
-        for (int i = 0; i < KDA_MAX_DK; ++i) {
-            if (i < dk) {
-                col[i] += sm[dk + i] * u;
-                o += sm[i] * col[i];
+        for (int r = 0; r < KDA_ROWS; ++r) {
+            const int i = i0 + r;
+            if (r < rows && i < dk) {
+                col[r] += sk[i] * u;
+                o += sq[i] * col[r];
             }
         }
-        out[(size_t)t * P + h * dk + j] = o;
+        __syncthreads();  // every part has read red[] and the staged q, k, e^g
+        red[part][jl] = o;
         __syncthreads();
-    }
-    float* S = dst + dst_off[s] + (size_t)h * dk * dv;
+        if (part == 0 && live) {
+            o = 0.0f;
 #pragma unroll
-    for (int i = 0; i < KDA_MAX_DK; ++i)
-        if (i < dk) S[(size_t)i * dv + j] = col[i];
+            for (int q = 0; q < KDA_PARTS; ++q) o += red[q][jl];
+            out[(size_t)t * P + h * dk + j] = o;
+        }
+    }
+    if (!live) return;
+    float* S = dst + dst_off[s] + (size_t)h * dk * dk;
+#pragma unroll
+    for (int r = 0; r < KDA_ROWS; ++r) {
+        const int i = i0 + r;
+        if (r < rows && i < dk) S[(size_t)i * dk + j] = col[r];
+    }
 }
 
 // MLA, absorbed form. kv_b [H·(dn+dv), r] bf16: per head dn rows of W_UK then dv rows of W_UV.

@@ -31,6 +31,9 @@ const MT: u32 = 128;
 pub const MAX_CONV_KERNEL: usize = 17;
 /// Widest KDA head `kda_recurrent_seg` keeps in registers (`KDA_MAX_DK`).
 pub const KDA_MAX_HEAD_DIM: usize = 128;
+/// Value columns and row parts of one `kda_recurrent_seg` block (`KDA_COLS`, `KDA_PARTS`).
+const KDA_COLS: usize = 16;
+const KDA_PARTS: usize = 8;
 /// Most AttnRes sources (`blocks + 1`) `attnres_mix` takes.
 pub const MAX_ATTN_RES_SOURCES: usize = 64;
 
@@ -338,8 +341,16 @@ impl ModelKernels {
             i(k.head_dim),
             Arg::F(k.scale),
         ];
-        let smem = (3 * k.head_dim * 4) as u32;
-        let cfg = grid(k.segments, k.heads, k.head_dim as u32, smem);
+        // Blocks of KDA_COLS value columns × KDA_PARTS row parts (model.cu).
+        let cfg = LaunchConfig {
+            grid_dim: (
+                k.segments as u32,
+                k.heads as u32,
+                k.head_dim.div_ceil(KDA_COLS) as u32,
+            ),
+            block_dim: ((KDA_COLS * KDA_PARTS) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
         self.launch(dev, "kda_recurrent_seg", cfg, &a)
     }
 

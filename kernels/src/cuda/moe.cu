@@ -35,7 +35,10 @@
 #ifndef MOE_MAXT
 #define MOE_MAXT 64
 #endif
+// Router scores one lane keeps: ceil(experts / 32), set per model from the host (at most 32).
+#ifndef ROUTE_PER_LANE
 #define ROUTE_PER_LANE 32
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Routing and plan
@@ -104,39 +107,56 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
 }
 
 // plan: n_active, then per active expert a: expert id, token count, and the pair ids (b·k+slot).
-extern "C" __global__ void __launch_bounds__(256)
+// Experts are numbered in ascending order by a block-wide scan (each thread owns a run of
+// consecutive experts); pairs join their expert's list through shared-memory counters, so the
+// order within a list is arbitrary — every pair's output is computed on its own, whatever its
+// place in the list.
+#define PLAN_THREADS 256
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
 moe_plan(const unsigned* __restrict__ idx, int pairs, int experts, int* __restrict__ n_active,
          int* __restrict__ act_expert, int* __restrict__ act_count, int* __restrict__ act_pairs) {
-    extern __shared__ int s_slot[];  // [experts]: active index of each expert, or -1
-    __shared__ int s_n;
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) s_slot[e] = 0;
+    extern __shared__ int s_slot[];  // [experts]: 1 if used, then its active index (or -1)
+    __shared__ int s_warp[PLAN_THREADS / 32];
+    __shared__ int s_count[1024];  // MAX_EXPERTS
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int e = tid; e < experts; e += PLAN_THREADS) s_slot[e] = 0;
     __syncthreads();
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) s_slot[idx[p]] = 1;
+    for (int p = tid; p < pairs; p += PLAN_THREADS) s_slot[idx[p]] = 1;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int n = 0;
-        for (int e = 0; e < experts; ++e) {
-            if (s_slot[e]) {
-                act_expert[n] = e;
-                s_slot[e] = n++;
-            } else {
-                s_slot[e] = -1;
-            }
+    const int per = (experts + PLAN_THREADS - 1) / PLAN_THREADS, e0 = tid * per;
+    int mine = 0;
+    for (int e = e0; e < min(e0 + per, experts); ++e) mine += s_slot[e];
+    // Exclusive scan of `mine` over the block: within each warp, then over the warps.
+    int incl = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    int before = 0;
+    for (int w = 0; w < warp; ++w) before += s_warp[w];
+    int n = before + incl - mine;
+    for (int e = e0; e < min(e0 + per, experts); ++e) {
+        if (s_slot[e]) {
+            act_expert[n] = e;
+            s_count[n] = 0;
+            s_slot[e] = n++;
+        } else {
+            s_slot[e] = -1;
         }
-        s_n = n;
-        *n_active = n;
+    }
+    if (tid == PLAN_THREADS - 1) *n_active = n;
+    __syncthreads();
+    for (int p = tid; p < pairs; p += PLAN_THREADS) {
+        const int a = s_slot[idx[p]];
+        const int c = atomicAdd(&s_count[a], 1);
+        if (c < MOE_MAXT) act_pairs[a * MOE_MAXT + c] = p;
     }
     __syncthreads();
-    for (int a = threadIdx.x; a < s_n; a += blockDim.x) act_count[a] = 0;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int p = 0; p < pairs; ++p) {
-            const int a = s_slot[idx[p]];
-            const int c = act_count[a];
-            if (c < MOE_MAXT) act_pairs[a * MOE_MAXT + c] = p;
-            act_count[a] = c + 1;
-        }
-    }
+    int total = 0;
+    for (int w = 0; w < PLAN_THREADS / 32; ++w) total += s_warp[w];
+    for (int a = tid; a < total; a += PLAN_THREADS) act_count[a] = s_count[a];
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -134,6 +134,8 @@ impl MoeWorkspace {
 
 /// The compiled MoE decode kernels.
 pub struct MoeDecode {
+    /// Most experts `moe_route` was compiled for (32 per lane).
+    route_experts: usize,
     route: CudaFunction,
     plan: CudaFunction,
     gate_up_bf16: CudaFunction,
@@ -144,14 +146,24 @@ pub struct MoeDecode {
 }
 
 impl MoeDecode {
+    /// The kernels for any expert count up to 1024.
     pub fn load(dev: &CudaDevice) -> Result<Self, CudaError> {
+        Self::load_for(dev, MAX_EXPERTS)
+    }
+
+    /// The kernels for layers of at most `experts` experts (routing keeps that many scores per
+    /// warp in registers, so a small count routes faster).
+    pub fn load_for(dev: &CudaDevice, experts: usize) -> Result<Self, CudaError> {
+        let per_lane = experts.clamp(1, MAX_EXPERTS).div_ceil(32);
         let defines = [
             ("MOE_WARPS", WARPS.to_string()),
             ("MOE_COLS_PER_WARP", COLS_PER_WARP.to_string()),
             ("MOE_MAXT", MOE_MAX_BATCH.to_string()),
+            ("ROUTE_PER_LANE", per_lane.to_string()),
         ];
         let m = dev.module("moe", MOE_SOURCE, &defines)?;
         Ok(MoeDecode {
+            route_experts: per_lane * 32,
             route: m.load_function("moe_route")?,
             plan: m.load_function("moe_plan")?,
             gate_up_bf16: m.load_function("moe_gate_up_bf16")?,
@@ -186,6 +198,12 @@ impl MoeDecode {
         }
         expect_len("logits", logits.len(), batch * dims.experts)?;
         expect_len("bias", bias.len(), dims.experts)?;
+        if dims.experts > self.route_experts {
+            return Err(shape_err(format!(
+                "{} experts, but the routing kernel was loaded for at most {}",
+                dims.experts, self.route_experts
+            )));
+        }
         if batch == 0 {
             return Ok(());
         }

@@ -125,6 +125,52 @@ impl Sampler {
         self.launch(dev, &self.bf16_rows, logits, vocab, params, out)
     }
 
+    /// [`Self::sample_f32`] on raw device addresses: `rows` rows of `vocab` f32 logits at
+    /// `logits`, per row `temperature` f32, `top_k` u32, `top_p` f32 and `uniform` f64 (each
+    /// `rows` long, in the ranges [`SamplingRows::upload`] checks), token ids u32 into `out`.
+    /// Only queues the launch, so it can be captured into a graph.
+    ///
+    /// # Safety
+    /// Every address must point at device memory of this device holding what is described.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn sample_f32_at(
+        &self,
+        dev: &CudaDevice,
+        logits: u64,
+        rows: usize,
+        vocab: usize,
+        (temperature, top_k, top_p, uniform): (u64, u64, u64, u64),
+        out: u64,
+    ) -> Result<(), CudaError> {
+        if vocab == 0 || vocab >= i32::MAX as usize {
+            return Err(shape_err(format!("vocab {vocab} out of range")));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let vocab_i = vocab as i32;
+        let mut launch = dev.stream().launch_builder(&self.f32_rows);
+        launch
+            .arg(&logits)
+            .arg(&temperature)
+            .arg(&top_k)
+            .arg(&top_p)
+            .arg(&uniform)
+            .arg(&out)
+            .arg(&vocab_i);
+        // SAFETY: the argument list matches `sample_f32`; the caller vouches for the buffers.
+        unsafe { launch.launch(Self::config(rows)) }?;
+        Ok(())
+    }
+
+    fn config(rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: DYN_SMEM as u32,
+        }
+    }
+
     fn launch<T: cudarc::driver::DeviceRepr>(
         &self,
         dev: &CudaDevice,
@@ -148,11 +194,7 @@ impl Sampler {
         if rows == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (THREADS as u32, 1, 1),
-            shared_mem_bytes: DYN_SMEM as u32,
-        };
+        let cfg = Self::config(rows);
         let vocab_i = vocab as i32;
         let mut launch = dev.stream().launch_builder(f);
         launch
