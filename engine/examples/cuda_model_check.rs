@@ -127,6 +127,16 @@ fn serve_greedy(
     prompts: &[(&[u32], usize)],
     rounds: usize,
 ) -> Result<Vec<Vec<Vec<u32>>>, String> {
+    serve(model, prompts, rounds, &SamplingParams::default())
+}
+
+/// [`serve_greedy`] with `sampling` for every request.
+fn serve(
+    model: &Model,
+    prompts: &[(&[u32], usize)],
+    rounds: usize,
+    sampling: &SamplingParams,
+) -> Result<Vec<Vec<Vec<u32>>>, String> {
     let cfg = SchedulerConfig {
         page_tokens: 16,
         snapshot_interval: 16,
@@ -142,10 +152,9 @@ fn serve_greedy(
             .iter()
             .map(|&(p, n)| {
                 let out = Arc::new(Mutex::new(Ok(Vec::new())));
-                sched.submit(
-                    EngineRequest::new(p.to_vec(), n),
-                    Box::new(Collect(out.clone())),
-                );
+                let mut req = EngineRequest::new(p.to_vec(), n);
+                req.sampling = sampling.clone();
+                sched.submit(req, Box::new(Collect(out.clone())));
                 out
             })
             .collect();
@@ -163,6 +172,8 @@ fn serve_greedy(
 
 struct Checks {
     failed: usize,
+    /// Decode steps replayed from graphs, over every fixture.
+    replays: u64,
 }
 
 impl Checks {
@@ -317,6 +328,47 @@ fn run_fixture(
         }
     }
 
+    // Decode steps replayed from CUDA graphs run the same kernels on the same values as the
+    // steps they replace: the same tokens exactly, graphs on or off.
+    let (captured, replayed) = gpu.device_graph_counts().unwrap_or((0, 0));
+    c.replays += replayed;
+    gpu.set_device_graphs(false);
+    let eager = serve_greedy(&gpu, &jobs, 1)?;
+    gpu.set_device_graphs(true);
+    c.check(
+        &format!("{mode} {name} decode graphs = no graphs"),
+        eager[0] == rounds[0],
+        format!("{replayed} replays of {captured} captured graphs in the serving rounds; the same tokens with graphs off"),
+    );
+
+    // Sampling on the device (the serving path) against the CPU engine's sampler on the CPU
+    // engine's logits, the same seeds: in the exact mode the logits agree to ~1e-5, so the
+    // tokens must agree too.
+    let sampling = SamplingParams {
+        temperature: 0.8,
+        top_p: 0.9,
+        top_k: 20,
+        seed: 11,
+    };
+    let sampled = serve(&gpu, &jobs, 1, &sampling)?;
+    let mut same = 0;
+    for (p, got) in reference.prompts.iter().zip(&sampled[0]) {
+        let mut req = greedy(p.greedy_ids.len(), &p.prompt_ids);
+        req.sampling = sampling.clone();
+        let want = generate(&cpu, &req).map_err(|e| e.to_string())?;
+        same += usize::from(*got == want);
+    }
+    let what = format!("{mode} {name} sampled serving = cpu sampler");
+    let detail = format!(
+        "{same}/{} prompts sample the same tokens (t 0.8, top-p 0.9, top-k 20)",
+        reference.prompts.len()
+    );
+    if exact {
+        c.check(&what, same == reference.prompts.len(), detail);
+    } else {
+        println!("info {what}: {detail}");
+    }
+
     // Every prompt in one batch against each alone.
     let prompts: Vec<&[u32]> = reference
         .prompts
@@ -373,7 +425,10 @@ fn main() -> ExitCode {
     } else {
         args.iter().map(PathBuf::from).collect()
     };
-    let mut c = Checks { failed: 0 };
+    let mut c = Checks {
+        failed: 0,
+        replays: 0,
+    };
     let spread = spread();
     for exact in [true, false] {
         for dir in &dirs {
@@ -382,6 +437,12 @@ fn main() -> ExitCode {
             }
         }
     }
+    let replays = c.replays;
+    c.check(
+        "decode graphs replayed",
+        replays > 0,
+        format!("{replays} decode steps replayed from graphs over every fixture"),
+    );
     println!(
         "cuda_model_check: {} fixture(s), {} failure(s)",
         dirs.len(),

@@ -3,9 +3,10 @@
 //! tokens/s per batch size; the same protocol as `benches/transformers_decode.py`, which times
 //! `transformers`' `generate` on the same model.
 //!
-//! Two paths: `serving` drives the scheduler, as `tessera serve` does (state in the page pool,
-//! in device memory on a GPU); `forward` calls `Model::forward` with caller-owned states (on a GPU
-//! they cross to the device and back every call). Both give the same greedy tokens.
+//! Three paths: `serving` drives the scheduler, as `tessera serve` does (state in the page pool,
+//! in device memory on a GPU; decode steps replayed from CUDA graphs); `eager` is `serving` with
+//! graphs off (every op launched from the host); `forward` calls `Model::forward` with caller-owned states (on a GPU
+//! they cross to the device and back every call). All give the same greedy tokens.
 //!
 //! `decode_bench MODEL_DIR [DEVICE=cpu] [BATCHES=1,32] [PROMPT=128] [STEPS=32] [PATHS=serving,forward]`
 
@@ -149,7 +150,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let dir = args
         .first()
-        .ok_or("usage: decode_bench MODEL_DIR [DEVICE] [BATCHES] [PROMPT] [STEPS]")?;
+        .ok_or("usage: decode_bench MODEL_DIR [DEVICE] [BATCHES] [PROMPT] [STEPS] [PATHS]")?;
     let device = tessera_kernels::parse_device(args.get(1).map_or("cpu", String::as_str))?;
     let batches: Vec<usize> = args
         .get(2)
@@ -186,8 +187,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for path in &paths {
             let (prefill_s, decode_s, tokens) = match path.as_str() {
                 "serving" => serving(&model, &prompts, steps)?,
+                "eager" => {
+                    // The serving path with decode steps launched op by op, not replayed.
+                    model.set_device_graphs(false);
+                    let r = serving(&model, &prompts, steps);
+                    model.set_device_graphs(true);
+                    r?
+                }
                 "forward" => forward(&model, &prompts, steps)?,
-                other => return Err(format!("unknown path `{other}` (serving, forward)").into()),
+                other => {
+                    return Err(format!("unknown path `{other}` (serving, eager, forward)").into())
+                }
             };
             let same = match &first {
                 None => {
@@ -207,6 +217,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 decode_s * 1e3 / steps as f64,
                 (b * steps) as f64 / decode_s
             );
+        }
+        if let Some((captured, replayed)) = model.device_graph_counts() {
+            println!("  decode graphs so far: {captured} captured, {replayed} replays");
         }
     }
     Ok(())

@@ -65,54 +65,90 @@ impl Sampler {
         }
     }
 
+    /// The next token for `logits`: [`tessera_kernels::cpu::sample_row`] with this sampler's
+    /// parameters and its next draw.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.params.temperature == 0.0 {
-            return tessera_kernels::cpu::argmax(logits) as u32;
-        }
-        let t = self.params.temperature;
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| !l.is_nan())
-            .map(|(i, &l)| (i as u32, l / t))
-            .collect();
-        // Descending by logit, ties by lower id, so filtering is deterministic.
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if self.params.top_k > 0 && cand.len() > self.params.top_k {
-            cand.truncate(self.params.top_k);
-        }
-        let max = cand[0].1;
-        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 - max) as f64).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-        if self.params.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = probs.len();
-            for (i, p) in probs.iter().enumerate() {
-                acc += p;
-                if acc >= self.params.top_p as f64 {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            probs.truncate(keep);
-            let total: f64 = probs.iter().sum();
-            probs.iter_mut().for_each(|p| *p /= total);
-        }
-        let mut u = self.rng.uniform();
-        for (i, p) in probs.iter().enumerate() {
-            if u < *p {
-                return cand[i].0;
-            }
-            u -= p;
-        }
-        cand[probs.len() - 1].0
+        let d = self.draw();
+        tessera_kernels::cpu::sample_row(logits, d.temperature, d.top_k, d.top_p, d.uniform)
     }
+
+    /// What [`Self::sample`] would apply to the next logits, advancing the random stream the same
+    /// way: for a sampler on the device, which applies the same rule.
+    pub fn draw(&mut self) -> SampleDraw {
+        let p = &self.params;
+        SampleDraw {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            uniform: if p.temperature > 0.0 {
+                self.rng.uniform()
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
+/// One row's sampling rule and uniform draw in [0, 1) (0 when greedy).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SampleDraw {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub uniform: f64,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_draw_applied_elsewhere_picks_what_sample_picks() {
+        // A device sampler gets `draw()` and applies `sample_row`: the same tokens as `sample`,
+        // the random stream advanced the same way, greedy included (no draw taken).
+        let logits: Vec<f32> = (0..300).map(|i| (i as f32 * 0.61).cos() * 3.0).collect();
+        for p in [
+            SamplingParams::default(),
+            SamplingParams {
+                temperature: 0.7,
+                top_k: 40,
+                top_p: 0.9,
+                seed: 5,
+            },
+            SamplingParams {
+                temperature: 1.3,
+                seed: 9,
+                ..Default::default()
+            },
+        ] {
+            let (mut a, mut b) = (Sampler::new(p.clone()).unwrap(), Sampler::new(p).unwrap());
+            let mut distinct = std::collections::HashSet::new();
+            for _ in 0..64 {
+                let d = b.draw();
+                let want = a.sample(&logits);
+                let got = tessera_kernels::cpu::sample_row(
+                    &logits,
+                    d.temperature,
+                    d.top_k,
+                    d.top_p,
+                    d.uniform,
+                );
+                assert_eq!(got, want);
+                distinct.insert(got);
+            }
+            assert_eq!(distinct.len() == 1, a.params.temperature == 0.0);
+        }
+    }
+
+    #[test]
+    fn all_nan_logits_give_a_token_not_a_panic() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p).unwrap();
+        assert_eq!(s.sample(&[f32::NAN, f32::NAN]), 0);
+    }
 
     #[test]
     fn greedy_is_argmax() {

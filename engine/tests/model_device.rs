@@ -46,6 +46,7 @@ fn a_model_runs_where_it_can_and_says_why_where_it_cannot() {
 fn the_paged_forward_needs_a_device_arena() {
     use tessera_engine::kv::{KvArena, KvLayout, PagePool, StateDtypes};
     use tessera_engine::model::{LogitsWanted, PagedState};
+    use tessera_engine::sampler::SampleDraw;
     use tessera_engine::serving::paged::{LayerSlots, PagedSeq, StepPages};
 
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/kl_mixed");
@@ -81,6 +82,36 @@ fn the_paged_forward_needs_a_device_arena() {
         .forward_paged(&tokens, &[LogitsWanted::Last], &[], pages.state(), &*arena)
         .unwrap_err()
         .to_string();
+    assert!(err.contains("device memory"), "unhelpful: {err}");
+    // Sampling on the device: one draw per segment, a segment asking for a token needs one, and
+    // a draw out of range is refused before anything runs.
+    let sampled = |wanted: LogitsWanted, draws: &[Option<SampleDraw>]| {
+        model
+            .forward_paged_sampled(&tokens, &[wanted], &[], pages.state(), &*arena, draws)
+            .unwrap_err()
+            .to_string()
+    };
+    let draw = SampleDraw {
+        temperature: 0.7,
+        top_k: 0,
+        top_p: 1.0,
+        uniform: 0.25,
+    };
+    let err = sampled(LogitsWanted::Last, &[]);
+    assert!(err.contains("0 draws"), "unhelpful: {err}");
+    let err = sampled(LogitsWanted::Last, &[None]);
+    assert!(err.contains("no draw"), "unhelpful: {err}");
+    let err = sampled(LogitsWanted::All, &[Some(draw)]);
+    assert!(err.contains("last row"), "unhelpful: {err}");
+    let err = sampled(
+        LogitsWanted::Last,
+        &[Some(SampleDraw {
+            uniform: 1.0,
+            ..draw
+        })],
+    );
+    assert!(err.contains("out of range"), "unhelpful: {err}");
+    let err = sampled(LogitsWanted::Last, &[Some(draw)]);
     assert!(err.contains("device memory"), "unhelpful: {err}");
     r.abandon(&mut pool);
 }

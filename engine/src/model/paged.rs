@@ -8,6 +8,7 @@
 use super::{EmbedSplice, LogitsWanted, Model};
 use crate::error::{EngineError, Result};
 use crate::kv::{DynArena, HostArena, KvArena, KvLayout};
+use crate::sampler::SampleDraw;
 
 /// Byte offsets from the arena's start of one layer's fields in its plane; a page's plane-0
 /// offset is added to address that page's copy.
@@ -61,6 +62,26 @@ impl Model {
         None
     }
 
+    /// Decode steps captured into and replayed from CUDA graphs so far, `(captured, replayed)`;
+    /// `None` off the GPU.
+    pub fn device_graph_counts(&self) -> Option<(u64, u64)> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.cuda {
+            return Some(gpu.graph_counts());
+        }
+        None
+    }
+
+    /// Turns replay of decode steps from CUDA graphs on or off (on by default, off with
+    /// `TESSERA_CUDA_GRAPHS=0`); a no-op off the GPU.
+    pub fn set_device_graphs(&self, on: bool) {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.cuda {
+            gpu.set_graphs(on);
+        }
+        let _ = on;
+    }
+
     /// Storage for a page pool of `layout`, where this model's forward reads state: device
     /// memory beside the weights on a GPU, host memory on the CPU.
     pub fn new_kv_arena(&self, layout: &KvLayout) -> Result<DynArena> {
@@ -90,6 +111,66 @@ impl Model {
         state: &PagedState,
         arena: &dyn KvArena,
     ) -> Result<Vec<Vec<f32>>> {
+        match self.paged_step(tokens, wanted, splices, state, arena, None)? {
+            StepOut::Logits(l) => Ok(l),
+            StepOut::Tokens(_) => unreachable!("no draws, no sampling"),
+        }
+    }
+
+    /// [`Self::forward_paged`] that samples on the device: segment `i`, when `wanted[i]` asks for
+    /// its last row, gets the token `draws[i]` picks from it (the rule of
+    /// [`crate::sampler::Sampler::sample`]); only token ids come back from the device.
+    pub fn forward_paged_sampled(
+        &self,
+        tokens: &[&[u32]],
+        wanted: &[LogitsWanted],
+        splices: &[Vec<EmbedSplice<'_>>],
+        state: &PagedState,
+        arena: &dyn KvArena,
+        draws: &[Option<SampleDraw>],
+    ) -> Result<Vec<Option<u32>>> {
+        if draws.len() != tokens.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "{} draws for a step of {} segments",
+                draws.len(),
+                tokens.len()
+            )));
+        }
+        let mut rows = Vec::new();
+        for (i, (w, d)) in wanted.iter().zip(draws).enumerate() {
+            match (w, d) {
+                (LogitsWanted::None, _) => {}
+                (LogitsWanted::Last, Some(d)) => {
+                    check_draw(d)?;
+                    rows.push(*d);
+                }
+                (LogitsWanted::Last, None) => {
+                    return Err(EngineError::InvalidInput(format!(
+                        "segment {i} wants a token but has no draw"
+                    )))
+                }
+                (LogitsWanted::All, _) => {
+                    return Err(EngineError::InvalidInput(format!(
+                        "segment {i} wants every row's logits; sampling takes its last row only"
+                    )))
+                }
+            }
+        }
+        match self.paged_step(tokens, wanted, splices, state, arena, Some(&rows))? {
+            StepOut::Tokens(t) => Ok(t),
+            StepOut::Logits(_) => unreachable!("draws given, tokens back"),
+        }
+    }
+
+    fn paged_step(
+        &self,
+        tokens: &[&[u32]],
+        wanted: &[LogitsWanted],
+        splices: &[Vec<EmbedSplice<'_>>],
+        state: &PagedState,
+        arena: &dyn KvArena,
+        draws: Option<&[SampleDraw]>,
+    ) -> Result<StepOut> {
         let n = tokens.len();
         if wanted.len() != n
             || state.start.len() != n
@@ -118,11 +199,33 @@ impl Model {
                     gpu.ordinal()
                 )));
             }
-            return gpu.forward_paged(tokens, wanted, splices, state, base);
+            return gpu.forward_paged(tokens, wanted, splices, state, base, draws);
         }
-        let _ = (ordinal, base);
+        let _ = (ordinal, base, draws);
         Err(EngineError::Device(
             "a paged forward needs the model on a GPU".into(),
         ))
     }
+}
+
+/// What a paged step returns: the logits asked for, or (sampled on the device) per segment the
+/// next token where one was asked for.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum StepOut {
+    Logits(Vec<Vec<f32>>),
+    Tokens(Vec<Option<u32>>),
+}
+
+fn check_draw(d: &SampleDraw) -> Result<()> {
+    let ok = d.temperature.is_finite()
+        && d.temperature >= 0.0
+        && d.top_p > 0.0
+        && d.top_p <= 1.0
+        && (0.0..1.0).contains(&d.uniform);
+    if !ok {
+        return Err(EngineError::InvalidInput(format!(
+            "a sampling draw out of range: {d:?} (temperature ≥ 0, top_p in (0, 1], draw in [0, 1))"
+        )));
+    }
+    Ok(())
 }

@@ -548,6 +548,17 @@ impl Scheduler {
         if plan.is_empty() {
             return Ok(0);
         }
+        // A device forward samples there too: each sequence whose last token runs this step
+        // takes its draw now (only token ids come back); the host forward returns logits,
+        // sampled below.
+        let on_device = self.pool.arena().device().is_some();
+        let draws: Vec<_> = plan
+            .iter()
+            .map(|&(i, end)| {
+                let s = &mut self.running[i];
+                (on_device && end == s.tokens.len()).then(|| s.sampler.draw())
+            })
+            .collect();
         // Image rows of each prefill chunk (an image may straddle chunks).
         let splices: Vec<_> = plan
             .iter()
@@ -574,7 +585,7 @@ impl Scheduler {
         // On a device arena the forward reads and writes the pages themselves; on the host it
         // runs on states gathered from the pool and scattered back.
         let mut states = Vec::new();
-        let logits = if self.pool.arena().device().is_some() {
+        let out: Vec<StepTokens> = if on_device {
             let mut pages = StepPages::new(&self.slots, &self.pool)?;
             for &(i, _) in &plan {
                 let r = reserved[i].as_ref().expect("reserved above");
@@ -587,13 +598,18 @@ impl Scheduler {
                     &s.tokens[s.paged.len..end]
                 })
                 .collect();
-            model.forward_paged(
-                &tokens,
-                &wanted,
-                &splices,
-                pages.state(),
-                &**self.pool.arena(),
-            )?
+            model
+                .forward_paged_sampled(
+                    &tokens,
+                    &wanted,
+                    &splices,
+                    pages.state(),
+                    &**self.pool.arena(),
+                    &draws,
+                )?
+                .into_iter()
+                .map(StepTokens::Sampled)
+                .collect()
         } else {
             for &(i, _) in &plan {
                 states.push(self.running[i].paged.gather(
@@ -615,11 +631,15 @@ impl Scheduler {
                     }
                 })
                 .collect();
-            model.forward_spliced(&mut segs, &splices)?
+            model
+                .forward_spliced(&mut segs, &splices)?
+                .into_iter()
+                .map(StepTokens::Logits)
+                .collect()
         };
         let mut processed = 0;
         let mut sampled = Vec::with_capacity(plan.len());
-        for (k, (&(i, end), lg)) in plan.iter().zip(logits).enumerate() {
+        for (k, (&(i, end), got)) in plan.iter().zip(out).enumerate() {
             let r = reserved[i].take().expect("reserved above");
             let s = &mut self.running[i];
             processed += end - s.paged.len;
@@ -640,8 +660,12 @@ impl Scheduler {
                     chunk_end,
                 )?;
             }
-            if !lg.is_empty() {
-                let next = s.sampler.sample(&lg);
+            let next = match got {
+                StepTokens::Sampled(t) => t,
+                StepTokens::Logits(lg) if !lg.is_empty() => Some(s.sampler.sample(&lg)),
+                StepTokens::Logits(_) => None,
+            };
+            if let Some(next) = next {
                 s.tokens.push(next);
                 sampled.push(i);
             }
@@ -892,4 +916,11 @@ fn publish(
         }
     }
     Ok(())
+}
+
+/// One segment's result of a step: its logits (host forward), or its token where the device
+/// sampled one.
+enum StepTokens {
+    Logits(Vec<f32>),
+    Sampled(Option<u32>),
 }

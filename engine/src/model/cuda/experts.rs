@@ -143,7 +143,7 @@ impl DExperts {
         let grouped = routing.n_group > 1 && routing.topk_group < routing.n_group;
         let fast = if !gpu.k.exact() && !grouped && dims.check(1).is_ok() {
             Some(Fast {
-                kernels: MoeDecode::load(&gpu.dev)?,
+                kernels: MoeDecode::load_for(&gpu.dev, dims.experts)?,
                 dims,
                 bias: gpu.dev.upload(correction_bias)?,
                 workspaces: Default::default(),

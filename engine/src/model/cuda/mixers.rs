@@ -9,9 +9,10 @@ use tessera_kernels::cuda::{KdaRecurrent, MlaAbsorbed, NormRows};
 
 use super::super::kda::{KdaLayer, OutGate};
 use super::super::mla::{MlaLayer, QueryProj};
+use super::inputs::Step;
 use super::state_io::{KdaIo, MlaIo};
 use super::weights::{DLinear, DVec};
-use super::{Gpu, Step};
+use super::Gpu;
 use crate::error::Result;
 
 const QK_L2_EPS: f32 = 1e-6;
@@ -93,7 +94,7 @@ impl DKda {
             gpu.p(&mixed),
             self.conv.ptr(gpu),
             &io.conv,
-            gpu.p(&step.seg_start),
+            step.seg_start,
             gpu.p(&conv_out),
             s,
             3 * p,
@@ -131,7 +132,7 @@ impl DKda {
                     g: gpu.p(&g),
                     beta: gpu.p(&beta),
                     state: io.recurrent,
-                    seg_start: gpu.p(&step.seg_start),
+                    seg_start: step.seg_start,
                     out: gpu.p(&core),
                     segments: s,
                     heads: h,

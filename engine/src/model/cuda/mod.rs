@@ -11,6 +11,8 @@
 
 mod arena;
 mod experts;
+mod graphs;
+mod inputs;
 mod mixers;
 mod moe;
 mod state_io;
@@ -18,19 +20,21 @@ mod weights;
 
 pub(crate) use arena::DeviceArena;
 
-use std::ops::Range;
-
 use tessera_kernels::cuda::{
     dptr, CudaDevice, CudaError, CudaSlice, DevPtr, DeviceRepr, DriverError, GemmType,
     Linear as Blas, ModelKernels, NormRows, ValidAsZeroBits,
 };
 
-use super::{EmbedSplice, Ffn, LogitsWanted, Mixer, Model, PagedState, Rows, Segment};
+use super::paged::StepOut;
+use super::{EmbedSplice, Ffn, LogitsWanted, Mixer, Model, PagedState, Segment};
 use crate::error::{EngineError, Result};
+use crate::sampler::SampleDraw;
+use graphs::Graphs;
+use inputs::{DrawPlan, Draws, Packed, Step, StepPlan};
 use mixers::{DKda, DMla};
 use moe::DMoe;
-use state_io::{PagedTables, States};
-use weights::{upload_i32, upload_weights, DLinear, DMlp, DVec};
+use state_io::{PagedPlan, States};
+use weights::{upload_weights, DLinear, DMlp, DVec};
 
 impl From<CudaError> for EngineError {
     fn from(e: CudaError) -> Self {
@@ -141,23 +145,6 @@ impl Gpu {
     }
 }
 
-/// Row layout of one forward call, on the host and (segment starts) on the device.
-pub(super) struct Step {
-    rows: usize,
-    layout: Rows,
-    seg_start: CudaSlice<i32>,
-}
-
-impl Step {
-    fn ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {
-        self.layout.ranges()
-    }
-
-    fn segments(&self) -> usize {
-        self.layout.ranges().count()
-    }
-}
-
 enum DMixer {
     Kda(DKda),
     Mla(DMla),
@@ -187,6 +174,8 @@ pub(crate) struct CudaModel {
     lm_head: DLinear,
     out_res: Option<DVec>,
     attn_res_block: Option<usize>,
+    graphs: std::sync::Mutex<Graphs>,
+    sampler: tessera_kernels::cuda::Sampler,
 }
 
 impl CudaModel {
@@ -235,6 +224,7 @@ impl CudaModel {
                 )));
             }
         }
+        let sampler = tessera_kernels::cuda::Sampler::load(&gpu.dev)?;
         Ok(CudaModel {
             embed: upload_weights(&gpu, &model.embed)?,
             norm: DVec::norm(&gpu, &model.norm)?,
@@ -249,6 +239,10 @@ impl CudaModel {
             hidden: d,
             vocab: model.config.vocab_size,
             attn_res_block,
+            sampler,
+            graphs: std::sync::Mutex::new(Graphs::new(
+                std::env::var("TESSERA_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            )),
         })
     }
 
@@ -271,6 +265,21 @@ impl CudaModel {
         &self.gpu.dev
     }
 
+    /// Decode-step graphs `(captured, replayed)` so far.
+    pub(crate) fn graph_counts(&self) -> (u64, u64) {
+        self.graphs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .counts()
+    }
+
+    pub(crate) fn set_graphs(&self, on: bool) {
+        self.graphs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set_enabled(on);
+    }
+
     /// The forward pass over caller-owned states; inputs already validated by
     /// [`Model::forward_spliced`].
     pub(crate) fn forward(
@@ -280,14 +289,11 @@ impl CudaModel {
     ) -> Result<Vec<Vec<f32>>> {
         let tokens: Vec<&[u32]> = segments.iter().map(|s| s.tokens).collect();
         let wanted: Vec<LogitsWanted> = segments.iter().map(|s| s.logits).collect();
-        let step = self.step(&tokens)?;
-        let logits = self.run(
-            &step,
-            &tokens,
-            &wanted,
-            splices,
-            &mut States::Host(segments),
-        )?;
+        let mut pk = Packed::default();
+        let plan = StepPlan::pack(&mut pk, &tokens, &wanted);
+        let inputs = pk.upload(&self.gpu)?;
+        let step = plan.at(self.gpu.p(&inputs));
+        let logits = self.run_eager(&step, splices, &mut States::Host(segments))?;
         for seg in segments.iter_mut() {
             seg.state.len += seg.tokens.len();
         }
@@ -295,7 +301,8 @@ impl CudaModel {
     }
 
     /// The forward pass over states in a device page arena at `arena` (an address on this
-    /// model's GPU); inputs already validated by [`Model::forward_paged`].
+    /// model's GPU); inputs already validated by [`Model::forward_paged`]. A decode step is
+    /// replayed from a graph where it can be ([`graphs`]).
     pub(crate) fn forward_paged(
         &self,
         tokens: &[&[u32]],
@@ -303,8 +310,8 @@ impl CudaModel {
         splices: &[Vec<EmbedSplice<'_>>],
         state: &PagedState,
         arena: u64,
-    ) -> Result<Vec<Vec<f32>>> {
-        let step = self.step(tokens)?;
+        draws: Option<&[SampleDraw]>,
+    ) -> Result<StepOut> {
         let width = self
             .layers
             .iter()
@@ -313,46 +320,111 @@ impl CudaModel {
                 DMixer::Kda(_) => None,
             })
             .unwrap_or(0);
-        let tables = self.gpu.timed("tables", || {
-            PagedTables::new(&self.gpu, &step, arena, state, width)
-        })?;
-        self.run(
-            &step,
+        let call = graphs::Call {
             tokens,
             wanted,
             splices,
-            &mut States::Paged(Box::new(tables)),
-        )
+            state,
+            arena,
+            width,
+            draws,
+        };
+        if let Some(out) = self.forward_graphed(&call)? {
+            return Ok(out);
+        }
+        let mut pk = Packed::default();
+        let plan = StepPlan::pack(&mut pk, tokens, wanted);
+        let tables = PagedPlan::pack(&mut pk, plan.layout(), state, width, None)?;
+        let draws = draws.map(|d| DrawPlan::pack(&mut pk, d));
+        let inputs = self.gpu.timed("tables", || pk.upload(&self.gpu))?;
+        let base = self.gpu.p(&inputs);
+        let step = plan.at(base);
+        let tables = tables.at(base, arena);
+        let draws = draws.map(|d| d.at(base));
+        let mut states = States::Paged(Box::new(tables));
+        match draws {
+            Some(d) => self.run_sampled(&step, splices, &mut states, d),
+            None => Ok(StepOut::Logits(self.run_eager(
+                &step,
+                splices,
+                &mut states,
+            )?)),
+        }
     }
 
-    fn step(&self, tokens: &[&[u32]]) -> Result<Step> {
-        let layout = Rows::new(tokens.iter().map(|t| t.len()));
-        Ok(Step {
-            rows: layout.total(),
-            seg_start: upload_i32(&self.gpu.dev, &layout.starts)?,
-            layout,
-        })
-    }
-
-    fn run(
+    /// [`Self::run`] into a fresh logits buffer, read back per segment.
+    fn run_eager(
         &self,
         step: &Step,
-        tokens: &[&[u32]],
-        wanted: &[LogitsWanted],
         splices: &[Vec<EmbedSplice<'_>>],
         states: &mut States<'_, '_>,
     ) -> Result<Vec<Vec<f32>>> {
+        let v = self.vocab;
+        if step.logit_total() == 0 {
+            self.run(step, splices, states, 0)?;
+            return Ok(vec![Vec::new(); step.segments()]);
+        }
+        let logits = self.gpu.scratch::<f32>(step.logit_total() * v)?;
+        self.run(step, splices, states, self.gpu.p(&logits))?;
+        self.gpu.timed("logits", || {
+            // Straight into each segment's vector, through the page-locked staging buffer.
+            let mut out: Vec<Vec<f32>> = step
+                .logit_counts
+                .iter()
+                .map(|&c| vec![0.0; c * v])
+                .collect();
+            let mut parts: Vec<&mut [f32]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+            self.gpu.dev.download_parts(&logits, &mut parts)?;
+            Ok(out)
+        })
+    }
+
+    /// [`Self::run`] and the sampler on the device: only the token ids come back.
+    fn run_sampled(
+        &self,
+        step: &Step,
+        splices: &[Vec<EmbedSplice<'_>>],
+        states: &mut States<'_, '_>,
+        draws: Draws,
+    ) -> Result<StepOut> {
+        let m = step.logit_total();
+        let logits = self.gpu.scratch::<f32>((m * self.vocab).max(1))?;
+        let ids = self.gpu.scratch::<u32>(m.max(1))?;
+        self.run(step, splices, states, self.gpu.p(&logits))?;
+        self.sample(m, self.gpu.p(&logits), draws, self.gpu.p(&ids))?;
+        let ids = self
+            .gpu
+            .timed("logits", || Ok(self.gpu.dev.download(&ids)?))?;
+        Ok(StepOut::Tokens(step.tokens_per_segment(&ids)))
+    }
+
+    /// Queues the sampler over `rows` rows of logits at `logits`, token ids into `out`.
+    fn sample(&self, rows: usize, logits: DevPtr, draws: Draws, out: DevPtr) -> Result<()> {
+        // SAFETY: `logits` holds `rows · vocab` f32, `draws` `rows` values of each parameter
+        // (packed by `DrawPlan` from validated sampling parameters and draws in [0, 1)), and
+        // `out` `rows` u32 — all on this model's device.
+        unsafe {
+            self.sampler
+                .sample_f32_at(&self.gpu.dev, logits, rows, self.vocab, draws, out)
+        }?;
+        Ok(())
+    }
+
+    /// Queues the whole forward of `step`, its logits (rows `step.logit_rows`, `[m, vocab]`
+    /// f32) into `logits`. Only queues work on the stream, so a decode step can be captured.
+    fn run(
+        &self,
+        step: &Step,
+        splices: &[Vec<EmbedSplice<'_>>],
+        states: &mut States<'_, '_>,
+        logits: DevPtr,
+    ) -> Result<()> {
         let gpu = &self.gpu;
         let (dev, d) = (&gpu.dev, self.hidden);
         let n = step.rows;
-        let ids: Vec<usize> = tokens
-            .iter()
-            .flat_map(|t| t.iter().map(|&t| t as usize))
-            .collect();
-        let ids = upload_i32(dev, &ids)?;
         let mut h = gpu.scratch::<f32>(n * d)?;
         gpu.k
-            .embed_rows(dev, gpu.p(&ids), gpu.p(&self.embed), gpu.p(&h), n, d)?;
+            .embed_rows(dev, step.ids, gpu.p(&self.embed), gpu.p(&h), n, d)?;
         for (range, seg_splices) in step.ranges().zip(splices) {
             for sp in seg_splices {
                 let at = (range.start + sp.row) * d;
@@ -430,42 +502,18 @@ impl CudaModel {
             run.fold_delta(gpu)?;
             run.mix(gpu, true, q, gpu.p(&h))?;
         }
-        gpu.timed("logits", || self.logits(wanted, step, &h))
-    }
-
-    /// Final norm and LM head over the rows each segment asked for; one download.
-    fn logits(
-        &self,
-        wanted: &[LogitsWanted],
-        step: &Step,
-        h: &CudaSlice<f32>,
-    ) -> Result<Vec<Vec<f32>>> {
-        let gpu = &self.gpu;
-        let (d, v) = (self.hidden, self.vocab);
-        let mut rows = Vec::new();
-        let mut counts = Vec::with_capacity(wanted.len());
-        for (w, range) in wanted.iter().zip(step.ranges()) {
-            let r = w.rows(range);
-            counts.push(r.len());
-            rows.extend(r);
+        let m = step.logit_total();
+        if m == 0 {
+            return Ok(());
         }
-        if rows.is_empty() {
-            return Ok(vec![Vec::new(); wanted.len()]);
-        }
-        let m = rows.len();
-        let map = upload_i32(&gpu.dev, &rows)?;
-        let hb = gpu.act(m * d)?;
-        let mut nr = NormRows::plain(gpu.p(h), self.norm.ptr(gpu), m, d, self.norm.eps);
-        nr.in_rows = gpu.p(&map);
-        nr.out_act = gpu.p(&hb);
-        gpu.k.rms_norm(&gpu.dev, &nr)?;
-        let logits = gpu.scratch::<f32>(m * v)?;
-        self.lm_head.forward(gpu, gpu.p(&hb), m, gpu.p(&logits))?;
-        // Straight into each segment's vector, through the page-locked staging buffer.
-        let mut out: Vec<Vec<f32>> = counts.iter().map(|&c| vec![0.0; c * v]).collect();
-        let mut parts: Vec<&mut [f32]> = out.iter_mut().map(Vec::as_mut_slice).collect();
-        gpu.dev.download_parts(&logits, &mut parts)?;
-        Ok(out)
+        gpu.timed("logits", || {
+            let hb = gpu.act(m * d)?;
+            let mut nr = NormRows::plain(gpu.p(&h), self.norm.ptr(gpu), m, d, self.norm.eps);
+            nr.in_rows = step.logit_rows;
+            nr.out_act = gpu.p(&hb);
+            gpu.k.rms_norm(dev, &nr)?;
+            self.lm_head.forward(gpu, gpu.p(&hb), m, logits)
+        })
     }
 }
 

@@ -179,4 +179,9 @@ impl DMoe {
     pub fn out_dim(&self) -> usize {
         self.hidden
     }
+
+    /// Whether a call of `rows` rows routes on the device (no read-back of the router's scores).
+    pub fn routes_on_device(&self, rows: usize) -> bool {
+        self.experts.takes_fast_path(rows)
+    }
 }

@@ -11,9 +11,9 @@
 
 use tessera_kernels::cuda::{CudaSlice, DevPtr, PagedHistory, SegState};
 
-use super::super::{PagedLayer, PagedState, Segment};
-use super::weights::upload_i32;
-use super::{Gpu, Step};
+use super::super::{PagedLayer, PagedState, Rows, Segment};
+use super::inputs::{Packed, Region, Step};
+use super::Gpu;
 use crate::error::{EngineError, Result};
 use crate::state::LayerState;
 
@@ -31,7 +31,7 @@ pub(super) struct KdaIo {
     pub conv: SegState,
     pub recurrent: SegState,
     /// The host form's scratch (read back by [`States::kda_done`]).
-    scratch: Option<(CudaSlice<f32>, CudaSlice<i64>)>,
+    scratch: Option<(CudaSlice<f32>, CudaSlice<u8>)>,
 }
 
 /// An MLA layer's latent history, and where the call's new rows go.
@@ -42,9 +42,16 @@ pub(super) struct MlaIo {
     /// Per row: history rows it attends to (its own included).
     pub visible: DevPtr,
     pub max_visible: usize,
-    /// The host form's per-layer tables and buffer (read back by [`States::mla_done`]).
-    tables: Option<HistTables>,
-    scratch: Option<CudaSlice<f32>>,
+    /// The host form's row destinations, tables and buffer (used by [`States::mla_done`]).
+    host: Option<(Vec<i64>, CudaSlice<u8>, CudaSlice<f32>)>,
+}
+
+/// Room reserved in the packed tables, for a replayed graph whose tables sit at fixed
+/// addresses: page list entries, and the attention's history bound (a row never sees more).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct TableRoom {
+    pub pages: usize,
+    pub max_visible: usize,
 }
 
 /// Per-call device tables of the paged form.
@@ -52,33 +59,51 @@ pub(super) struct PagedTables {
     arena: u64,
     layers: Vec<PagedLayer>,
     /// Per KDA group: source and destination offsets (floats, plane-relative) per segment.
-    kda: Vec<(CudaSlice<i64>, CudaSlice<i64>)>,
+    kda: Vec<(DevPtr, DevPtr)>,
     mla: Option<HistTables>,
+}
+
+/// [`PagedTables`] before upload.
+pub(super) struct PagedPlan {
+    layers: Vec<PagedLayer>,
+    kda: Vec<(Region, Region)>,
+    mla: Option<HistPlan>,
 }
 
 /// Page list, per-row first page, stored-row offsets and visible counts of a latent history.
 struct HistTables {
-    pages: CudaSlice<i64>,
-    first: CudaSlice<i32>,
-    row_dst: CudaSlice<i64>,
-    visible: CudaSlice<i32>,
+    pages: DevPtr,
+    first: DevPtr,
+    row_dst: DevPtr,
+    visible: DevPtr,
     max_visible: usize,
     page_tokens: usize,
 }
 
-impl HistTables {
+/// [`HistTables`] before upload, with the row destinations kept on the host.
+struct HistPlan {
+    pages: Region,
+    first: Region,
+    row_dst: Region,
+    visible: Region,
+    max_visible: usize,
+    page_tokens: usize,
+    row_dst_host: Vec<i64>,
+}
+
+impl HistPlan {
     /// `pages[s]`: segment `s`'s page offsets (floats); `start[s]`: rows it already holds.
-    fn build(
-        gpu: &Gpu,
-        step: &Step,
+    fn pack(
+        pk: &mut Packed,
+        layout: &Rows,
         pages: &[Vec<i64>],
         start: &[usize],
-        page_tokens: usize,
-        width: usize,
+        (page_tokens, width): (usize, usize),
+        room: Option<TableRoom>,
     ) -> Result<Self> {
         let mut flat = Vec::new();
         let (mut first, mut row_dst, mut visible) = (Vec::new(), Vec::new(), Vec::new());
-        for ((range, seg_pages), &before) in step.ranges().zip(pages).zip(start) {
+        for ((range, seg_pages), &before) in layout.ranges().zip(pages).zip(start) {
             let at = flat.len();
             for i in 0..range.len() {
                 let j = before + i;
@@ -94,60 +119,81 @@ impl HistTables {
             }
             flat.extend_from_slice(seg_pages);
         }
-        let dev = &gpu.dev;
-        Ok(HistTables {
-            max_visible: visible.iter().copied().max().unwrap_or(1),
-            pages: dev.upload(&pad(flat))?,
-            first: upload_i32(dev, &first)?,
-            row_dst: dev.upload(&pad(row_dst))?,
-            visible: upload_i32(dev, &visible)?,
+        let mut max_visible = visible.iter().copied().max().unwrap_or(1);
+        let mut pages_room = flat.len();
+        if let Some(room) = room {
+            if room.pages < flat.len() || room.max_visible < max_visible {
+                return Err(EngineError::Device(format!(
+                    "a step's tables ({} pages, {max_visible} rows) exceed the room made for them \
+                     ({} pages, {} rows)",
+                    flat.len(),
+                    room.pages,
+                    room.max_visible
+                )));
+            }
+            (pages_room, max_visible) = (room.pages, room.max_visible);
+        }
+        let rows = first.len();
+        Ok(HistPlan {
+            pages: pk.i64s(&flat, pages_room),
+            first: pk.i32s(&first, rows),
+            row_dst: pk.i64s(&row_dst, rows),
+            visible: pk.i32s(&visible, rows),
+            max_visible,
             page_tokens,
+            row_dst_host: row_dst,
         })
     }
 
-    fn io(&self, gpu: &Gpu, base: u64) -> MlaIo {
-        MlaIo {
-            hist: PagedHistory {
-                base,
-                pages: gpu.p(&self.pages),
-                first: gpu.p(&self.first),
-                page_tokens: self.page_tokens,
-            },
-            row_dst: gpu.p(&self.row_dst),
-            visible: gpu.p(&self.visible),
+    fn at(&self, base: DevPtr) -> HistTables {
+        HistTables {
+            pages: Packed::at(base, self.pages),
+            first: Packed::at(base, self.first),
+            row_dst: Packed::at(base, self.row_dst),
+            visible: Packed::at(base, self.visible),
             max_visible: self.max_visible,
-            tables: None,
-            scratch: None,
+            page_tokens: self.page_tokens,
         }
     }
 }
 
-/// Device arrays may not be empty.
-fn pad(mut v: Vec<i64>) -> Vec<i64> {
-    if v.is_empty() {
-        v.push(0);
+impl HistTables {
+    fn io(&self, base: u64) -> MlaIo {
+        MlaIo {
+            hist: PagedHistory {
+                base,
+                pages: self.pages,
+                first: self.first,
+                page_tokens: self.page_tokens,
+            },
+            row_dst: self.row_dst,
+            visible: self.visible,
+            max_visible: self.max_visible,
+            host: None,
+        }
     }
-    v
 }
 
 fn floats(bytes: usize) -> i64 {
     (bytes / 4) as i64
 }
 
-impl PagedTables {
-    pub(super) fn new(
-        gpu: &Gpu,
-        step: &Step,
-        arena: u64,
+impl PagedPlan {
+    /// Packs the tables of a paged step; `width`: floats of a latent row; `room`: fixed room for
+    /// a graph's tables.
+    pub(super) fn pack(
+        pk: &mut Packed,
+        layout: &Rows,
         st: &PagedState,
         width: usize,
+        room: Option<TableRoom>,
     ) -> Result<Self> {
-        let dev = &gpu.dev;
+        let segments = st.start.len();
         let mut kda = Vec::with_capacity(st.kda.len());
         for group in &st.kda {
             let src: Vec<i64> = group.iter().map(|(s, _)| s.map_or(-1, floats)).collect();
             let dst: Vec<i64> = group.iter().map(|&(_, d)| floats(d)).collect();
-            kda.push((dev.upload(&pad(src))?, dev.upload(&pad(dst))?));
+            kda.push((pk.i64s(&src, segments), pk.i64s(&dst, segments)));
         }
         let has_mla = st
             .layers
@@ -159,23 +205,36 @@ impl PagedTables {
                 .iter()
                 .map(|p| p.iter().map(|&b| floats(b)).collect())
                 .collect();
-            Some(HistTables::build(
-                gpu,
-                step,
+            Some(HistPlan::pack(
+                pk,
+                layout,
                 &pages,
                 &st.start,
-                st.page_tokens,
-                width,
+                (st.page_tokens, width),
+                room,
             )?)
         } else {
             None
         };
-        Ok(PagedTables {
-            arena,
+        Ok(PagedPlan {
             layers: st.layers.clone(),
             kda,
             mla,
         })
+    }
+
+    /// The tables, uploaded to a buffer at `base`, over the arena at `arena`.
+    pub(super) fn at(&self, base: DevPtr, arena: u64) -> PagedTables {
+        PagedTables {
+            arena,
+            layers: self.layers.clone(),
+            kda: self
+                .kda
+                .iter()
+                .map(|&(s, d)| (Packed::at(base, s), Packed::at(base, d)))
+                .collect(),
+            mla: self.mla.as_ref().map(|m| m.at(base)),
+        }
     }
 }
 
@@ -199,12 +258,12 @@ impl States<'_, '_> {
                 else {
                     return Err(layer_mismatch(l));
                 };
-                let (src_off, dst_off) = &t.kda[group];
+                let (src_off, dst_off) = t.kda[group];
                 let at = |field: usize| SegState {
                     src: t.arena + field as u64,
                     dst: t.arena + field as u64,
-                    src_off: gpu.p(src_off),
-                    dst_off: gpu.p(dst_off),
+                    src_off,
+                    dst_off,
                 };
                 Ok(KdaIo {
                     conv: at(conv),
@@ -226,7 +285,9 @@ impl States<'_, '_> {
                 }
                 let buf = gpu.dev.upload_parts(&parts)?;
                 let offs: Vec<i64> = (0..segments.len()).map(|s| (s * stride) as i64).collect();
-                let offs = gpu.dev.upload(&pad(offs))?;
+                let mut pk = Packed::default();
+                pk.i64s(&offs, 0);
+                let offs = pk.upload(gpu)?;
                 let at = |field: usize| SegState {
                     src: gpu.p_at(&buf, field),
                     dst: gpu.p_at(&buf, field),
@@ -275,7 +336,7 @@ impl States<'_, '_> {
                     return Err(layer_mismatch(l));
                 };
                 let tables = t.mla.as_ref().ok_or_else(|| layer_mismatch(l))?;
-                Ok(tables.io(gpu, t.arena + latent as u64))
+                Ok(tables.io(t.arena + latent as u64))
             }
             States::Host(segments) => {
                 // One "page" per segment holding its whole history plus the new rows.
@@ -294,12 +355,20 @@ impl States<'_, '_> {
                     }
                     host.resize(host.len() + range.len() * width, 0.0);
                 }
-                let tables = HistTables::build(gpu, step, &pages, &start, WHOLE_SEQUENCE, width)?;
+                let mut pk = Packed::default();
+                let plan = HistPlan::pack(
+                    &mut pk,
+                    &step.layout,
+                    &pages,
+                    &start,
+                    (WHOLE_SEQUENCE, width),
+                    None,
+                )?;
+                let tables = pk.upload(gpu)?;
                 let buf = gpu.dev.upload(&host)?;
                 // The io keeps the host form's buffer and tables alive until `mla_done`.
-                let mut io = tables.io(gpu, gpu.p(&buf));
-                io.scratch = Some(buf);
-                io.tables = Some(tables);
+                let mut io = plan.at(gpu.p(&tables)).io(gpu.p(&buf));
+                io.host = Some((plan.row_dst_host, tables, buf));
                 Ok(io)
             }
         }
@@ -315,12 +384,10 @@ impl States<'_, '_> {
         rank: usize,
         rope: usize,
     ) -> Result<()> {
-        let (States::Host(segments), Some(buf), Some(tables)) = (self, io.scratch, io.tables)
-        else {
+        let (States::Host(segments), Some((row_dst, _tables, buf))) = (self, io.host) else {
             return Ok(());
         };
         let all = gpu.dev.download(&buf)?;
-        let row_dst = gpu.dev.download(&tables.row_dst)?;
         for (seg, range) in segments.iter_mut().zip(step.ranges()) {
             let LayerState::Mla(m) = &mut seg.state.layers[l] else {
                 return Err(layer_mismatch(l));
