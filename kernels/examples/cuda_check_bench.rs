@@ -165,32 +165,46 @@ fn check_prefill(
     Ok(())
 }
 
+/// Decode kernel variants: (label, three blocks per SM, column split); the last is the default.
+const DECODE_VARIANTS: &[(&str, bool, bool)] = &[
+    (".block", false, false),
+    (".occ3", true, false),
+    ("", false, true),
+];
+
 fn check_decode(
     dev: &CudaDevice,
-    kernels: &KdaKernels,
+    kernels: &mut KdaKernels,
     checks: &mut Checks,
     p: &Problem,
 ) -> Result<(), CudaError> {
     let s = p.shape;
     let scale = 1.0 / (s.dk as f32).sqrt();
     let d = p.upload(dev)?;
-    let mut state = dev.upload(p.state0.as_ref().expect("decode starts from a state"))?;
-    let mut out = Device { dev }.poisoned_u16(s.batch * s.heads * s.dv)?;
     let x = d.inputs();
-    kernels.decode(dev, s, &x, scale, true, &mut state, &mut out)?;
-    let got_o: Vec<f32> = dev.download(&out)?.into_iter().map(bf16_value).collect();
-    let got_s = dev.download(&state)?;
     let (want_o, want_s) = p.reference(scale);
-    checks.report(
-        &format!("kda_decode.B{}.o", s.batch),
-        rel_err(&got_o, &want_o),
-        1e-2,
-    );
-    checks.report(
-        &format!("kda_decode.B{}.state", s.batch),
-        rel_err(&got_s, &want_s),
-        1e-5,
-    );
+    // Every variant of the step, each from the same state, outputs poisoned first.
+    for &(label, occ3, split) in DECODE_VARIANTS {
+        kernels.set_decode_three_blocks_per_sm(occ3);
+        kernels.set_decode_split_columns(split);
+        let mut state = dev.upload(p.state0.as_ref().expect("decode starts from a state"))?;
+        let mut out = Device { dev }.poisoned_u16(s.batch * s.heads * s.dv)?;
+        kernels.decode(dev, s, &x, scale, true, &mut state, &mut out)?;
+        let got_o: Vec<f32> = dev.download(&out)?.into_iter().map(bf16_value).collect();
+        let got_s = dev.download(&state)?;
+        checks.report(
+            &format!("kda_decode{label}.B{}.o", s.batch),
+            rel_err(&got_o, &want_o),
+            1e-2,
+        );
+        checks.report(
+            &format!("kda_decode{label}.B{}.state", s.batch),
+            rel_err(&got_s, &want_s),
+            1e-5,
+        );
+    }
+    kernels.set_decode_three_blocks_per_sm(false);
+    kernels.set_decode_split_columns(true);
     Ok(())
 }
 
@@ -259,8 +273,9 @@ fn bench_decode(dev: &CudaDevice, kernels: &mut KdaKernels, batch: usize) -> Res
     let x = d.inputs();
     let scale = 1.0 / (s.dk as f32).sqrt();
     let bytes = (batch * s.heads * s.dk * s.dv) as f64 * 4.0 * 2.0;
-    for (label, occ3) in [("", false), (".occ3", true)] {
+    for &(label, occ3, split) in DECODE_VARIANTS {
         kernels.set_decode_three_blocks_per_sm(occ3);
+        kernels.set_decode_split_columns(split);
         let us = time_us(dev, 20, 200, || {
             kernels.decode(dev, s, &x, scale, true, &mut state, &mut out)
         })?;
@@ -271,6 +286,7 @@ fn bench_decode(dev: &CudaDevice, kernels: &mut KdaKernels, batch: usize) -> Res
         );
     }
     kernels.set_decode_three_blocks_per_sm(false);
+    kernels.set_decode_split_columns(true);
     Ok(())
 }
 
@@ -309,7 +325,7 @@ fn run() -> Result<usize, CudaError> {
     let dev = CudaDevice::open(0, default_cache_dir())?;
     println!("device {} ({})", dev.name(), dev.arch());
     let t = Instant::now();
-    let kernels = KdaKernels::load_with(&dev, 128, 128, 32, &base)?;
+    let mut kernels = KdaKernels::load_with(&dev, 128, 128, 32, &base)?;
     println!("compiled kda kernels in {:.2}s", t.elapsed().as_secs_f64());
     let mut checks = Checks { failed: 0 };
     let mut rng = Rng(42);
@@ -337,7 +353,7 @@ fn run() -> Result<usize, CudaError> {
     }
     for batch in [1, 5, 64] {
         let p = Problem::random(shape(batch, 1, 4), &mut rng, 0.5, true);
-        check_decode(&dev, &kernels, &mut checks, &p)?;
+        check_decode(&dev, &mut kernels, &mut checks, &p)?;
     }
     if checks.failed > 0 {
         return Ok(checks.failed);
@@ -393,7 +409,6 @@ fn run() -> Result<usize, CudaError> {
     for &(b, t) in shapes {
         bench_prefill(&dev, &variants, shape(b, t, 32))?;
     }
-    let mut kernels = kernels;
     for batch in [1, 64, 256].into_iter().filter(|_| !prefill_only) {
         bench_decode(&dev, &mut kernels, batch)?;
     }

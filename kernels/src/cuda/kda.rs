@@ -15,7 +15,9 @@ pub struct KdaKernels {
     scan: CudaFunction,
     decode: CudaFunction,
     decode_occ3: CudaFunction,
+    decode_split2: CudaFunction,
     use_occ3: bool,
+    use_split2: bool,
     dk: usize,
     dv: usize,
     v_tile: usize,
@@ -93,6 +95,7 @@ impl KdaKernels {
         let scan = module.load_function("kda_chunk_scan")?;
         let decode = module.load_function("kda_decode")?;
         let decode_occ3 = module.load_function("kda_decode_occ3")?;
+        let decode_split2 = module.load_function("kda_decode_split2")?;
         let (prep_smem, scan_smem) = kda_smem_bytes(dk, dv, v_tile, kda_scan_stages(extra));
         let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         prep.set_attribute(attr, prep_smem as i32)?;
@@ -102,7 +105,9 @@ impl KdaKernels {
             scan,
             decode,
             decode_occ3,
+            decode_split2,
             use_occ3: false,
+            use_split2: true,
             dk,
             dv,
             v_tile,
@@ -272,6 +277,12 @@ impl KdaKernels {
         self.use_occ3 = on;
     }
 
+    /// Chooses the decode kernel that splits each (sequence, head) state over two blocks of 64
+    /// value columns (128 threads each; the default) instead of one block of 256 threads.
+    pub fn set_decode_split_columns(&mut self, on: bool) {
+        self.use_split2 = on;
+    }
+
     /// One decode step for `shape.batch` sequences (seq_len 1): `state` [B, H, DK, DV] is read
     /// and updated in place, `out` receives o [B, H, DV].
     #[allow(clippy::too_many_arguments)]
@@ -296,20 +307,21 @@ impl KdaKernels {
                 "state or output size does not match the shape".into(),
             ));
         }
+        let (split, threads, f) = match (self.use_split2, self.use_occ3) {
+            (true, _) => (2, 128, &self.decode_split2),
+            (false, true) => (1, 256, &self.decode_occ3),
+            (false, false) => (1, 256, &self.decode),
+        };
         let cfg = LaunchConfig {
-            grid_dim: ((shape.batch * shape.heads) as u32, 1, 1),
-            block_dim: (256, 1, 1),
+            grid_dim: ((shape.batch * shape.heads * split) as u32, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let l2 = l2norm as i32;
-        // SAFETY: argument types and order match kda_decode; sizes were checked above.
+        // SAFETY: argument types and order match kda_decode*; sizes were checked above.
         unsafe {
             dev.stream()
-                .launch_builder(if self.use_occ3 {
-                    &self.decode_occ3
-                } else {
-                    &self.decode
-                })
+                .launch_builder(f)
                 .arg(x.q)
                 .arg(x.k)
                 .arg(x.v)
