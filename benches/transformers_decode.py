@@ -1,7 +1,10 @@
 """Decode throughput of `transformers`' KimiLinearForCausalLM (bf16, eager) on a GPU: the anchor
 beside `decode_bench` (tessera-engine example), with the same protocol: `batch` random prompts
 of `prompt` tokens prefilled together, then `steps` greedy decode steps with the cache; prints
-decode tokens/s per batch size.
+decode tokens/s per batch size. Each batch size is warmed up first (untimed). With FLA importable
+(`pip install --no-index --no-deps --target /tmp/site fla_core flash_linear_attention einops`
+wheels, `PYTHONPATH=/tmp/site`), transformers runs FLA's Triton KDA kernels instead of its
+PyTorch fallbacks.
 
     python benches/transformers_decode.py MODEL_DIR [--batches 1,32] [--prompt 128] [--steps 32]
 """
@@ -9,6 +12,7 @@ decode tokens/s per batch size.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 
 import torch
@@ -29,7 +33,16 @@ def main() -> int:
     vocab = model.config.vocab_size
     print(f"transformers {transformers.__version__}, torch {torch.__version__}: {a.model} on {dev}", flush=True)
     g = torch.Generator().manual_seed(7)
+    fla = importlib.util.find_spec("fla") is not None
+    print(f"flash-linear-attention (fla) importable: {fla}", flush=True)
     for b in [int(x) for x in a.batches.split(",")]:
+        # Untimed warm-up at this batch size: kernels compiled on first use (FLA's Triton
+        # kernels, cuBLAS heuristics) are not counted in the decode time.
+        warm = torch.randint(0, vocab, (b, 16), generator=g).to(dev)
+        out = model(input_ids=warm, use_cache=True)
+        for _ in range(2):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
         ids = torch.randint(0, vocab, (b, a.prompt), generator=g).to(dev)
         torch.cuda.synchronize()
         t = time.perf_counter()
