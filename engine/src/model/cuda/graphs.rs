@@ -139,6 +139,10 @@ impl CudaModel {
             pages: rows * max_visible.div_ceil(state.page_tokens.max(1)),
             max_visible,
         };
+        if state.mla_pages.iter().map(Vec::len).sum::<usize>() > room.pages {
+            // More pages than the rows can reach (none are reserved ahead today): run it as usual.
+            return Ok(None);
+        }
         let mut pk = Packed::default();
         let plan = StepPlan::pack(&mut pk, tokens, call.wanted);
         let tables = PagedPlan::pack(&mut pk, plan.layout(), state, call.width, Some(room))?;
