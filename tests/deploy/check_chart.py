@@ -507,8 +507,8 @@ def check_hpa_isolated(chart):
 # Where each worker pool's /metrics series are named (prefill and decode share the runtime's).
 METRICS_SOURCES = {
     "encoder": ["encoder-worker/src/lib.rs"],
-    "prefill": ["prefill-worker/src/runtime.rs", "prefill-worker/src/lib.rs"],
-    "decode": ["prefill-worker/src/runtime.rs", "decode-worker/src/lib.rs"],
+    "prefill": ["prefill-worker/src/runtime/metrics.rs", "prefill-worker/src/lib.rs"],
+    "decode": ["prefill-worker/src/runtime/metrics.rs", "decode-worker/src/lib.rs"],
 }
 
 
