@@ -23,8 +23,8 @@ use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
 use tessera_kernels::cpu;
 use tessera_kernels::cuda::{
     bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, MlaDecode, MlaDecodeShape,
-    MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MoeDecode, MoeDims, Sampler, SamplingRows,
-    ShortConv, MLA_RANK, MLA_ROPE,
+    MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MoeDecode, MoeDims, MoePath, MoeTuning,
+    Sampler, SamplingRows, ShortConv, MLA_RANK, MLA_ROPE,
 };
 
 const MLA_D: usize = MLA_RANK + MLA_ROPE;
@@ -468,7 +468,27 @@ fn bench(
         bench_mla(dev, &mut rng, iters, &kernels)?;
     }
     if only.wants("moe") {
-        moe::bench_moe(dev, &MoeDecode::load(dev)?, iters)?;
+        // The column kernels, then the tensor-core ones at their default and nearby tunings.
+        let mut variants = Vec::new();
+        let mut columns = MoeDecode::load(dev)?;
+        columns.set_path(Some(MoePath::Columns));
+        variants.push((String::new(), columns));
+        for (span_bf16, span_mxfp4, tc_mxfp4_shift) in
+            [(4, 2, true), (4, 4, true), (2, 1, true), (4, 2, false)]
+        {
+            let tuning = MoeTuning {
+                tc_span_bf16: span_bf16,
+                tc_span_mxfp4: span_mxfp4,
+                tc_mxfp4_shift,
+                ..MoeTuning::default()
+            };
+            let mut tc = MoeDecode::load_tuned(dev, 1024, tuning)?;
+            tc.set_path(Some(MoePath::TensorCores));
+            let decoder = if tc_mxfp4_shift { "shifts" } else { "lookups" };
+            let label = format!("_tc_s{span_bf16}/{span_mxfp4}_{decoder}");
+            variants.push((label, tc));
+        }
+        moe::bench_moe(dev, &variants, iters)?;
     }
     Ok(())
 }
@@ -721,16 +741,43 @@ fn run() -> Result<usize, CudaError> {
             din: 512,
             di: 384,
         };
-        for mxfp4 in [false, true] {
-            // 40 experts top-6: at 33 and 64 tokens experts serve many tokens each.
-            for batch in [1, 5, 16, 33, 64] {
-                moe::check_moe_experts(&dev, &moe_k, &mut checks, &mut rng, small, batch, mxfp4)?;
+        // Every projection variant: the column kernels, and the tensor cores with each MXFP4
+        // decoder (the default's masked shifts and the byte lookups).
+        let mut columns = MoeDecode::load(&dev)?;
+        columns.set_path(Some(MoePath::Columns));
+        let mut tc = MoeDecode::load(&dev)?;
+        tc.set_path(Some(MoePath::TensorCores));
+        let lookups = MoeTuning {
+            tc_mxfp4_shift: false,
+            ..MoeTuning::default()
+        };
+        let mut tc_lookups = MoeDecode::load_tuned(&dev, 1024, lookups)?;
+        tc_lookups.set_path(Some(MoePath::TensorCores));
+        let variants = [
+            ("Columns", &columns, [false, true].as_slice()),
+            ("TensorCores", &tc, [false, true].as_slice()),
+            ("TensorCoresLookups", &tc_lookups, [true].as_slice()),
+        ];
+        for (label, moe_k, formats) in variants {
+            for &mxfp4 in formats {
+                // 40 experts top-6: at 33 and 64 tokens experts serve many tokens each.
+                for batch in [1, 5, 16, 33, 64] {
+                    moe::check_moe_experts(
+                        &dev,
+                        (label, moe_k),
+                        &mut checks,
+                        &mut rng,
+                        small,
+                        batch,
+                        mxfp4,
+                    )?;
+                }
+                let k3 = MoeDims {
+                    experts: 24,
+                    ..k3_routing
+                };
+                moe::check_moe_experts(&dev, (label, moe_k), &mut checks, &mut rng, k3, 2, mxfp4)?;
             }
-            let k3 = MoeDims {
-                experts: 24,
-                ..k3_routing
-            };
-            moe::check_moe_experts(&dev, &moe_k, &mut checks, &mut rng, k3, 2, mxfp4)?;
         }
     }
 

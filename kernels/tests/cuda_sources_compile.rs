@@ -206,7 +206,15 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
     compiles_with(
         "moe",
         MOE_SOURCE,
-        &[vec![]],
+        &[
+            vec![],
+            vec![("MOE_TC_SPAN_BF16", "2".to_string())],
+            vec![("MOE_TC_MXFP4_SHIFT", "0".to_string())],
+            vec![
+                ("MOE_TC_SPAN_MXFP4", "8".to_string()),
+                ("MOE_TC_MIN_BLOCKS", "2".to_string()),
+            ],
+        ],
         &[
             "moe_route",
             "moe_plan",
@@ -214,9 +222,13 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
             "moe_gate_up_mxfp4",
             "moe_down_bf16",
             "moe_down_mxfp4",
+            "moe_gate_up_tc_bf16",
+            "moe_gate_up_tc_mxfp4",
+            "moe_down_tc_bf16",
+            "moe_down_tc_mxfp4",
             "moe_combine",
         ],
-        &[],
+        &["mma.sync.aligned.m16n8k16"],
     );
 }
 

@@ -103,7 +103,7 @@ pub(crate) fn check_routing(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_moe_experts(
     dev: &CudaDevice,
-    moe: &MoeDecode,
+    (variant, moe): (&str, &MoeDecode),
     checks: &mut Checks,
     rng: &mut Rng,
     dims: MoeDims,
@@ -134,8 +134,16 @@ pub(crate) fn check_moe_experts(
     let host = if mxfp4 {
         let mk = |rng: &mut Rng, rows: usize, cols: usize| {
             let codes: Vec<u8> = fill(e * rows * cols / 2, rng.next_u64(), |r| r.next_u64() as u8);
+            // Mostly typical block scales, with the edges of the decoders' ranges mixed in:
+            // 2^-127, and around 2^1, past which a bf16 factor of 2^(s-1) would overflow.
             let scales: Vec<u8> = fill(e * rows * cols / 32, rng.next_u64(), |r| {
-                118 + (r.next_u64() % 6) as u8
+                match r.next_u64() % 64 {
+                    0 => 0,
+                    1 => 128,
+                    2 => 129,
+                    3 => 131,
+                    n => 118 + (n % 6) as u8,
+                }
             });
             (codes, scales)
         };
@@ -215,7 +223,7 @@ pub(crate) fn check_moe_experts(
     let kind = if mxfp4 { "mxfp4" } else { "bf16" };
     checks.report(
         &format!(
-            "moe_experts.{kind}.E{e}.k{}.din{din}.di{di}.B{batch}",
+            "moe_experts.{kind}.{variant}.E{e}.k{}.din{din}.di{di}.B{batch}",
             dims.top_k
         ),
         rel_err(&got, &want),
@@ -226,7 +234,12 @@ pub(crate) fn check_moe_experts(
 
 /// K3 latent MoE shapes, weights resident for all 896 experts (zeros: values do not change the
 /// traffic), random routing; the floor is the active experts' weight bytes.
-pub(crate) fn bench_moe(dev: &CudaDevice, moe: &MoeDecode, iters: usize) -> Result<(), CudaError> {
+/// Times every variant (a label and kernels with their path fixed) on K3's expert shapes.
+pub(crate) fn bench_moe(
+    dev: &CudaDevice,
+    variants: &[(String, MoeDecode)],
+    iters: usize,
+) -> Result<(), CudaError> {
     let mut rng = Rng(99);
     let dims = MoeDims {
         experts: 896,
@@ -275,37 +288,40 @@ pub(crate) fn bench_moe(dev: &CudaDevice, moe: &MoeDecode, iters: usize) -> Resu
             },
             _ => unreachable!(),
         };
-        let kind = if mxfp4 { "mxfp4" } else { "bf16" };
-        for batch in [1usize, 4, 8, 16, 32, 64] {
-            let logits = dev.upload(&fill(batch * dims.experts, rng.next_u64(), |r| r.normal()))?;
-            let x = dev.upload(&bf16_vec(batch * dims.din, &mut rng, 1.0))?;
-            let mut ws = MoeWorkspace::new(dev, dims, batch)?;
-            let mut out = dev.upload(&vec![0u16; batch * dims.din])?;
-            moe.route(dev, &logits, &bias, &routing, &mut ws)?;
-            let active = ws.active_experts(dev)?;
-            let bytes = (active * experts.bytes_per_expert(&dims)) as f64;
-            let shape = format!("B={batch},E=896,k=16,din=3584,di=3072");
-            let us = time_us(dev, 3, iters, || {
-                moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
-            })?;
-            report_time(
-                &format!("moe_experts_{kind}"),
-                &shape,
-                us,
-                bytes,
-                &format!(" active={active}"),
-            );
-            let us = time_us(dev, 3, iters, || {
+        for (label, moe) in variants {
+            let kind = format!("{}{label}", if mxfp4 { "mxfp4" } else { "bf16" });
+            for batch in [1usize, 4, 8, 16, 32, 64] {
+                let logits =
+                    dev.upload(&fill(batch * dims.experts, rng.next_u64(), |r| r.normal()))?;
+                let x = dev.upload(&bf16_vec(batch * dims.din, &mut rng, 1.0))?;
+                let mut ws = MoeWorkspace::new(dev, dims, batch)?;
+                let mut out = dev.upload(&vec![0u16; batch * dims.din])?;
                 moe.route(dev, &logits, &bias, &routing, &mut ws)?;
-                moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
-            })?;
-            report_time(
-                &format!("moe_decode_{kind}"),
-                &shape,
-                us,
-                bytes,
-                &format!(" active={active}"),
-            );
+                let active = ws.active_experts(dev)?;
+                let bytes = (active * experts.bytes_per_expert(&dims)) as f64;
+                let shape = format!("B={batch},E=896,k=16,din=3584,di=3072");
+                let us = time_us(dev, 3, iters, || {
+                    moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
+                })?;
+                report_time(
+                    &format!("moe_experts_{kind}"),
+                    &shape,
+                    us,
+                    bytes,
+                    &format!(" active={active}"),
+                );
+                let us = time_us(dev, 3, iters, || {
+                    moe.route(dev, &logits, &bias, &routing, &mut ws)?;
+                    moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
+                })?;
+                report_time(
+                    &format!("moe_decode_{kind}"),
+                    &shape,
+                    us,
+                    bytes,
+                    &format!(" active={active}"),
+                );
+            }
         }
     }
     Ok(())

@@ -36,7 +36,9 @@ pub use model_ops::{
     base_ptr, dptr, DevPtr, KdaRecurrent, MlaAbsorbed, ModelKernels, NormRows, PagedHistory,
     SegState, MAX_ATTN_RES_SOURCES, MAX_CONV_KERNEL, MODEL_KERNELS, MODEL_SOURCE,
 };
-pub use moe::{MoeActivation, MoeDecode, MoeDims, MoeExperts, MoeWorkspace, MOE_MAX_BATCH};
+pub use moe::{
+    MoeActivation, MoeDecode, MoeDims, MoeExperts, MoePath, MoeTuning, MoeWorkspace, MOE_MAX_BATCH,
+};
 pub use ops::{GemmType, Linear, RowOps};
 pub use sample::{Sampler, SamplingRows};
 pub use staging::copy_within;

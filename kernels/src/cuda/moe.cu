@@ -12,6 +12,9 @@
 //   and up rows of that column (16-byte vectors over the input) against the inputs of the
 //   expert's tokens, then h = situ(gate, up) in bf16 for each (token, slot) pair.
 // moe_down_*: block (column tile, active expert); y[pair, n] = W2[n, :] · h[pair, :] in f32.
+// moe_gate_up_tc_*, moe_down_tc_*: the same two projections on the tensor cores, a warp per 16
+//   output rows and 8 tokens of the expert per pass (the default path; the column kernels stay
+//   for measurements, TESSERA_MOE_PATH=columns).
 // moe_combine: out[b, n] = Σ_slot w[b, slot] · y[b·k + slot, n] in slot order, bf16.
 //
 // Layouts: x [B, DIN] bf16; bf16 experts w_gate/w_up [E, DI, DIN], w_down [E, DIN, DI]; MXFP4
@@ -349,6 +352,255 @@ __device__ __forceinline__ void down(W wd, const bf16_t* __restrict__ h,
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Expert projections on the tensor cores (m16n8k16, f32 accumulators): a warp owns 16 output
+// rows of one expert and up to 8 of its tokens per pass. Lane (g, t) = (lane/4, lane%4) loads
+// 16-byte vectors t, t+4, t+8, ... of rows g and g+8 and decodes each into bf16 pairs in input
+// order; k-step s of a vector takes its pairs 2s and 2s+1 as the A fragment's columns 2t.. and
+// 2t+8.. The product sums over every input whatever the order, so the B fragment (token g's
+// inputs) takes the same pairs of the same vector: both are plain 32-bit words, no shuffles.
+// Weights stream once per 8 tokens of an expert; the decode of MXFP4 codes (and not the
+// multiply-adds) is what the CUDA cores still do.
+
+#ifndef MOE_TC_WARPS
+#define MOE_TC_WARPS 4
+#endif
+// Consecutive 16-byte vectors of a row one lane loads per pass, per format (MXFP4 vectors carry
+// 4x the inputs and take their registers again once decoded).
+#ifndef MOE_TC_SPAN_BF16
+#define MOE_TC_SPAN_BF16 4
+#endif
+#ifndef MOE_TC_SPAN_MXFP4
+#define MOE_TC_SPAN_MXFP4 2
+#endif
+// Blocks per SM the register budget must allow.
+#ifndef MOE_TC_MIN_BLOCKS
+#define MOE_TC_MIN_BLOCKS 4
+#endif
+
+__device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
+    unsigned d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+struct Bf16Tc {
+    static constexpr int SPAN = MOE_TC_SPAN_BF16;
+    static constexpr int PER_VEC = 8;  // inputs per 16-byte vector
+    static constexpr int REGS = 4;     // bf16 pairs a vector decodes into
+    struct Vec {
+        uint4 w;
+    };
+    const uint4* rows;
+    __device__ __forceinline__ Vec load(size_t row, int v, int in_dim) const {
+        return Vec{__ldg(rows + row * (in_dim / 8) + v)};
+    }
+    __device__ __forceinline__ void decode(const Vec& vec, unsigned out[REGS]) const {
+        out[0] = vec.w.x;
+        out[1] = vec.w.y;
+        out[2] = vec.w.z;
+        out[3] = vec.w.w;
+    }
+    __device__ __forceinline__ static void arrange_x(unsigned[REGS]) {}
+};
+
+#ifndef MOE_TC_MXFP4_SHIFT
+#define MOE_TC_MXFP4_SHIFT 1
+#endif
+
+// Elements k and k+4 of one 32-bit word of codes as one bf16x2 (k = 0..3), each at 2^-126 of
+// its value: a code's three magnitude bits become the bf16's two lowest exponent bits and its
+// first mantissa bit (so code 1, 0.5, becomes the subnormal 2^-127), its sign bit the sign.
+// Four masked shifts per pair, no lookups; the inputs are paired the same way (`spread_x`).
+__device__ __forceinline__ void e2m1x8_spread(unsigned w, unsigned out[4]) {
+    const unsigned mag = 0x01c001c0u, sign = 0x80008000u;
+    out[0] = ((w << 6) & mag) | ((w << 12) & sign);
+    out[1] = ((w << 2) & mag) | ((w << 8) & sign);
+    out[2] = ((w >> 2) & mag) | ((w << 4) & sign);
+    out[3] = ((w >> 6) & mag) | (w & sign);
+}
+
+// Eight inputs (four bf16x2 words, in order) paired as `e2m1x8_spread` pairs the codes.
+__device__ __forceinline__ void spread_x(unsigned x[4]) {
+    const unsigned x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
+    x[0] = prmt(x0, x2, 0x5410u);
+    x[1] = prmt(x0, x2, 0x7632u);
+    x[2] = prmt(x1, x3, 0x5410u);
+    x[3] = prmt(x1, x3, 0x7632u);
+}
+
+struct Mxfp4Tc {
+    static constexpr int SPAN = MOE_TC_SPAN_MXFP4;
+    static constexpr int PER_VEC = 32;  // one scale group
+    static constexpr int REGS = 16;
+    struct Vec {
+        uint4 w;
+        unsigned scale;  // bf16 pair
+#if MOE_TC_MXFP4_SHIFT
+        unsigned scale2;  // a second factor past bf16's range, or 0
+#endif
+    };
+    const uint4* rows;
+    const unsigned char* scales;
+    __device__ __forceinline__ Vec load(size_t row, int v, int in_dim) const {
+        const size_t at = row * (in_dim / 32) + v;
+        const unsigned s = __ldg(scales + at);
+#if MOE_TC_MXFP4_SHIFT
+        // Codes decode to 2^-126 of their values, so the factor is 2^(s-1): exact in bf16 up
+        // to s = 128, beyond that 2^127 · 2^(s-128) (255 is NaN).
+        const unsigned b = (min(s, 128u) + 126u) << 7;
+        const unsigned b2 = s <= 128 ? 0u : (s == 255 ? 0x7fc0u : (s - 1u) << 7);
+        return Vec{__ldg(rows + at), b | (b << 16), b2 | (b2 << 16)};
+#else
+        // E8M0 as bf16: exponent s (0: the subnormal 2^-127, 255: NaN). Code × scale is exact.
+        const unsigned b = s == 0 ? 0x0040u : (s == 255 ? 0x7fc0u : s << 7);
+        return Vec{__ldg(rows + at), b | (b << 16)};
+#endif
+    }
+    __device__ __forceinline__ void decode(const Vec& vec, unsigned out[REGS]) const {
+#if MOE_TC_MXFP4_SHIFT
+        e2m1x8_spread(vec.w.x, out);
+        e2m1x8_spread(vec.w.y, out + 4);
+        e2m1x8_spread(vec.w.z, out + 8);
+        e2m1x8_spread(vec.w.w, out + 12);
+#pragma unroll
+        for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], vec.scale);
+        if (vec.scale2) {
+#pragma unroll
+            for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], vec.scale2);
+        }
+#else
+        e2m1x8_to_bf16(vec.w.x, out);
+        e2m1x8_to_bf16(vec.w.y, out + 4);
+        e2m1x8_to_bf16(vec.w.z, out + 8);
+        e2m1x8_to_bf16(vec.w.w, out + 12);
+#pragma unroll
+        for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], vec.scale);
+#endif
+    }
+    // The inputs of one vector in the order `decode` pairs the codes.
+    __device__ __forceinline__ static void arrange_x(unsigned x[REGS]) {
+#if MOE_TC_MXFP4_SHIFT
+#pragma unroll
+        for (int i = 0; i < REGS; i += 4) spread_x(x + i);
+#endif
+    }
+};
+
+// c[m] += W_m[rows lo/hi] · x over the whole input, for M weight matrices sharing the inputs.
+// Lane t takes W::SPAN consecutive vectors of each row per pass, so a row is read in runs of
+// 4 · W::SPAN vectors (256 bytes at span 4) while the warp has 16 rows in flight.
+template <typename W, int M>
+__device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
+                                        const bf16_t* __restrict__ xt, int in_dim, int t,
+                                        float (&c)[M][4]) {
+    const int vecs = in_dim / W::PER_VEC;
+    // Every lane runs every step (the matrix instructions take the whole warp); a vector past
+    // the row's end contributes zeros.
+#pragma unroll 1
+    for (int v0 = 0; v0 < vecs; v0 += 4 * W::SPAN) {
+        typename W::Vec wl[M][W::SPAN], wh[M][W::SPAN];
+#pragma unroll
+        for (int u = 0; u < W::SPAN; ++u) {
+            const int v = min(v0 + t * W::SPAN + u, vecs - 1);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                wl[m][u] = w[m].load(lo, v, in_dim);
+                wh[m][u] = w[m].load(hi, v, in_dim);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < W::SPAN; ++u) {
+            const int vu = v0 + t * W::SPAN + u;
+            const bool in = vu < vecs;
+            unsigned xb[W::REGS];
+            const uint4* xv =
+                reinterpret_cast<const uint4*>(xt + (size_t)min(vu, vecs - 1) * W::PER_VEC);
+#pragma unroll
+            for (int i = 0; i < W::REGS / 4; ++i) {
+                uint4 q = xv[i];
+                if (!in) q = make_uint4(0, 0, 0, 0);
+                xb[4 * i] = q.x;
+                xb[4 * i + 1] = q.y;
+                xb[4 * i + 2] = q.z;
+                xb[4 * i + 3] = q.w;
+            }
+            W::arrange_x(xb);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                unsigned al[W::REGS], ah[W::REGS];
+                w[m].decode(wl[m][u], al);
+                w[m].decode(wh[m][u], ah);
+#pragma unroll
+                for (int s = 0; s < W::REGS / 2; ++s) {
+                    const unsigned a[4] = {al[2 * s], ah[2 * s], al[2 * s + 1], ah[2 * s + 1]};
+                    const unsigned b[2] = {xb[2 * s], xb[2 * s + 1]};
+                    mma_bf16_16816(c[m], a, b);
+                }
+            }
+        }
+    }
+}
+
+template <typename W>
+__device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict__ x,
+                                           const int* __restrict__ n_active,
+                                           const int* __restrict__ act_expert,
+                                           const int* __restrict__ act_count,
+                                           const int* __restrict__ act_pairs,
+                                           bf16_t* __restrict__ h, int din, int di, int top_k,
+                                           float b1, float b2) {
+    const int a = blockIdx.y;
+    if (a >= *n_active) return;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = (blockIdx.x * MOE_TC_WARPS + (threadIdx.x >> 5)) * 16;
+    if (row0 >= di) return;
+    const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
+    const int* pairs = act_pairs + a * MOE_MAXT;
+    const W w[2] = {wg, wu};
+    const size_t lo = (size_t)e * di + row0 + g, hi = lo + 8;
+    for (int t0 = 0; t0 < nt; t0 += 8) {
+        // Token g of this pass (a missing one reads a present token's inputs: its column of
+        // the product is never written).
+        const bf16_t* xt = x + (size_t)(pairs[min(t0 + g, nt - 1)] / top_k) * din;
+        float c[2][4] = {};
+        tc_rows<W, 2>(w, lo, hi, xt, din, t, c);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
+            if (tok < nt) h[(size_t)pairs[tok] * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
+        }
+    }
+}
+
+template <typename W>
+__device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
+                                        const int* __restrict__ n_active,
+                                        const int* __restrict__ act_expert,
+                                        const int* __restrict__ act_count,
+                                        const int* __restrict__ act_pairs, float* __restrict__ y,
+                                        int din, int di) {
+    const int a = blockIdx.y;
+    if (a >= *n_active) return;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = (blockIdx.x * MOE_TC_WARPS + (threadIdx.x >> 5)) * 16;
+    if (row0 >= din) return;
+    const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
+    const int* pairs = act_pairs + a * MOE_MAXT;
+    const W w[1] = {wd};
+    const size_t lo = (size_t)e * din + row0 + g, hi = lo + 8;
+    for (int t0 = 0; t0 < nt; t0 += 8) {
+        const bf16_t* ht = h + (size_t)pairs[min(t0 + g, nt - 1)] * di;
+        float c[1][4] = {};
+        tc_rows<W, 1>(w, lo, hi, ht, di, t, c);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
+            if (tok < nt) y[(size_t)pairs[tok] * din + row] = c[0][j];
+        }
+    }
+}
+
 #define PLAN_ARGS                                                                              \
     const int *__restrict__ n_active, const int *__restrict__ act_expert,                      \
         const int *__restrict__ act_count, const int *__restrict__ act_pairs
@@ -398,4 +650,41 @@ moe_combine(const float* __restrict__ y, const float* __restrict__ weight,
     for (int j = 0; j < top_k; ++j)
         s = fmaf(weight[b * top_k + j], y[((size_t)b * top_k + j) * din + n], s);
     out[(size_t)b * din + n] = f2bf(s);
+}
+
+// The same four projections on the tensor cores (block: MOE_TC_WARPS warps of 16 rows each).
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
+                    const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
+                    int di, int top_k, float b1, float b2) {
+    gate_up_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
+               Bf16Tc{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert, act_count,
+               act_pairs, h, din, di, top_k, b1, b2);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
+                     const unsigned char* __restrict__ gate_scale,
+                     const unsigned char* __restrict__ up_packed,
+                     const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
+                     PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
+                     float b2) {
+    gate_up_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
+               Mxfp4Tc{reinterpret_cast<const uint4*>(up_packed), up_scale}, x, n_active,
+               act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_down_tc_bf16(const bf16_t* __restrict__ w_down, const bf16_t* __restrict__ h, PLAN_ARGS,
+                 float* __restrict__ y, int din, int di) {
+    down_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_down)}, h, n_active, act_expert, act_count,
+            act_pairs, y, din, di);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_down_tc_mxfp4(const unsigned char* __restrict__ down_packed,
+                  const unsigned char* __restrict__ down_scale, const bf16_t* __restrict__ h,
+                  PLAN_ARGS, float* __restrict__ y, int din, int di) {
+    down_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(down_packed), down_scale}, h, n_active,
+            act_expert, act_count, act_pairs, y, din, di);
 }

@@ -13,6 +13,8 @@ use crate::cpu::MoeRouting;
 const WARPS: usize = 4;
 const COLS_PER_WARP: usize = 2;
 const COLS: usize = WARPS * COLS_PER_WARP;
+/// Warps per block of the tensor-core projections; each owns 16 output rows.
+const TC_WARPS: usize = 4;
 /// Most tokens one decode call takes (and so most tokens one expert serves).
 pub const MOE_MAX_BATCH: usize = 64;
 const MAX_EXPERTS: usize = 1024;
@@ -132,16 +134,66 @@ impl MoeWorkspace {
     }
 }
 
+/// How the expert projections run: one warp per output column on the CUDA cores, or 16 rows per
+/// warp on the tensor cores (8 tokens of an expert per pass; the default for both formats: at
+/// K3's shapes 75–95% of the weight floor in bf16 against 72–81%, and 41–53% against 22–33% in
+/// MXFP4, see benches/RESULTS.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MoePath {
+    Columns,
+    #[default]
+    TensorCores,
+}
+
+/// `TESSERA_MOE_PATH=columns|tensor-cores` fixes the path (for measurements); unset or anything
+/// else leaves the default.
+pub fn moe_path_from_env() -> Option<MoePath> {
+    match std::env::var("TESSERA_MOE_PATH").ok()?.as_str() {
+        "columns" => Some(MoePath::Columns),
+        "tensor-cores" => Some(MoePath::TensorCores),
+        _ => None,
+    }
+}
+
+/// Compile-time shape of the tensor-core projections (for measurements; the default is tuned).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeTuning {
+    /// Consecutive 16-byte vectors of a row one lane loads per pass: bf16 experts.
+    pub tc_span_bf16: usize,
+    /// The same for MXFP4 experts.
+    pub tc_span_mxfp4: usize,
+    /// Blocks per SM the register budget must allow.
+    pub tc_min_blocks: usize,
+    /// MXFP4 codes to bf16 by masked shifts (inputs paired to match) rather than byte lookups.
+    pub tc_mxfp4_shift: bool,
+}
+
+impl Default for MoeTuning {
+    fn default() -> Self {
+        MoeTuning {
+            tc_span_bf16: 4,
+            tc_span_mxfp4: 2,
+            tc_min_blocks: 4,
+            tc_mxfp4_shift: true,
+        }
+    }
+}
+
+struct Projections {
+    gate_up: CudaFunction,
+    down: CudaFunction,
+}
+
 /// The compiled MoE decode kernels.
 pub struct MoeDecode {
     /// Most experts `moe_route` was compiled for (32 per lane).
     route_experts: usize,
     route: CudaFunction,
     plan: CudaFunction,
-    gate_up_bf16: CudaFunction,
-    gate_up_mxfp4: CudaFunction,
-    down_bf16: CudaFunction,
-    down_mxfp4: CudaFunction,
+    /// [bf16, mxfp4] × [columns, tensor cores].
+    projections: [[Projections; 2]; 2],
+    /// A fixed path, or `None` for the default (from [`moe_path_from_env`] at load).
+    path: Option<MoePath>,
     combine: CudaFunction,
 }
 
@@ -154,24 +206,58 @@ impl MoeDecode {
     /// The kernels for layers of at most `experts` experts (routing keeps that many scores per
     /// warp in registers, so a small count routes faster).
     pub fn load_for(dev: &CudaDevice, experts: usize) -> Result<Self, CudaError> {
+        Self::load_tuned(dev, experts, MoeTuning::default())
+    }
+
+    /// [`Self::load_for`] with the tensor-core projections compiled as `tuning` says.
+    pub fn load_tuned(
+        dev: &CudaDevice,
+        experts: usize,
+        tuning: MoeTuning,
+    ) -> Result<Self, CudaError> {
         let per_lane = experts.clamp(1, MAX_EXPERTS).div_ceil(32);
         let defines = [
             ("MOE_WARPS", WARPS.to_string()),
             ("MOE_COLS_PER_WARP", COLS_PER_WARP.to_string()),
+            ("MOE_TC_WARPS", TC_WARPS.to_string()),
+            ("MOE_TC_SPAN_BF16", tuning.tc_span_bf16.to_string()),
+            ("MOE_TC_SPAN_MXFP4", tuning.tc_span_mxfp4.to_string()),
+            ("MOE_TC_MIN_BLOCKS", tuning.tc_min_blocks.to_string()),
+            (
+                "MOE_TC_MXFP4_SHIFT",
+                u8::from(tuning.tc_mxfp4_shift).to_string(),
+            ),
             ("MOE_MAXT", MOE_MAX_BATCH.to_string()),
             ("ROUTE_PER_LANE", per_lane.to_string()),
         ];
         let m = dev.module("moe", MOE_SOURCE, &defines)?;
+        let proj = |path: &str, format: &str| -> Result<Projections, CudaError> {
+            Ok(Projections {
+                gate_up: m.load_function(&format!("moe_gate_up_{path}{format}"))?,
+                down: m.load_function(&format!("moe_down_{path}{format}"))?,
+            })
+        };
         Ok(MoeDecode {
             route_experts: per_lane * 32,
             route: m.load_function("moe_route")?,
             plan: m.load_function("moe_plan")?,
-            gate_up_bf16: m.load_function("moe_gate_up_bf16")?,
-            gate_up_mxfp4: m.load_function("moe_gate_up_mxfp4")?,
-            down_bf16: m.load_function("moe_down_bf16")?,
-            down_mxfp4: m.load_function("moe_down_mxfp4")?,
+            projections: [
+                [proj("", "bf16")?, proj("tc_", "bf16")?],
+                [proj("", "mxfp4")?, proj("tc_", "mxfp4")?],
+            ],
+            path: moe_path_from_env(),
             combine: m.load_function("moe_combine")?,
         })
+    }
+
+    /// Runs every later call's projections on `path` (`None`: the default).
+    pub fn set_path(&mut self, path: Option<MoePath>) {
+        self.path = path;
+    }
+
+    /// The path the projections take.
+    pub fn path(&self) -> MoePath {
+        self.path.unwrap_or_default()
     }
 
     /// Routes `logits [batch, experts]` (f32 router outputs) with the correction `bias
@@ -276,21 +362,24 @@ impl MoeDecode {
         let (din_i, di_i, k_i) = (d.din as i32, d.di as i32, d.top_k as i32);
         let (b1, b2) = act.betas();
         let s = dev.stream();
-        let cfg = |cols: usize| LaunchConfig {
-            grid_dim: (cols.div_ceil(COLS) as u32, max_active, 1),
-            block_dim: ((WARPS * 32) as u32, 1, 1),
+        let mxfp4 = matches!(experts, MoeExperts::Mxfp4 { .. });
+        let path = self.path();
+        let (per_block, warps) = match path {
+            MoePath::Columns => (COLS, WARPS),
+            MoePath::TensorCores => (16 * TC_WARPS, TC_WARPS),
+        };
+        let cfg = |rows: usize| LaunchConfig {
+            grid_dim: (rows.div_ceil(per_block) as u32, max_active, 1),
+            block_dim: ((warps * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = match experts {
-            MoeExperts::Bf16 { gate, up, .. } => {
-                let mut l = s.launch_builder(&self.gate_up_bf16);
-                l.arg(*gate).arg(*up);
-                l
-            }
+        let kernels =
+            &self.projections[usize::from(mxfp4)][usize::from(path == MoePath::TensorCores)];
+        let mut launch = s.launch_builder(&kernels.gate_up);
+        match experts {
+            MoeExperts::Bf16 { gate, up, .. } => launch.arg(*gate).arg(*up),
             MoeExperts::Mxfp4 { gate, up, .. } => {
-                let mut l = s.launch_builder(&self.gate_up_mxfp4);
-                l.arg(gate.0).arg(gate.1).arg(up.0).arg(up.1);
-                l
+                launch.arg(gate.0).arg(gate.1).arg(up.0).arg(up.1)
             }
         };
         launch
@@ -305,20 +394,13 @@ impl MoeDecode {
             .arg(&k_i)
             .arg(&b1)
             .arg(&b2);
-        // SAFETY: the argument list matches `moe_gate_up_{bf16,mxfp4}`; weights hold `experts`
+        // SAFETY: the argument list matches `moe_gate_up_{,tc_}{bf16,mxfp4}`; weights hold `experts`
         // experts (checked), the plan names at most `max_active` experts, h holds `pairs` rows.
         unsafe { launch.launch(cfg(d.di)) }?;
-        let mut launch = match experts {
-            MoeExperts::Bf16 { down, .. } => {
-                let mut l = s.launch_builder(&self.down_bf16);
-                l.arg(*down);
-                l
-            }
-            MoeExperts::Mxfp4 { down, .. } => {
-                let mut l = s.launch_builder(&self.down_mxfp4);
-                l.arg(down.0).arg(down.1);
-                l
-            }
+        let mut launch = s.launch_builder(&kernels.down);
+        match experts {
+            MoeExperts::Bf16 { down, .. } => launch.arg(*down),
+            MoeExperts::Mxfp4 { down, .. } => launch.arg(down.0).arg(down.1),
         };
         launch
             .arg(&ws.h)
@@ -329,7 +411,7 @@ impl MoeDecode {
             .arg(&mut ws.y)
             .arg(&din_i)
             .arg(&di_i);
-        // SAFETY: as above for `moe_down_{bf16,mxfp4}`; y holds `pairs` rows of `din`.
+        // SAFETY: as above for `moe_down_{,tc_}{bf16,mxfp4}`; y holds `pairs` rows of `din`.
         unsafe { launch.launch(cfg(d.din)) }?;
         let mut launch = s.launch_builder(&self.combine);
         launch
