@@ -468,26 +468,12 @@ fn bench(
         bench_mla(dev, &mut rng, iters, &kernels)?;
     }
     if only.wants("moe") {
-        // The column kernels, then the tensor-core ones at their default and nearby tunings.
-        let mut variants = Vec::new();
+        // The column kernels, then the tensor-core ones (the default path).
         let mut columns = MoeDecode::load(dev)?;
         columns.set_path(Some(MoePath::Columns));
-        variants.push((String::new(), columns));
-        for (span_bf16, span_mxfp4, tc_mxfp4_shift) in
-            [(4, 2, true), (4, 4, true), (2, 1, true), (4, 2, false)]
-        {
-            let tuning = MoeTuning {
-                tc_span_bf16: span_bf16,
-                tc_span_mxfp4: span_mxfp4,
-                tc_mxfp4_shift,
-                ..MoeTuning::default()
-            };
-            let mut tc = MoeDecode::load_tuned(dev, 1024, tuning)?;
-            tc.set_path(Some(MoePath::TensorCores));
-            let decoder = if tc_mxfp4_shift { "shifts" } else { "lookups" };
-            let label = format!("_tc_s{span_bf16}/{span_mxfp4}_{decoder}");
-            variants.push((label, tc));
-        }
+        let mut tc = MoeDecode::load(dev)?;
+        tc.set_path(Some(MoePath::TensorCores));
+        let variants = [(String::new(), columns), ("_tc".to_string(), tc)];
         moe::bench_moe(dev, &variants, iters)?;
     }
     Ok(())

@@ -115,6 +115,34 @@ pub fn time_us(
     Ok(samples[samples.len() / 2])
 }
 
+/// Median over `iters` samples of `reps` runs enqueued back to back between two device events,
+/// per run, in µs: the device time of a sequence of launches without the host's launch gaps
+/// before it (which a decode step replayed from a CUDA graph does not have either).
+pub fn time_us_back_to_back(
+    dev: &CudaDevice,
+    iters: usize,
+    reps: usize,
+    mut f: impl FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    f()?;
+    dev.synchronize()?;
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut samples = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let a = dev.context().new_event(flags)?;
+        let b = dev.context().new_event(flags)?;
+        a.record(dev.stream())?;
+        for _ in 0..reps {
+            f()?;
+        }
+        b.record(dev.stream())?;
+        b.synchronize()?;
+        samples.push(a.elapsed_ms(&b)? as f64 * 1e3 / reps as f64);
+    }
+    samples.sort_by(|x, y| x.partial_cmp(y).unwrap());
+    Ok(samples[samples.len() / 2])
+}
+
 /// Ends a check run: exit 0 when every check passed, 1 when some failed, 2 on an error.
 pub fn exit_with(result: Result<usize, CudaError>) {
     match result {

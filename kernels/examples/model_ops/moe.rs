@@ -2,7 +2,7 @@
 //! CPU composition of `cpu::linear` and SiTU over bf16 or dequantised MXFP4 weights) and the K3
 //! latent-shape benchmark, for `cuda_model_ops_check`.
 
-use crate::common::{fill, rel_err, time_us, Checks, Device, Rng};
+use crate::common::{fill, rel_err, time_us, time_us_back_to_back, Checks, Device, Rng};
 use crate::{bf16_vec, report_time, values};
 use tessera_kernels::cpu::{self, MoeRouting};
 use tessera_kernels::cuda::{
@@ -320,6 +320,41 @@ pub(crate) fn bench_moe(
                     us,
                     bytes,
                     &format!(" active={active}"),
+                );
+                // Routing and plan alone (the floor: reading the router logits once).
+                let us = time_us(dev, 3, iters, || {
+                    moe.route(dev, &logits, &bias, &routing, &mut ws)
+                })?;
+                let logit_bytes = (batch * dims.experts * 4) as f64;
+                report_time(
+                    &format!("moe_route_plan_{kind}"),
+                    &shape,
+                    us,
+                    logit_bytes,
+                    "",
+                );
+                // The same three, enqueued back to back (no launch gaps on the device).
+                let reps = 10;
+                let us = time_us_back_to_back(dev, iters.div_ceil(reps).max(5), reps, || {
+                    moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
+                })?;
+                let extra = format!(" active={active} back_to_back");
+                report_time(&format!("moe_experts_{kind}"), &shape, us, bytes, &extra);
+                let us = time_us_back_to_back(dev, iters.div_ceil(reps).max(5), reps, || {
+                    moe.route(dev, &logits, &bias, &routing, &mut ws)?;
+                    moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
+                })?;
+                report_time(&format!("moe_decode_{kind}"), &shape, us, bytes, &extra);
+                let us = time_us_back_to_back(dev, iters.div_ceil(reps).max(5), reps, || {
+                    moe.route(dev, &logits, &bias, &routing, &mut ws)
+                })?;
+                let extra = " back_to_back";
+                report_time(
+                    &format!("moe_route_plan_{kind}"),
+                    &shape,
+                    us,
+                    logit_bytes,
+                    extra,
                 );
             }
         }
