@@ -718,8 +718,40 @@ fn run() -> Result<usize, CudaError> {
             din: 3584,
             di: 3072,
         };
-        for batch in [1, 7, 16, 64] {
-            moe::check_routing(&dev, &moe_k, &mut checks, &mut rng, k3_routing, batch)?;
+        let mut by_slots = MoeDecode::load(&dev)?;
+        by_slots.set_route_by_threshold(false);
+        let medium_routing = MoeDims {
+            experts: 64,
+            top_k: 8,
+            ..k3_routing
+        };
+        for router in [&moe_k, &by_slots] {
+            for batch in [1, 7, 64] {
+                for ties in [false, true] {
+                    moe::check_routing(
+                        &dev,
+                        router,
+                        &mut checks,
+                        &mut rng,
+                        medium_routing,
+                        batch,
+                        ties,
+                    )?;
+                }
+            }
+            for batch in [1, 7, 16, 64] {
+                for ties in [false, true] {
+                    moe::check_routing(
+                        &dev,
+                        router,
+                        &mut checks,
+                        &mut rng,
+                        k3_routing,
+                        batch,
+                        ties,
+                    )?;
+                }
+            }
         }
         let small = MoeDims {
             experts: 40,

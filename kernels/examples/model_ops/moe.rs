@@ -59,6 +59,7 @@ pub(crate) fn check_routing(
     rng: &mut Rng,
     dims: MoeDims,
     batch: usize,
+    ties: bool,
 ) -> Result<(), CudaError> {
     let routing = MoeRouting {
         n_group: 1,
@@ -71,7 +72,13 @@ pub(crate) fn check_routing(
     if batch > 1 {
         logits[dims.experts + 3] = f32::NAN; // never chosen
     }
-    let bias = fill(dims.experts, rng.next_u64(), |r| r.normal() * 0.1);
+    let mut bias = fill(dims.experts, rng.next_u64(), |r| r.normal() * 0.1);
+    if ties {
+        // Whole-number logits and no bias: many experts share each choice, so the last slots
+        // are decided by the lowest expert number.
+        logits.iter_mut().for_each(|l| *l = l.round());
+        bias.iter_mut().for_each(|b| *b = 0.0);
+    }
     let mut ws = MoeWorkspace::new(dev, dims, batch)?;
     moe.route(
         dev,
@@ -93,7 +100,13 @@ pub(crate) fn check_routing(
         &mut want_i,
         &mut want_w,
     );
-    let name = format!("moe_route.E{}.k{}.B{batch}", dims.experts, dims.top_k);
+    let how = match (moe.route_by_threshold(), ties) {
+        (true, false) => ".threshold",
+        (true, true) => ".threshold.ties",
+        (false, false) => ".slots",
+        (false, true) => ".slots.ties",
+    };
+    let name = format!("moe_route{how}.E{}.k{}.B{batch}", dims.experts, dims.top_k);
     let wrong = idx.iter().zip(&want_i).filter(|(a, b)| a != b).count();
     checks.report(&format!("{name}.ids_wrong"), wrong as f64, 0.0);
     checks.report(&format!("{name}.weights"), rel_err(&w, &want_w), 1e-5);
@@ -356,6 +369,16 @@ pub(crate) fn bench_moe(
                     logit_bytes,
                     extra,
                 );
+                if label.is_empty() {
+                    // Routing slot by slot, the same way.
+                    let mut by_slots = MoeDecode::load(dev)?;
+                    by_slots.set_route_by_threshold(false);
+                    let us = time_us_back_to_back(dev, iters.div_ceil(reps).max(5), reps, || {
+                        by_slots.route(dev, &logits, &bias, &routing, &mut ws)
+                    })?;
+                    let name = format!("moe_route_plan_slots_{kind}");
+                    report_time(&name, &shape, us, logit_bytes, extra);
+                }
             }
         }
     }

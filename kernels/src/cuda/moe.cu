@@ -6,6 +6,7 @@
 //   experts by choice (NaN as -inf, ties to the lower index), written in descending order and
 //   weighted by their scores, renormalised by (sum + 1e-20) in slot order, times `scaling` — the
 //   CPU backend's route_sigmoid_grouped with one group (K3's n_group = 1).
+// moe_route_threshold: the same result without a pass per slot (the default; see below).
 // moe_plan: one block. The distinct experts of the batch in ascending order, each with its
 //   (token, slot) pairs in pair order: every expert's weights are then read once per step.
 // moe_gate_up_*: block (column tile, active expert); a warp per output column streams the gate
@@ -95,6 +96,86 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
             s_idx[slot] = (unsigned)be;
             s_w[slot] = 1.0f / (1.0f + expf(-lg[be]));
         }
+    }
+    __syncwarp();
+    if (lane == 0) {
+        float denom = 0.0f;
+        for (int j = 0; j < top_k; ++j) denom += s_w[j];
+        denom += 1e-20f;
+        for (int j = 0; j < top_k; ++j) {
+            const float w = renormalize ? s_w[j] / denom : s_w[j];
+            idx[(size_t)b * top_k + j] = s_idx[j];
+            weight[(size_t)b * top_k + j] = w * scaling;
+        }
+    }
+}
+
+// moe_route_threshold: the same experts, order and weights as moe_route without a pass per
+// slot. The top_k-th largest choice is found bit by bit over all the token's scores at once (a
+// count per candidate by warp reduction), the experts above it are taken with the lowest-numbered
+// ones at it, and the taken are ranked by (choice descending, expert ascending) into the slots.
+__device__ __forceinline__ unsigned order_key(float c) {
+    const unsigned b = __float_as_uint(c == 0.0f ? 0.0f : c);  // -0 and +0 tie, as in moe_route
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+extern "C" __global__ void __launch_bounds__(32)
+moe_route_threshold(const float* __restrict__ logits, const float* __restrict__ bias,
+                    unsigned* __restrict__ idx, float* __restrict__ weight, int experts,
+                    int top_k, int renormalize, float scaling) {
+    const int b = blockIdx.x, lane = threadIdx.x;
+    const unsigned all = 0xffffffffu, below = (1u << lane) - 1u;
+    const float* lg = logits + (size_t)b * experts;
+    const float ninf = -__int_as_float(0x7f800000);
+    unsigned key[ROUTE_PER_LANE];  // 0: past the experts (below every choice, -inf included)
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        const int e = i * 32 + lane;
+        key[i] = 0u;
+        if (e < experts) {
+            const float c = 1.0f / (1.0f + expf(-lg[e])) + bias[e];
+            key[i] = order_key(c != c ? ninf : c);
+        }
+    }
+    unsigned t = 0u;
+    for (int bit = 31; bit >= 0; --bit) {
+        const unsigned cand = t | (1u << bit);
+        int n = 0;
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; ++i) n += key[i] >= cand;
+        if ((int)__reduce_add_sync(all, (unsigned)n) >= top_k) t = cand;
+    }
+    int above = 0;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) above += key[i] > t;
+    const int ties = top_k - (int)__reduce_add_sync(all, (unsigned)above);
+    __shared__ unsigned s_key[ROUTE_PER_LANE * 32];
+    __shared__ int s_exp[ROUTE_PER_LANE * 32];
+    __shared__ unsigned s_idx[ROUTE_PER_LANE * 32];
+    __shared__ float s_w[ROUTE_PER_LANE * 32];
+    // The taken, packed in expert order.
+    int taken = 0, eq_seen = 0;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        const bool eq = key[i] == t;
+        const unsigned eqm = __ballot_sync(all, eq);
+        const bool take = key[i] > t || (eq && eq_seen + __popc(eqm & below) < ties);
+        eq_seen += __popc(eqm);
+        const unsigned tm = __ballot_sync(all, take);
+        if (take) {
+            const int at = taken + __popc(tm & below);
+            s_key[at] = key[i];
+            s_exp[at] = i * 32 + lane;
+        }
+        taken += __popc(tm);
+    }
+    __syncwarp();
+    for (int j = lane; j < top_k; j += 32) {
+        const unsigned kj = s_key[j];
+        const int ej = s_exp[j];
+        int rank = 0;
+        for (int m = 0; m < top_k; ++m) rank += s_key[m] > kj || (s_key[m] == kj && s_exp[m] < ej);
+        s_idx[rank] = (unsigned)ej;
+        s_w[rank] = 1.0f / (1.0f + expf(-lg[ej]));
     }
     __syncwarp();
     if (lane == 0) {

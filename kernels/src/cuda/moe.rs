@@ -189,6 +189,9 @@ pub struct MoeDecode {
     /// Most experts `moe_route` was compiled for (32 per lane).
     route_experts: usize,
     route: CudaFunction,
+    route_threshold: CudaFunction,
+    /// Routing by threshold (`moe_route_threshold`, the default) rather than a pass per slot.
+    by_threshold: bool,
     plan: CudaFunction,
     /// [bf16, mxfp4] × [columns, tensor cores].
     projections: [[Projections; 2]; 2],
@@ -240,6 +243,8 @@ impl MoeDecode {
         Ok(MoeDecode {
             route_experts: per_lane * 32,
             route: m.load_function("moe_route")?,
+            route_threshold: m.load_function("moe_route_threshold")?,
+            by_threshold: true,
             plan: m.load_function("moe_plan")?,
             projections: [
                 [proj("", "bf16")?, proj("tc_", "bf16")?],
@@ -248,6 +253,17 @@ impl MoeDecode {
             path: moe_path_from_env(),
             combine: m.load_function("moe_combine")?,
         })
+    }
+
+    /// Routes by threshold (one pass over the scores for all slots; the default) or slot by
+    /// slot (`moe_route`); the same experts, order and weights.
+    pub fn set_route_by_threshold(&mut self, on: bool) {
+        self.by_threshold = on;
+    }
+
+    /// Whether routing goes by threshold ([`Self::set_route_by_threshold`]).
+    pub fn route_by_threshold(&self) -> bool {
+        self.by_threshold
     }
 
     /// Runs every later call's projections on `path` (`None`: the default).
@@ -295,7 +311,12 @@ impl MoeDecode {
         }
         let (e_i, k_i) = (dims.experts as i32, dims.top_k as i32);
         let renorm = routing.renormalize as i32;
-        let mut launch = dev.stream().launch_builder(&self.route);
+        let kernel = if self.by_threshold {
+            &self.route_threshold
+        } else {
+            &self.route
+        };
+        let mut launch = dev.stream().launch_builder(kernel);
         launch
             .arg(logits)
             .arg(bias)
@@ -310,8 +331,8 @@ impl MoeDecode {
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the argument list matches `moe_route`; logits hold `batch` rows of `experts`
-        // (≤ 1024, checked by `check_dims`), idx/weight `batch · top_k` values.
+        // SAFETY: the argument list matches `moe_route{,_threshold}`; logits hold `batch` rows of
+        // `experts` (≤ 1024, checked by `check_dims`), idx/weight `batch · top_k` values.
         unsafe { launch.launch(cfg) }?;
         self.plan(dev, ws)
     }
