@@ -725,31 +725,17 @@ fn run() -> Result<usize, CudaError> {
             top_k: 8,
             ..k3_routing
         };
+        let shapes = [
+            (medium_routing, [1, 7, 64].as_slice()),
+            (k3_routing, [1, 7, 16, 64].as_slice()),
+        ];
         for router in [&moe_k, &by_slots] {
-            for batch in [1, 7, 64] {
-                for ties in [false, true] {
-                    moe::check_routing(
-                        &dev,
-                        router,
-                        &mut checks,
-                        &mut rng,
-                        medium_routing,
-                        batch,
-                        ties,
-                    )?;
-                }
-            }
-            for batch in [1, 7, 16, 64] {
-                for ties in [false, true] {
-                    moe::check_routing(
-                        &dev,
-                        router,
-                        &mut checks,
-                        &mut rng,
-                        k3_routing,
-                        batch,
-                        ties,
-                    )?;
+            for (dims, batches) in shapes {
+                for &batch in batches {
+                    for ties in [false, true] {
+                        let rng = &mut rng;
+                        moe::check_routing(&dev, router, &mut checks, rng, dims, batch, ties)?;
+                    }
                 }
             }
         }

@@ -89,30 +89,18 @@ impl Checks {
     }
 }
 
-/// Median of `iters` timed runs (device events around each) after `warmup` runs, in µs.
+/// Median of `iters` timed runs (device events around each) after `warmup` runs (at least one),
+/// in µs.
 pub fn time_us(
     dev: &CudaDevice,
     warmup: usize,
     iters: usize,
     mut f: impl FnMut() -> Result<(), CudaError>,
 ) -> Result<f64, CudaError> {
-    for _ in 0..warmup {
+    for _ in 1..warmup {
         f()?;
     }
-    dev.synchronize()?;
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut samples = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let a = dev.context().new_event(flags)?;
-        let b = dev.context().new_event(flags)?;
-        a.record(dev.stream())?;
-        f()?;
-        b.record(dev.stream())?;
-        b.synchronize()?;
-        samples.push(a.elapsed_ms(&b)? as f64 * 1e3);
-    }
-    samples.sort_by(|x, y| x.partial_cmp(y).unwrap());
-    Ok(samples[samples.len() / 2])
+    time_us_back_to_back(dev, iters, 1, f)
 }
 
 /// Median over `iters` samples of `reps` runs enqueued back to back between two device events,

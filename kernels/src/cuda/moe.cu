@@ -47,6 +47,21 @@
 // ---------------------------------------------------------------------------------------------
 // Routing and plan
 
+// Token b's slots out of shared memory: weights renormalised by (sum + 1e-20) in slot order, times
+// `scaling` (one lane).
+__device__ __forceinline__ void write_route(const unsigned* s_idx, const float* s_w,
+                                            unsigned* __restrict__ idx, float* __restrict__ weight,
+                                            int top_k, int renormalize, float scaling) {
+    float denom = 0.0f;
+    for (int j = 0; j < top_k; ++j) denom += s_w[j];
+    denom += 1e-20f;
+    for (int j = 0; j < top_k; ++j) {
+        const float w = renormalize ? s_w[j] / denom : s_w[j];
+        idx[j] = s_idx[j];
+        weight[j] = w * scaling;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(32)
 moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
           unsigned* __restrict__ idx, float* __restrict__ weight, int experts, int top_k,
@@ -98,16 +113,8 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
         }
     }
     __syncwarp();
-    if (lane == 0) {
-        float denom = 0.0f;
-        for (int j = 0; j < top_k; ++j) denom += s_w[j];
-        denom += 1e-20f;
-        for (int j = 0; j < top_k; ++j) {
-            const float w = renormalize ? s_w[j] / denom : s_w[j];
-            idx[(size_t)b * top_k + j] = s_idx[j];
-            weight[(size_t)b * top_k + j] = w * scaling;
-        }
-    }
+    if (lane == 0) write_route(s_idx, s_w, idx + (size_t)b * top_k, weight + (size_t)b * top_k, top_k,
+                               renormalize, scaling);
 }
 
 // moe_route_threshold: the same experts, order and weights as moe_route without a pass per
@@ -178,16 +185,8 @@ moe_route_threshold(const float* __restrict__ logits, const float* __restrict__ 
         s_w[rank] = 1.0f / (1.0f + expf(-lg[ej]));
     }
     __syncwarp();
-    if (lane == 0) {
-        float denom = 0.0f;
-        for (int j = 0; j < top_k; ++j) denom += s_w[j];
-        denom += 1e-20f;
-        for (int j = 0; j < top_k; ++j) {
-            const float w = renormalize ? s_w[j] / denom : s_w[j];
-            idx[(size_t)b * top_k + j] = s_idx[j];
-            weight[(size_t)b * top_k + j] = w * scaling;
-        }
-    }
+    if (lane == 0) write_route(s_idx, s_w, idx + (size_t)b * top_k, weight + (size_t)b * top_k, top_k,
+                               renormalize, scaling);
 }
 
 // plan: n_active, then per active expert a: expert id, token count, and the pair ids (b·k+slot).
