@@ -23,8 +23,8 @@ use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
 use tessera_kernels::cpu;
 use tessera_kernels::cuda::{
     bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, MlaDecode, MlaDecodeShape,
-    MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MoeDecode, MoeDims, MoePath, MoeTuning,
-    Sampler, SamplingRows, ShortConv, MLA_RANK, MLA_ROPE,
+    MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MoeDecode, MoeDims, MoePath, Sampler,
+    SamplingRows, ShortConv, MLA_RANK, MLA_ROPE,
 };
 
 const MLA_D: usize = MLA_RANK + MLA_ROPE;
@@ -718,8 +718,6 @@ fn run() -> Result<usize, CudaError> {
             din: 3584,
             di: 3072,
         };
-        let mut by_slots = MoeDecode::load(&dev)?;
-        by_slots.set_route_by_threshold(false);
         let medium_routing = MoeDims {
             experts: 64,
             top_k: 8,
@@ -729,13 +727,11 @@ fn run() -> Result<usize, CudaError> {
             (medium_routing, [1, 7, 64].as_slice()),
             (k3_routing, [1, 7, 16, 64].as_slice()),
         ];
-        for router in [&moe_k, &by_slots] {
-            for (dims, batches) in shapes {
-                for &batch in batches {
-                    for ties in [false, true] {
-                        let rng = &mut rng;
-                        moe::check_routing(&dev, router, &mut checks, rng, dims, batch, ties)?;
-                    }
+        for (dims, batches) in shapes {
+            for &batch in batches {
+                for ties in [false, true] {
+                    let rng = &mut rng;
+                    moe::check_routing(&dev, &moe_k, &mut checks, rng, dims, batch, ties)?;
                 }
             }
         }
@@ -745,25 +741,13 @@ fn run() -> Result<usize, CudaError> {
             din: 512,
             di: 384,
         };
-        // Every projection variant: the column kernels, and the tensor cores with each MXFP4
-        // decoder (the default's masked shifts and the byte lookups).
+        // Both projection paths: the column kernels and the tensor cores.
         let mut columns = MoeDecode::load(&dev)?;
         columns.set_path(Some(MoePath::Columns));
         let mut tc = MoeDecode::load(&dev)?;
         tc.set_path(Some(MoePath::TensorCores));
-        let lookups = MoeTuning {
-            tc_mxfp4_shift: false,
-            ..MoeTuning::default()
-        };
-        let mut tc_lookups = MoeDecode::load_tuned(&dev, 1024, lookups)?;
-        tc_lookups.set_path(Some(MoePath::TensorCores));
-        let variants = [
-            ("Columns", &columns, [false, true].as_slice()),
-            ("TensorCores", &tc, [false, true].as_slice()),
-            ("TensorCoresLookups", &tc_lookups, [true].as_slice()),
-        ];
-        for (label, moe_k, formats) in variants {
-            for &mxfp4 in formats {
+        for (label, moe_k) in [("Columns", &columns), ("TensorCores", &tc)] {
+            for mxfp4 in [false, true] {
                 // 40 experts top-6: at 33 and 64 tokens experts serve many tokens each.
                 for batch in [1, 5, 16, 33, 64] {
                     moe::check_moe_experts(

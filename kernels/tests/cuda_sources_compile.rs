@@ -209,14 +209,12 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
         &[
             vec![],
             vec![("MOE_TC_SPAN_BF16", "2".to_string())],
-            vec![("MOE_TC_MXFP4_SHIFT", "0".to_string())],
             vec![
                 ("MOE_TC_SPAN_MXFP4", "8".to_string()),
                 ("MOE_TC_MIN_BLOCKS", "2".to_string()),
             ],
         ],
         &[
-            "moe_route",
             "moe_plan",
             "moe_route_threshold",
             "moe_gate_up_bf16",

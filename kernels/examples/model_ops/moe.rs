@@ -2,7 +2,7 @@
 //! CPU composition of `cpu::linear` and SiTU over bf16 or dequantised MXFP4 weights) and the K3
 //! latent-shape benchmark, for `cuda_model_ops_check`.
 
-use crate::common::{fill, rel_err, time_us, time_us_back_to_back, Checks, Device, Rng};
+use crate::common::{fill, rel_err, time_us_back_to_back, Checks, Device, Rng};
 use crate::{bf16_vec, report_time, values};
 use tessera_kernels::cpu::{self, MoeRouting};
 use tessera_kernels::cuda::{
@@ -100,12 +100,7 @@ pub(crate) fn check_routing(
         &mut want_i,
         &mut want_w,
     );
-    let how = match (moe.route_by_threshold(), ties) {
-        (true, false) => ".threshold",
-        (true, true) => ".threshold.ties",
-        (false, false) => ".slots",
-        (false, true) => ".slots.ties",
-    };
+    let how = if ties { ".ties" } else { "" };
     let name = format!("moe_route{how}.E{}.k{}.B{batch}", dims.experts, dims.top_k);
     let wrong = idx.iter().zip(&want_i).filter(|(a, b)| a != b).count();
     checks.report(&format!("{name}.ids_wrong"), wrong as f64, 0.0);
@@ -313,29 +308,21 @@ pub(crate) fn bench_moe(
                 let active = ws.active_experts(dev)?;
                 let bytes = (active * experts.bytes_per_expert(&dims)) as f64;
                 let shape = format!("B={batch},E=896,k=16,din=3584,di=3072");
-                let us = time_us(dev, 3, iters, || {
+                // Each sequence enqueued back to back between two events: the device time
+                // without host launch gaps, as in a decode step replayed from a CUDA graph.
+                let (reps, samples) = (10, iters.div_ceil(10).max(5));
+                let extra = format!(" active={active}");
+                let us = time_us_back_to_back(dev, samples, reps, || {
                     moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
                 })?;
-                report_time(
-                    &format!("moe_experts_{kind}"),
-                    &shape,
-                    us,
-                    bytes,
-                    &format!(" active={active}"),
-                );
-                let us = time_us(dev, 3, iters, || {
+                report_time(&format!("moe_experts_{kind}"), &shape, us, bytes, &extra);
+                let us = time_us_back_to_back(dev, samples, reps, || {
                     moe.route(dev, &logits, &bias, &routing, &mut ws)?;
                     moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
                 })?;
-                report_time(
-                    &format!("moe_decode_{kind}"),
-                    &shape,
-                    us,
-                    bytes,
-                    &format!(" active={active}"),
-                );
+                report_time(&format!("moe_decode_{kind}"), &shape, us, bytes, &extra);
                 // Routing and plan alone (the floor: reading the router logits once).
-                let us = time_us(dev, 3, iters, || {
+                let us = time_us_back_to_back(dev, samples, reps, || {
                     moe.route(dev, &logits, &bias, &routing, &mut ws)
                 })?;
                 let logit_bytes = (batch * dims.experts * 4) as f64;
@@ -346,39 +333,6 @@ pub(crate) fn bench_moe(
                     logit_bytes,
                     "",
                 );
-                // The same three, enqueued back to back (no launch gaps on the device).
-                let reps = 10;
-                let us = time_us_back_to_back(dev, iters.div_ceil(reps).max(5), reps, || {
-                    moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
-                })?;
-                let extra = format!(" active={active} back_to_back");
-                report_time(&format!("moe_experts_{kind}"), &shape, us, bytes, &extra);
-                let us = time_us_back_to_back(dev, iters.div_ceil(reps).max(5), reps, || {
-                    moe.route(dev, &logits, &bias, &routing, &mut ws)?;
-                    moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
-                })?;
-                report_time(&format!("moe_decode_{kind}"), &shape, us, bytes, &extra);
-                let us = time_us_back_to_back(dev, iters.div_ceil(reps).max(5), reps, || {
-                    moe.route(dev, &logits, &bias, &routing, &mut ws)
-                })?;
-                let extra = " back_to_back";
-                report_time(
-                    &format!("moe_route_plan_{kind}"),
-                    &shape,
-                    us,
-                    logit_bytes,
-                    extra,
-                );
-                if label.is_empty() {
-                    // Routing slot by slot, the same way.
-                    let mut by_slots = MoeDecode::load(dev)?;
-                    by_slots.set_route_by_threshold(false);
-                    let us = time_us_back_to_back(dev, iters.div_ceil(reps).max(5), reps, || {
-                        by_slots.route(dev, &logits, &bias, &routing, &mut ws)
-                    })?;
-                    let name = format!("moe_route_plan_slots_{kind}");
-                    report_time(&name, &shape, us, logit_bytes, extra);
-                }
             }
         }
     }

@@ -37,7 +37,7 @@ pub use model_ops::{
     SegState, MAX_ATTN_RES_SOURCES, MAX_CONV_KERNEL, MODEL_KERNELS, MODEL_SOURCE,
 };
 pub use moe::{
-    MoeActivation, MoeDecode, MoeDims, MoeExperts, MoePath, MoeTuning, MoeWorkspace, MOE_MAX_BATCH,
+    MoeActivation, MoeDecode, MoeDims, MoeExperts, MoePath, MoeWorkspace, MOE_MAX_BATCH,
 };
 pub use ops::{GemmType, Linear, RowOps};
 pub use sample::{Sampler, SamplingRows};

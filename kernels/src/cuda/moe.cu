@@ -2,11 +2,10 @@
 // down projection and the weighted combine. Experts in bf16 or MXFP4 (w4a16: packed E2M1 codes
 // with one E8M0 scale per 32 inputs, dequantised in registers as the weights stream in).
 //
-// moe_route: one warp per token. scores = sigmoid(logits), choice = scores + bias; the top_k
-//   experts by choice (NaN as -inf, ties to the lower index), written in descending order and
-//   weighted by their scores, renormalised by (sum + 1e-20) in slot order, times `scaling` — the
-//   CPU backend's route_sigmoid_grouped with one group (K3's n_group = 1).
-// moe_route_threshold: the same result without a pass per slot (the default; see below).
+// moe_route_threshold: one warp per token. scores = sigmoid(logits), choice = scores + bias; the
+//   top_k experts by choice (NaN as -inf, ties to the lower index), written in descending order
+//   and weighted by their scores, renormalised by (sum + 1e-20) in slot order, times `scaling` —
+//   the CPU backend's route_sigmoid_grouped with one group (K3's n_group = 1).
 // moe_plan: one block. The distinct experts of the batch in ascending order, each with its
 //   (token, slot) pairs in pair order: every expert's weights are then read once per step.
 // moe_gate_up_*: block (column tile, active expert); a warp per output column streams the gate
@@ -47,82 +46,12 @@
 // ---------------------------------------------------------------------------------------------
 // Routing and plan
 
-// Token b's slots out of shared memory: weights renormalised by (sum + 1e-20) in slot order, times
-// `scaling` (one lane).
-__device__ __forceinline__ void write_route(const unsigned* s_idx, const float* s_w,
-                                            unsigned* __restrict__ idx, float* __restrict__ weight,
-                                            int top_k, int renormalize, float scaling) {
-    float denom = 0.0f;
-    for (int j = 0; j < top_k; ++j) denom += s_w[j];
-    denom += 1e-20f;
-    for (int j = 0; j < top_k; ++j) {
-        const float w = renormalize ? s_w[j] / denom : s_w[j];
-        idx[j] = s_idx[j];
-        weight[j] = w * scaling;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(32)
-moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
-          unsigned* __restrict__ idx, float* __restrict__ weight, int experts, int top_k,
-          int renormalize, float scaling) {
-    const int b = blockIdx.x, lane = threadIdx.x;
-    const float* lg = logits + (size_t)b * experts;
-    const float ninf = -__int_as_float(0x7f800000);
-    float choice[ROUTE_PER_LANE];
-#pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
-        const int e = i * 32 + lane;
-        choice[i] = ninf;
-        if (e < experts) {
-            const float s = 1.0f / (1.0f + expf(-lg[e]));
-            const float c = s + bias[e];
-            choice[i] = c != c ? ninf : c;
-        }
-    }
-    __shared__ unsigned s_idx[ROUTE_PER_LANE * 32];
-    __shared__ float s_w[ROUTE_PER_LANE * 32];
-    for (int slot = 0; slot < top_k; ++slot) {
-        // This lane's best (lowest expert on ties), then the warp's.
-        float bv = ninf;
-        int be = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < ROUTE_PER_LANE; ++i) {
-            const int e = i * 32 + lane;
-            if (e < experts && (choice[i] > bv || (choice[i] == bv && e < be))) {
-                bv = choice[i];
-                be = e;
-            }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-            if (ov > bv || (ov == bv && oe < be)) {
-                bv = ov;
-                be = oe;
-            }
-        }
-        if ((be & 31) == lane) {
-#pragma unroll
-            for (int i = 0; i < ROUTE_PER_LANE; ++i)
-                if (i == (be >> 5)) choice[i] = __int_as_float(0xff800001);  // below -inf: taken
-        }
-        if (lane == 0) {
-            s_idx[slot] = (unsigned)be;
-            s_w[slot] = 1.0f / (1.0f + expf(-lg[be]));
-        }
-    }
-    __syncwarp();
-    if (lane == 0) write_route(s_idx, s_w, idx + (size_t)b * top_k, weight + (size_t)b * top_k, top_k,
-                               renormalize, scaling);
-}
-
-// moe_route_threshold: the same experts, order and weights as moe_route without a pass per
-// slot. The top_k-th largest choice is found bit by bit over all the token's scores at once (a
-// count per candidate by warp reduction), the experts above it are taken with the lowest-numbered
-// ones at it, and the taken are ranked by (choice descending, expert ascending) into the slots.
+// The top_k-th largest choice is found bit by bit over all the token's scores at once (a count
+// per candidate by warp reduction), with no pass per slot; the experts above it are taken with
+// the lowest-numbered ones at it, and the taken are ranked by (choice descending, expert
+// ascending) into the slots.
 __device__ __forceinline__ unsigned order_key(float c) {
-    const unsigned b = __float_as_uint(c == 0.0f ? 0.0f : c);  // -0 and +0 tie, as in moe_route
+    const unsigned b = __float_as_uint(c == 0.0f ? 0.0f : c);  // -0 and +0 tie
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 extern "C" __global__ void __launch_bounds__(32)
@@ -185,8 +114,16 @@ moe_route_threshold(const float* __restrict__ logits, const float* __restrict__ 
         s_w[rank] = 1.0f / (1.0f + expf(-lg[ej]));
     }
     __syncwarp();
-    if (lane == 0) write_route(s_idx, s_w, idx + (size_t)b * top_k, weight + (size_t)b * top_k, top_k,
-                               renormalize, scaling);
+    if (lane == 0) {
+        float denom = 0.0f;
+        for (int j = 0; j < top_k; ++j) denom += s_w[j];
+        denom += 1e-20f;
+        for (int j = 0; j < top_k; ++j) {
+            const float w = renormalize ? s_w[j] / denom : s_w[j];
+            idx[(size_t)b * top_k + j] = s_idx[j];
+            weight[(size_t)b * top_k + j] = w * scaling;
+        }
+    }
 }
 
 // plan: n_active, then per active expert a: expert id, token count, and the pair ids (b·k+slot).
@@ -484,10 +421,6 @@ struct Bf16Tc {
     __device__ __forceinline__ static void arrange_x(unsigned[REGS]) {}
 };
 
-#ifndef MOE_TC_MXFP4_SHIFT
-#define MOE_TC_MXFP4_SHIFT 1
-#endif
-
 // Elements k and k+4 of one 32-bit word of codes as one bf16x2 (k = 0..3), each at 2^-126 of
 // its value: a code's three magnitude bits become the bf16's two lowest exponent bits and its
 // first mantissa bit (so code 1, 0.5, becomes the subnormal 2^-127), its sign bit the sign.
@@ -515,30 +448,21 @@ struct Mxfp4Tc {
     static constexpr int REGS = 16;
     struct Vec {
         uint4 w;
-        unsigned scale;  // bf16 pair
-#if MOE_TC_MXFP4_SHIFT
+        unsigned scale;   // bf16 pair
         unsigned scale2;  // a second factor past bf16's range, or 0
-#endif
     };
     const uint4* rows;
     const unsigned char* scales;
     __device__ __forceinline__ Vec load(size_t row, int v, int in_dim) const {
         const size_t at = row * (in_dim / 32) + v;
         const unsigned s = __ldg(scales + at);
-#if MOE_TC_MXFP4_SHIFT
         // Codes decode to 2^-126 of their values, so the factor is 2^(s-1): exact in bf16 up
         // to s = 128, beyond that 2^127 · 2^(s-128) (255 is NaN).
         const unsigned b = (min(s, 128u) + 126u) << 7;
         const unsigned b2 = s <= 128 ? 0u : (s == 255 ? 0x7fc0u : (s - 1u) << 7);
         return Vec{__ldg(rows + at), b | (b << 16), b2 | (b2 << 16)};
-#else
-        // E8M0 as bf16: exponent s (0: the subnormal 2^-127, 255: NaN). Code × scale is exact.
-        const unsigned b = s == 0 ? 0x0040u : (s == 255 ? 0x7fc0u : s << 7);
-        return Vec{__ldg(rows + at), b | (b << 16)};
-#endif
     }
     __device__ __forceinline__ void decode(const Vec& vec, unsigned out[REGS]) const {
-#if MOE_TC_MXFP4_SHIFT
         e2m1x8_spread(vec.w.x, out);
         e2m1x8_spread(vec.w.y, out + 4);
         e2m1x8_spread(vec.w.z, out + 8);
@@ -549,21 +473,11 @@ struct Mxfp4Tc {
 #pragma unroll
             for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], vec.scale2);
         }
-#else
-        e2m1x8_to_bf16(vec.w.x, out);
-        e2m1x8_to_bf16(vec.w.y, out + 4);
-        e2m1x8_to_bf16(vec.w.z, out + 8);
-        e2m1x8_to_bf16(vec.w.w, out + 12);
-#pragma unroll
-        for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], vec.scale);
-#endif
     }
     // The inputs of one vector in the order `decode` pairs the codes.
     __device__ __forceinline__ static void arrange_x(unsigned x[REGS]) {
-#if MOE_TC_MXFP4_SHIFT
 #pragma unroll
         for (int i = 0; i < REGS; i += 4) spread_x(x + i);
-#endif
     }
 };
 

@@ -155,30 +155,6 @@ pub fn moe_path_from_env() -> Option<MoePath> {
     }
 }
 
-/// Compile-time shape of the tensor-core projections (for measurements; the default is tuned).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MoeTuning {
-    /// Consecutive 16-byte vectors of a row one lane loads per pass: bf16 experts.
-    pub tc_span_bf16: usize,
-    /// The same for MXFP4 experts.
-    pub tc_span_mxfp4: usize,
-    /// Blocks per SM the register budget must allow.
-    pub tc_min_blocks: usize,
-    /// MXFP4 codes to bf16 by masked shifts (inputs paired to match) rather than byte lookups.
-    pub tc_mxfp4_shift: bool,
-}
-
-impl Default for MoeTuning {
-    fn default() -> Self {
-        MoeTuning {
-            tc_span_bf16: 4,
-            tc_span_mxfp4: 2,
-            tc_min_blocks: 4,
-            tc_mxfp4_shift: true,
-        }
-    }
-}
-
 struct Projections {
     gate_up: CudaFunction,
     down: CudaFunction,
@@ -186,12 +162,9 @@ struct Projections {
 
 /// The compiled MoE decode kernels.
 pub struct MoeDecode {
-    /// Most experts `moe_route` was compiled for (32 per lane).
+    /// Most experts `moe_route_threshold` was compiled for (32 per lane).
     route_experts: usize,
     route: CudaFunction,
-    route_threshold: CudaFunction,
-    /// Routing by threshold (`moe_route_threshold`, the default) rather than a pass per slot.
-    by_threshold: bool,
     plan: CudaFunction,
     /// [bf16, mxfp4] × [columns, tensor cores].
     projections: [[Projections; 2]; 2],
@@ -209,27 +182,11 @@ impl MoeDecode {
     /// The kernels for layers of at most `experts` experts (routing keeps that many scores per
     /// warp in registers, so a small count routes faster).
     pub fn load_for(dev: &CudaDevice, experts: usize) -> Result<Self, CudaError> {
-        Self::load_tuned(dev, experts, MoeTuning::default())
-    }
-
-    /// [`Self::load_for`] with the tensor-core projections compiled as `tuning` says.
-    pub fn load_tuned(
-        dev: &CudaDevice,
-        experts: usize,
-        tuning: MoeTuning,
-    ) -> Result<Self, CudaError> {
         let per_lane = experts.clamp(1, MAX_EXPERTS).div_ceil(32);
         let defines = [
             ("MOE_WARPS", WARPS.to_string()),
             ("MOE_COLS_PER_WARP", COLS_PER_WARP.to_string()),
             ("MOE_TC_WARPS", TC_WARPS.to_string()),
-            ("MOE_TC_SPAN_BF16", tuning.tc_span_bf16.to_string()),
-            ("MOE_TC_SPAN_MXFP4", tuning.tc_span_mxfp4.to_string()),
-            ("MOE_TC_MIN_BLOCKS", tuning.tc_min_blocks.to_string()),
-            (
-                "MOE_TC_MXFP4_SHIFT",
-                u8::from(tuning.tc_mxfp4_shift).to_string(),
-            ),
             ("MOE_MAXT", MOE_MAX_BATCH.to_string()),
             ("ROUTE_PER_LANE", per_lane.to_string()),
         ];
@@ -242,9 +199,7 @@ impl MoeDecode {
         };
         Ok(MoeDecode {
             route_experts: per_lane * 32,
-            route: m.load_function("moe_route")?,
-            route_threshold: m.load_function("moe_route_threshold")?,
-            by_threshold: true,
+            route: m.load_function("moe_route_threshold")?,
             plan: m.load_function("moe_plan")?,
             projections: [
                 [proj("", "bf16")?, proj("tc_", "bf16")?],
@@ -253,17 +208,6 @@ impl MoeDecode {
             path: moe_path_from_env(),
             combine: m.load_function("moe_combine")?,
         })
-    }
-
-    /// Routes by threshold (one pass over the scores for all slots; the default) or slot by
-    /// slot (`moe_route`); the same experts, order and weights.
-    pub fn set_route_by_threshold(&mut self, on: bool) {
-        self.by_threshold = on;
-    }
-
-    /// Whether routing goes by threshold ([`Self::set_route_by_threshold`]).
-    pub fn route_by_threshold(&self) -> bool {
-        self.by_threshold
     }
 
     /// Runs every later call's projections on `path` (`None`: the default).
@@ -311,12 +255,7 @@ impl MoeDecode {
         }
         let (e_i, k_i) = (dims.experts as i32, dims.top_k as i32);
         let renorm = routing.renormalize as i32;
-        let kernel = if self.by_threshold {
-            &self.route_threshold
-        } else {
-            &self.route
-        };
-        let mut launch = dev.stream().launch_builder(kernel);
+        let mut launch = dev.stream().launch_builder(&self.route);
         launch
             .arg(logits)
             .arg(bias)
@@ -331,7 +270,7 @@ impl MoeDecode {
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the argument list matches `moe_route{,_threshold}`; logits hold `batch` rows of
+        // SAFETY: the argument list matches `moe_route_threshold`; logits hold `batch` rows of
         // `experts` (≤ 1024, checked by `check_dims`), idx/weight `batch · top_k` values.
         unsafe { launch.launch(cfg) }?;
         self.plan(dev, ws)
@@ -355,7 +294,7 @@ impl MoeDecode {
             shared_mem_bytes: 4 * dims.experts as u32,
         };
         // SAFETY: the argument list matches `moe_plan`; idx holds `pairs` expert ids below
-        // `experts` (written by `moe_route`), the plan arrays `pairs` entries (× 16 pairs).
+        // `experts` (written by `moe_route_threshold`), the plan arrays `pairs` entries (× 16 pairs).
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
