@@ -3,10 +3,11 @@
 //! passes), then times them against their memory floor (bytes moved / 4.8 TB/s).
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
-//!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|moe]
+//!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
 //!       [--mla-prefetch N,M,..] [--mla-coalesced]
 //!
-//! MLA decode is checked and timed with every split kernel the device runs (the portable one,
+//! `mla-flash` is the whole-model forward's MLA attention over the paged f32 history (the flash
+//! kernel and the generic one, prefill and decode rows). MLA decode is checked and timed with every split kernel the device runs (the portable one,
 //! and on Hopper the warpgroup one); `--mla-prefetch` also checks and times each kernel with
 //! those L2 prefetch distances (tiles ahead), `--mla-coalesced` with its wider tile copies.
 //!
@@ -16,6 +17,8 @@
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "model_ops/mla_flash.rs"]
+mod mla_flash;
 #[path = "model_ops/moe.rs"]
 mod moe;
 
@@ -23,8 +26,8 @@ use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
 use tessera_kernels::cpu;
 use tessera_kernels::cuda::{
     bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, MlaDecode, MlaDecodeShape,
-    MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MoeDecode, MoeDims, MoePath, Sampler,
-    SamplingRows, ShortConv, MLA_RANK, MLA_ROPE,
+    MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, ModelKernels, MoeDecode, MoeDims, MoePath,
+    Sampler, SamplingRows, ShortConv, MLA_RANK, MLA_ROPE,
 };
 
 const MLA_D: usize = MLA_RANK + MLA_ROPE;
@@ -467,6 +470,9 @@ fn bench(
     if !kernels.is_empty() {
         bench_mla(dev, &mut rng, iters, &kernels)?;
     }
+    if only.wants("mla-flash") {
+        mla_flash::bench(dev, &mut rng, iters)?;
+    }
     if only.wants("moe") {
         // The column kernels, then the tensor-core ones (the default path).
         let mut columns = MoeDecode::load(dev)?;
@@ -710,6 +716,9 @@ fn run() -> Result<usize, CudaError> {
             mla_ok = Some(checks.failed == before);
         }
     }
+    if only.wants("mla-flash") {
+        check_mla_flash(&dev, &mut checks, &mut rng)?;
+    }
     if only.wants("moe") {
         let moe_k = MoeDecode::load(&dev)?;
         let k3_routing = MoeDims {
@@ -772,6 +781,36 @@ fn run() -> Result<usize, CudaError> {
     // A Hopper kernel that failed its checks is not timed.
     bench(&dev, quick, &only, &tunings, mla_ok != Some(false))?;
     Ok(checks.failed)
+}
+
+/// The model path's MLA attention at fixture widths (ranks below, between and at multiples of
+/// 64, odd head counts) and production ones, prefill and decode rows mixed with page edges.
+fn check_mla_flash(dev: &CudaDevice, checks: &mut Checks, rng: &mut Rng) -> Result<(), CudaError> {
+    use mla_flash::{Batch, MlaDims, Seg};
+    let mut kernels = ModelKernels::load(dev, false)?;
+    let dims = |heads, nope, rope, rank| MlaDims {
+        heads,
+        nope,
+        rope,
+        rank,
+    };
+    let medium = dims(16, 128, 64, 512);
+    let cases: [(MlaDims, &[Seg], usize); 9] = [
+        (dims(2, 32, 16, 64), &[(0, 7), (3, 1), (0, 40)], 16),
+        (dims(4, 16, 8, 48), &[(5, 20), (0, 1), (100, 3)], 8),
+        (dims(2, 8, 4, 16), &[(0, 33), (2, 2)], 4),
+        (dims(12, 32, 16, 64), &[(0, 10), (50, 7)], 16),
+        (medium, &[(0, 300), (1000, 50)], 64),
+        (medium, &[(4999, 1), (0, 1), (77, 1), (2000, 1)], 16),
+        (dims(96, 128, 64, 512), &[(2999, 1), (10, 1)], 64),
+        (dims(96, 128, 64, 512), &[(100, 20)], 64),
+        (dims(40, 64, 32, 256), &[(0, 64), (640, 1)], 32),
+    ];
+    for (d, segs, page_tokens) in cases {
+        let b = Batch { segs, page_tokens };
+        mla_flash::check(dev, &mut kernels, checks, rng, d, &b)?;
+    }
+    Ok(())
 }
 
 fn main() {

@@ -5,7 +5,8 @@
 
 use tessera_kernels::cuda::{
     compile, kda_defines, CudaError, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE,
-    MLA_DECODE_SOURCE, MODEL_KERNELS, MODEL_SOURCE, MOE_SOURCE, OPS_SOURCE, SAMPLE_SOURCE,
+    MLA_DECODE_SOURCE, MLA_FLASH_SOURCE, MODEL_KERNELS, MODEL_SOURCE, MOE_SOURCE, OPS_SOURCE,
+    SAMPLE_SOURCE,
 };
 
 fn nvrtc_required() -> bool {
@@ -234,4 +235,18 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
 #[test]
 fn whole_model_glue_kernels_compile_for_hopper_and_ampere() {
     compiles_with("model", MODEL_SOURCE, &[vec![]], MODEL_KERNELS, &[]);
+}
+
+#[test]
+fn flash_mla_attention_compiles_with_tensor_cores_for_hopper_and_ampere() {
+    compiles_with(
+        "mla_flash",
+        MLA_FLASH_SOURCE,
+        &[vec![]],
+        &["mla_flash", "mla_flash_combine"],
+        &[
+            "mma.sync.aligned.m16n8k16",
+            "ldmatrix.sync.aligned.m8n8.x4.trans",
+        ],
+    );
 }

@@ -10,6 +10,7 @@
 mod conv;
 mod kda;
 mod mla;
+mod model_mla;
 mod model_ops;
 mod moe;
 mod ops;
@@ -32,9 +33,10 @@ pub use mla::{
     MlaDecode, MlaDecodeShape, MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MLA_RANK,
     MLA_ROPE,
 };
+pub use model_mla::{FlashPlan, MlaAbsorbed, FLASH_MAX_RANK, FLASH_MAX_WIDTH, MLA_FLASH_SOURCE};
 pub use model_ops::{
-    base_ptr, dptr, DevPtr, KdaRecurrent, MlaAbsorbed, ModelKernels, NormRows, PagedHistory,
-    SegState, MAX_ATTN_RES_SOURCES, MAX_CONV_KERNEL, MODEL_KERNELS, MODEL_SOURCE,
+    base_ptr, dptr, DevPtr, KdaRecurrent, ModelKernels, NormRows, PagedHistory, SegState,
+    MAX_ATTN_RES_SOURCES, MAX_CONV_KERNEL, MODEL_KERNELS, MODEL_SOURCE,
 };
 pub use moe::{
     MoeActivation, MoeDecode, MoeDims, MoeExperts, MoePath, MoeWorkspace, MOE_MAX_BATCH,

@@ -7,6 +7,7 @@
 
 use cudarc::driver::{CudaFunction, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
+use super::model_mla::FlashKernels;
 use super::{CudaDevice, CudaError};
 
 /// The glue kernels' source.
@@ -26,7 +27,7 @@ pub fn dptr<T, S: DevicePtr<T>>(dev: &CudaDevice, s: &S, offset: usize) -> DevPt
     p + (offset * std::mem::size_of::<T>()) as u64
 }
 
-const MT: u32 = 128;
+pub(super) const MT: u32 = 128;
 /// Widest short-conv kernel `short_conv_silu_seg` keeps in registers.
 pub const MAX_CONV_KERNEL: usize = 17;
 /// Widest KDA head `kda_recurrent_seg` keeps in registers (`KDA_MAX_DK`).
@@ -37,14 +38,14 @@ const KDA_PARTS: usize = 8;
 /// Most AttnRes sources (`blocks + 1`) `attnres_mix` takes.
 pub const MAX_ATTN_RES_SOURCES: usize = 64;
 
-enum Arg {
+pub(super) enum Arg {
     P(u64),
     I(i32),
     L(i64),
     F(f32),
 }
 
-fn i(v: usize) -> Arg {
+pub(super) fn i(v: usize) -> Arg {
     Arg::I(v as i32)
 }
 
@@ -52,6 +53,9 @@ fn i(v: usize) -> Arg {
 pub struct ModelKernels {
     f: std::collections::HashMap<&'static str, CudaFunction>,
     exact: bool,
+    pub(super) flash: FlashKernels,
+    /// Whether MLA attention takes the flash kernel where it applies (see [`super::model_mla`]).
+    pub(super) mla_flash: bool,
 }
 
 /// The entry points of `model.cu`.
@@ -79,7 +83,7 @@ pub const MODEL_KERNELS: &[&str] = &[
 ];
 
 /// A 3-D grid of `block`-thread blocks.
-fn grid3(x: usize, y: usize, z: usize, block: u32) -> LaunchConfig {
+pub(super) fn grid3(x: usize, y: usize, z: usize, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (x as u32, y as u32, z as u32),
         block_dim: (block, 1, 1),
@@ -87,7 +91,7 @@ fn grid3(x: usize, y: usize, z: usize, block: u32) -> LaunchConfig {
     }
 }
 
-fn grid(x: usize, y: usize, block: u32, smem: u32) -> LaunchConfig {
+pub(super) fn grid(x: usize, y: usize, block: u32, smem: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (x as u32, y as u32, 1),
         block_dim: (block, 1, 1),
@@ -108,7 +112,12 @@ impl ModelKernels {
         for &n in MODEL_KERNELS {
             f.insert(n, m.load_function(n)?);
         }
-        Ok(ModelKernels { f, exact })
+        Ok(ModelKernels {
+            f,
+            exact,
+            flash: FlashKernels::load(dev)?,
+            mla_flash: std::env::var("TESSERA_MLA_PATH").as_deref() != Ok("generic"),
+        })
     }
 
     /// Whether GEMM inputs and the weights these kernels read are f32.
@@ -125,11 +134,11 @@ impl ModelKernels {
         }
     }
 
-    fn ex(&self) -> Arg {
+    pub(super) fn ex(&self) -> Arg {
         Arg::I(self.exact as i32)
     }
 
-    fn launch(
+    pub(super) fn launch(
         &self,
         dev: &CudaDevice,
         name: &str,
@@ -379,59 +388,6 @@ impl ModelKernels {
         self.launch(dev, "mla_store_rows", grid(rows, 1, MT, 0), &a)
     }
 
-    /// MLA absorbed attention; see [`MlaAbsorbed`].
-    pub fn mla_absorbed(&self, dev: &CudaDevice, m: &MlaAbsorbed) -> Result<(), CudaError> {
-        let (t, h) = (m.rows, m.heads);
-        let a = [
-            Arg::P(m.q),
-            Arg::P(m.kv_b),
-            Arg::P(m.q_lat),
-            i(h),
-            i(m.nope),
-            i(m.rope),
-            i(m.v_dim),
-            i(m.rank),
-            self.ex(),
-        ];
-        let cols = m.rank.div_ceil(MT as usize);
-        self.launch(dev, "mla_absorb_q", grid3(t, h, cols, MT), &a)?;
-        let a = [
-            Arg::P(m.q_lat),
-            Arg::P(m.q),
-            Arg::P(m.hist.base),
-            Arg::P(m.hist.pages),
-            Arg::P(m.hist.first),
-            i(m.hist.page_tokens),
-            Arg::P(m.visible),
-            Arg::P(m.scores),
-            Arg::P(m.lat),
-            i(h),
-            i(m.nope),
-            i(m.rope),
-            i(m.rank),
-            i(m.max_visible),
-            Arg::F(m.scale),
-        ];
-        self.launch(dev, "mla_attend", grid(t, h, MT, 0), &a)?;
-        let a = [
-            Arg::P(m.lat),
-            Arg::P(m.kv_b),
-            Arg::P(m.out),
-            i(h),
-            i(m.nope),
-            i(m.v_dim),
-            i(m.rank),
-            self.ex(),
-        ];
-        let warps = (MT / 32) as usize;
-        self.launch(
-            dev,
-            "mla_unabsorb",
-            grid3(t, h, m.v_dim.div_ceil(warps), MT),
-            &a,
-        )
-    }
-
     /// `out [rows, inter]` (a GEMM input) ← activation of the stacked `gate_up [rows, 2·inter]` f32:
     /// SiLU-GLU, or SiTU with `situ = Some((β1, β2))`.
     pub fn glu(
@@ -641,29 +597,5 @@ pub struct KdaRecurrent {
     pub segments: usize,
     pub heads: usize,
     pub head_dim: usize,
-    pub scale: f32,
-}
-
-/// MLA in absorbed form for `rows` query rows: `q [rows, heads, nope+rope]` f32, `kv_b
-/// [heads·(nope+v_dim), rank]` bf16 (f32 when exact), a paged latent history of rows `[rank +
-/// rope]` f32 of which row `t` sees the first `visible[t]` (i32 device array), scratch `q_lat,
-/// lat [rows, heads, rank]` and `scores [rows, heads, max_visible]`, output `out [rows,
-/// heads·v_dim]`.
-pub struct MlaAbsorbed {
-    pub q: DevPtr,
-    pub kv_b: DevPtr,
-    pub hist: PagedHistory,
-    pub visible: DevPtr,
-    pub q_lat: DevPtr,
-    pub lat: DevPtr,
-    pub scores: DevPtr,
-    pub out: DevPtr,
-    pub rows: usize,
-    pub heads: usize,
-    pub nope: usize,
-    pub rope: usize,
-    pub v_dim: usize,
-    pub rank: usize,
-    pub max_visible: usize,
     pub scale: f32,
 }

@@ -265,30 +265,30 @@ impl DMla {
         let max_visible = io.max_visible;
         let q_lat = gpu.scratch::<f32>(n * h * r)?;
         let lat = gpu.scratch::<f32>(n * h * r)?;
-        let scores = gpu.scratch::<f32>(n * h * max_visible)?;
         let att = gpu.scratch::<f32>(n * h * dv)?;
         gpu.timed("mla:attention", || {
-            Ok(gpu.k.mla_absorbed(
-                dev,
-                &MlaAbsorbed {
-                    q: gpu.p(&q),
-                    kv_b: gpu.p(&self.kv_b.w),
-                    hist: io.hist,
-                    visible: io.visible,
-                    q_lat: gpu.p(&q_lat),
-                    lat: gpu.p(&lat),
-                    scores: gpu.p(&scores),
-                    out: gpu.p(&att),
-                    rows: n,
-                    heads: h,
-                    nope: dn,
-                    rope: dr,
-                    v_dim: dv,
-                    rank: r,
-                    max_visible,
-                    scale: 1.0 / ((dn + dr) as f32).sqrt(),
-                },
-            )?)
+            let mut call = MlaAbsorbed {
+                q: gpu.p(&q),
+                kv_b: gpu.p(&self.kv_b.w),
+                hist: io.hist,
+                visible: io.visible,
+                q_lat: gpu.p(&q_lat),
+                lat: gpu.p(&lat),
+                scratch: 0,
+                out: gpu.p(&att),
+                rows: n,
+                segments: step.layout.ranges().count(),
+                heads: h,
+                nope: dn,
+                rope: dr,
+                v_dim: dv,
+                rank: r,
+                max_visible,
+                scale: 1.0 / ((dn + dr) as f32).sqrt(),
+            };
+            let scratch = gpu.scratch::<f32>(gpu.k.mla_scratch_floats(&call))?;
+            call.scratch = gpu.p(&scratch);
+            Ok(gpu.k.mla_absorbed(dev, &call)?)
         })?;
         if let Some(g) = &self.gate {
             // The gate reads the layer input, not the attention output (K3-SPEC §3.3).
