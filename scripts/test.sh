@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-say() { printf '\n== %s\n' "$*"; }
+# Each step is stamped with the suite's elapsed time, so slow steps show in the CI log.
+say() { printf '\n== [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
 # --- system packages (Debian) ------------------------------------------------------------
 # Each entry: a command or file that proves the package is there, then the package.
@@ -130,3 +131,5 @@ PY
   "$HELM" lint --strict deploy/helm/tessera
   "$PY_VENV/bin/python" tests/deploy/check_chart.py --helm "$HELM"
 fi
+
+say "done"

@@ -242,7 +242,7 @@ fn flash_mla_attention_compiles_with_tensor_cores_for_hopper_and_ampere() {
     compiles_with(
         "mla_flash",
         MLA_FLASH_SOURCE,
-        &[vec![]],
+        &[vec![], vec![("FL_MT", "4".to_string())]],
         &["mla_flash", "mla_flash_combine"],
         &[
             "mma.sync.aligned.m16n8k16",

@@ -195,8 +195,8 @@ pub fn check(
         let got = dev.download(&call.lat)?;
         let label = match plan {
             Some(p) => format!(
-                "flash(rows/block {}, heads/block {}, splits {})",
-                p.rows_per_block, p.heads_per_block, p.splits
+                "flash(items {}: rows/block {}, heads/block {}; splits {})",
+                p.items, p.rows_per_block, p.heads_per_block, p.splits
             ),
             None => "generic".to_string(),
         };

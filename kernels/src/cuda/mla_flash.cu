@@ -23,7 +23,11 @@
 // Widths are runtime values: DP = rank + rope rounded up to 32 (Q·Kᵀ's reduction), RP as above;
 // shared rows are LD = max(DP, RP) + 8 bf16 wide (zeros past rank + rope).
 
+#ifndef FL_MT
 #define FL_MT 2
+#endif
+// Blocks of 32 items fit twice per SM (shared memory and registers), 64 once.
+#define FL_MIN_BLOCKS (FL_MT <= 2 ? 2 : 1)
 #define FL_HB (16 * FL_MT)
 #define FL_THREADS (128 * FL_MT)
 #define FL_BN 32
@@ -47,7 +51,7 @@ struct FlashTail {
     int vis[FL_HB];
 };
 
-extern "C" __global__ void __launch_bounds__(FL_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(FL_THREADS, FL_MIN_BLOCKS)
 mla_flash(const float* __restrict__ qlat, const float* __restrict__ q, const float* base,
           const long long* __restrict__ pages, const int* __restrict__ first, int page_tokens,
           const int* __restrict__ vis, float* __restrict__ lat, float* __restrict__ o_part,
