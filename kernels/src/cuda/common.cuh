@@ -129,3 +129,36 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 #endif
+
+// Online softmax (base 2) with 8 consecutive lanes per row, as the MLA attention kernels keep
+// it: the row's max and sum over its 8 lanes, then lane 0 of the 8 folds the tile into the row's
+// running max `m`, sum `l` and the factor `alpha` its accumulators are rescaled by. `at` is the
+// offset the tile's exponentials subtracted (the new max, or 0 while the row has seen only -inf).
+__device__ __forceinline__ float max_over_8_lanes(float x) {
+    x = fmaxf(x, LANE_SHFL_XOR(x, 1));
+    x = fmaxf(x, LANE_SHFL_XOR(x, 2));
+    return fmaxf(x, LANE_SHFL_XOR(x, 4));
+}
+__device__ __forceinline__ float sum_over_8_lanes(float x) {
+    x += LANE_SHFL_XOR(x, 1);
+    x += LANE_SHFL_XOR(x, 2);
+    return x + LANE_SHFL_XOR(x, 4);
+}
+__device__ __forceinline__ void online_softmax_fold(float* m, float* l, float* alpha, int row,
+                                                    float m_old, float m_new, float at, float sum) {
+    const float a = exp2f(m_old - at);
+    alpha[row] = a;
+    l[row] = l[row] * a + sum;
+    m[row] = m_new;
+}
+// An m16n8 accumulator set's rows g (c[0..1]) and g+8 (c[2..3]) times a0 and a1.
+template <int N>
+__device__ __forceinline__ void scale_acc_rows(float (&o)[N][4], float a0, float a1) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        o[n][0] *= a0;
+        o[n][1] *= a0;
+        o[n][2] *= a1;
+        o[n][3] *= a1;
+    }
+}

@@ -224,9 +224,7 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cache,
                 v[j] = sr[j];
                 mx = fmaxf(mx, v[j]);
             }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+            mx = max_over_8_lanes(mx);
             const float m_old = sm.m[row];
             const float m_new = fmaxf(m_old, mx);
             const float base = m_new == -__int_as_float(0x7f800000) ? 0.0f : m_new;
@@ -240,29 +238,15 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cache,
             }
             *reinterpret_cast<uint4*>(sm.p + row * PLD + part8 * 8) =
                 make_uint4(packed[0], packed[1], packed[2], packed[3]);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+            sum = sum_over_8_lanes(sum);
             __syncwarp();
-            if (part8 == 0) {
-                const float alpha = exp2f(m_old - base);
-                sm.alpha[row] = alpha;
-                sm.l[row] = sm.l[row] * alpha + sum;
-                sm.m[row] = m_new;
-            }
+            if (part8 == 0) online_softmax_fold(sm.m, sm.l, sm.alpha, row, m_old, m_new, base, sum);
         }
         __syncthreads();
 
         // o = alpha · o + P · V for this warp's heads and 128 latent dims.
         {
-            const float a0 = sm.alpha[mt * 16 + g], a1 = sm.alpha[mt * 16 + g + 8];
-#pragma unroll
-            for (int n = 0; n < 16; ++n) {
-                o[n][0] *= a0;
-                o[n][1] *= a0;
-                o[n][2] *= a1;
-                o[n][3] *= a1;
-            }
+            scale_acc_rows(o, sm.alpha[mt * 16 + g], sm.alpha[mt * 16 + g + 8]);
             const int mi = lane >> 3, mr = lane & 7;
 #pragma unroll
             for (int k0 = 0; k0 < MLA_BN; k0 += 16) {

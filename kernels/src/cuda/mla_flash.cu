@@ -177,39 +177,22 @@ mla_flash(const float* __restrict__ qlat, const float* __restrict__ q, const flo
                     v[k] = sr[k];
                     mx = fmaxf(mx, v[k]);
                 }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+                mx = max_over_8_lanes(mx);
                 const float m_old = sm.m[i], m_new = fmaxf(m_old, mx);
                 const float at = m_new == ninf ? 0.0f : m_new;
                 const float p0 = exp2f(v[0] - at), p1 = exp2f(v[1] - at);
                 const float p2 = exp2f(v[2] - at), p3 = exp2f(v[3] - at);
                 *reinterpret_cast<uint2*>(sm.p + i * FL_PLD + part * 4) =
                     make_uint2(pack_bf16x2(p0, p1), pack_bf16x2(p2, p3));
-                float sum = (p0 + p1) + (p2 + p3);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+                const float sum = sum_over_8_lanes((p0 + p1) + (p2 + p3));
                 __syncwarp();
-                if (part == 0) {
-                    const float alpha = exp2f(m_old - at);
-                    sm.alpha[i] = alpha;
-                    sm.l[i] = sm.l[i] * alpha + sum;
-                    sm.m[i] = m_new;
-                }
+                if (part == 0) online_softmax_fold(sm.m, sm.l, sm.alpha, i, m_old, m_new, at, sum);
             }
             __syncthreads();
 
             // o = alpha · o + P · V over this warp's latent dims.
             {
-                const float a0 = sm.alpha[mt * 16 + g], a1 = sm.alpha[mt * 16 + g + 8];
-#pragma unroll
-                for (int n = 0; n < 16; ++n) {
-                    o[n][0] *= a0;
-                    o[n][1] *= a0;
-                    o[n][2] *= a1;
-                    o[n][3] *= a1;
-                }
+                scale_acc_rows(o, sm.alpha[mt * 16 + g], sm.alpha[mt * 16 + g + 8]);
                 const int mi = lane >> 3, mr = lane & 7;
                 const int d0 = wq * (RP / 4);
 #pragma unroll
