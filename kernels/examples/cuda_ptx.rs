@@ -5,7 +5,7 @@
 
 use tessera_kernels::cuda::{
     compile, kda_defines, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE,
-    MODEL_SOURCE, MOE_SOURCE, SAMPLE_SOURCE,
+    MLA_FLASH_SOURCE, MODEL_SOURCE, MOE_SOURCE, SAMPLE_SOURCE,
 };
 
 /// One PTX file to write: its name, the source and the `-D` macros.
@@ -35,6 +35,13 @@ fn main() {
             format!("mla_decode-mt{mt}"),
             MLA_DECODE_SOURCE,
             vec![("MLA_MT", mt.to_string())],
+        ));
+    }
+    for mt in [2, 4] {
+        units.push((
+            format!("mla_flash-mt{mt}"),
+            MLA_FLASH_SOURCE,
+            vec![("FL_MT", mt.to_string())],
         ));
     }
     if arch == "sm_90" {

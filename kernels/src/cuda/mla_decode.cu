@@ -45,20 +45,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Four 8x8 bf16 matrices from shared memory, transposed: lane l gives the row address of matrix
-// l / 8, row l % 8; register i receives matrix i in the B-fragment layout of mma m16n8k16.
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const bf16_t* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const bf16_t* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
 struct MlaSmem {
     bf16_t q[MLA_HB * QLD];
     bf16_t kv[2][MLA_BN * QLD];

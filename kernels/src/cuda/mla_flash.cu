@@ -37,12 +37,6 @@
 
 static_assert(FL_THREADS / FL_HB == 8, "softmax maps 8 threads to an item");
 
-__device__ __forceinline__ void fl_ldmatrix_x4_trans(unsigned r[4], const bf16_t* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
 // Shared memory: q [FL_HB][LD], kv [FL_BN][LD] (bf16), then the fixed-size part.
 struct FlashTail {
     float s[FL_HB * FL_SLD];
@@ -204,7 +198,7 @@ mla_flash(const float* __restrict__ qlat, const float* __restrict__ q, const flo
                     for (int n = 0; n < 16; n += 2) {
                         if (n < NT) {
                             unsigned bb[4];
-                            fl_ldmatrix_x4_trans(bb, vrow + n * 8);
+                            ldmatrix_x4_trans(bb, vrow + n * 8);
                             mma_bf16_16816(o[n], a, bb);
                             mma_bf16_16816(o[n + 1], a, bb + 2);
                         }
