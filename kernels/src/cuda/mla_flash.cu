@@ -34,6 +34,8 @@
 #define FL_SLD (FL_BN + 4)
 #define FL_PLD (FL_BN + 8)
 #define FL_MAX_RP 512
+// n8 tiles of P·V a warp keeps at the widest latent (a quarter of FL_MAX_RP each).
+#define FL_MAX_NT (FL_MAX_RP / 32)
 
 static_assert(FL_THREADS / FL_HB == 8, "softmax maps 8 threads to an item");
 
@@ -108,9 +110,9 @@ mla_flash(const float* __restrict__ qlat, const float* __restrict__ q, const flo
             *reinterpret_cast<unsigned*>(sq + i * LD + c) = pack_bf16x2(v0, v1);
         }
 
-        float o[16][4];
+        float o[FL_MAX_NT][4];
 #pragma unroll
-        for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+        for (int n = 0; n < FL_MAX_NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
         for (int tile = tile0; tile < tile1; ++tile) {
             const int j0 = tile * FL_BN;
@@ -195,7 +197,7 @@ mla_flash(const float* __restrict__ qlat, const float* __restrict__ q, const flo
                     load_a_frag(a, sm.p, FL_PLD, mt * 16, k0);
                     const bf16_t* vrow = skv + (k0 + (mi & 1) * 8 + mr) * LD + d0 + (mi >> 1) * 8;
 #pragma unroll
-                    for (int n = 0; n < 16; n += 2) {
+                    for (int n = 0; n < FL_MAX_NT; n += 2) {
                         if (n < NT) {
                             unsigned bb[4];
                             ldmatrix_x4_trans(bb, vrow + n * 8);
@@ -218,7 +220,7 @@ mla_flash(const float* __restrict__ qlat, const float* __restrict__ q, const flo
             float* dst = splits == 1 ? lat + th * r : o_part + ((size_t)split * rows * H + th) * r;
             const int d0 = wq * (RP / 4) + 2 * t4;
 #pragma unroll
-            for (int n = 0; n < 16; ++n) {
+            for (int n = 0; n < FL_MAX_NT; ++n) {
                 const int c = d0 + n * 8;
                 if (n < NT && c < r) dst[c] = o[n][2 * half] * inv;
                 if (n < NT && c + 1 < r) dst[c + 1] = o[n][2 * half + 1] * inv;
