@@ -10,9 +10,9 @@
 //!   wider latents, and everywhere with `TESSERA_MLA_PATH=generic` in the environment.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, LaunchConfig};
 
-use super::model_ops::{grid, grid3, i, Arg, DevPtr, PagedHistory, MT};
+use super::model_ops::{grid, grid3, i, launch_fn, Arg, DevPtr, PagedHistory, MT};
 use super::{CudaDevice, CudaError, ModelKernels};
 
 /// The flash kernel's source.
@@ -172,7 +172,10 @@ impl FlashPlan {
 impl ModelKernels {
     /// Whether calls of this shape take the flash kernel.
     fn takes_flash(&self, rank: usize, rope: usize) -> bool {
-        self.mla_flash && !self.exact() && rank <= FLASH_MAX_RANK && rank + rope <= FLASH_MAX_WIDTH
+        self.flash.is_some()
+            && self.mla_flash
+            && rank <= FLASH_MAX_RANK
+            && rank + rope <= FLASH_MAX_WIDTH
     }
 
     /// Routes later MLA calls to the flash kernel (`true`, the default where it applies) or the
@@ -239,8 +242,8 @@ impl ModelKernels {
         if m.rows == 0 {
             return Ok(());
         }
-        if let Some(plan) = self.mla_flash_plan(m) {
-            return self.flash_attend(dev, m, plan);
+        if let (Some(plan), Some(f)) = (self.mla_flash_plan(m), &self.flash) {
+            return self.flash_attend(dev, f, m, plan);
         }
         let a = [
             Arg::P(m.q_lat),
@@ -265,10 +268,11 @@ impl ModelKernels {
     fn flash_attend(
         &self,
         dev: &CudaDevice,
+        f: &FlashKernels,
         m: &MlaAbsorbed,
         p: FlashPlan,
     ) -> Result<(), CudaError> {
-        let f = self.flash.variant(p.items);
+        let f = f.variant(p.items);
         let split = p.splits > 1;
         let o_part = if split { m.scratch } else { 0 };
         let lse_part = if split {
@@ -285,54 +289,43 @@ impl ModelKernels {
             block_dim: (8 * p.items as u32, 1, 1),
             shared_mem_bytes: smem_bytes(p.items, m.rank, m.rope) as u32,
         };
-        let (scale_log2, page_tokens) = (
-            m.scale * std::f32::consts::LOG2_E,
-            m.hist.page_tokens as i32,
-        );
-        let ints = [
-            m.rows,
-            m.heads,
-            m.nope,
-            m.rope,
-            m.rank,
-            p.heads_per_block,
-            p.rows_per_block,
-            p.tiles_per_split,
-        ]
-        .map(|v| v as i32);
-        let mut b = dev.stream().launch_builder(&f.attend);
-        b.arg(&m.q_lat)
-            .arg(&m.q)
-            .arg(&m.hist.base)
-            .arg(&m.hist.pages)
-            .arg(&m.hist.first)
-            .arg(&page_tokens)
-            .arg(&m.visible)
-            .arg(&m.lat)
-            .arg(&o_part)
-            .arg(&lse_part);
-        for v in &ints {
-            b.arg(v);
-        }
-        b.arg(&scale_log2);
-        // SAFETY: the arguments are `mla_flash`'s in order and type; the extents are the
-        // caller's contract on `MlaAbsorbed` (the scratch sized by `mla_scratch_floats`).
-        unsafe { b.launch(cfg) }?;
+        let a = [
+            Arg::P(m.q_lat),
+            Arg::P(m.q),
+            Arg::P(m.hist.base),
+            Arg::P(m.hist.pages),
+            Arg::P(m.hist.first),
+            i(m.hist.page_tokens),
+            Arg::P(m.visible),
+            Arg::P(m.lat),
+            Arg::P(o_part),
+            Arg::P(lse_part),
+            i(m.rows),
+            i(m.heads),
+            i(m.nope),
+            i(m.rope),
+            i(m.rank),
+            i(p.heads_per_block),
+            i(p.rows_per_block),
+            i(p.tiles_per_split),
+            Arg::F(m.scale * std::f32::consts::LOG2_E),
+        ];
+        // SAFETY: `mla_flash`'s arguments in order and type; the extents are the caller's
+        // contract on `MlaAbsorbed` (the scratch sized by `mla_scratch_floats`).
+        unsafe { launch_fn(dev, &f.attend, cfg, &a) }?;
         if split {
-            let mut b = dev.stream().launch_builder(&f.combine);
-            let ints = [m.rows, m.heads, m.rank, p.splits].map(|v| v as i32);
-            b.arg(&o_part).arg(&lse_part).arg(&m.lat);
-            for v in &ints {
-                b.arg(v);
-            }
-            let cfg = LaunchConfig {
-                grid_dim: ((m.rows * m.heads) as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let a = [
+                Arg::P(o_part),
+                Arg::P(lse_part),
+                Arg::P(m.lat),
+                i(m.rows),
+                i(m.heads),
+                i(m.rank),
+                i(p.splits),
+            ];
             // SAFETY: `mla_flash_combine`'s arguments in order and type; the partials were
             // written by the launch above over the same rows and heads.
-            unsafe { b.launch(cfg) }?;
+            unsafe { launch_fn(dev, &f.combine, grid(m.rows * m.heads, 1, 128, 0), &a) }?;
         }
         Ok(())
     }

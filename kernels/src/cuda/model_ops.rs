@@ -49,11 +49,40 @@ pub(super) fn i(v: usize) -> Arg {
     Arg::I(v as i32)
 }
 
+/// Launches `f` with `args` pushed in order (nothing when the grid is empty).
+///
+/// # Safety
+/// `args` must be `f`'s parameter list, in order and with its types, and every buffer they
+/// address must hold the extents the kernel reads and writes.
+pub(super) unsafe fn launch_fn(
+    dev: &CudaDevice,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<(), CudaError> {
+    if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
+        return Ok(());
+    }
+    let mut b = dev.stream().launch_builder(f);
+    for a in args {
+        match a {
+            Arg::P(v) => b.arg(v),
+            Arg::I(v) => b.arg(v),
+            Arg::L(v) => b.arg(v),
+            Arg::F(v) => b.arg(v),
+        };
+    }
+    // SAFETY: the caller's contract above.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
 /// The compiled glue kernels.
 pub struct ModelKernels {
     f: std::collections::HashMap<&'static str, CudaFunction>,
     exact: bool,
-    pub(super) flash: FlashKernels,
+    /// The flash MLA kernels (not compiled in the exact mode, which never takes them).
+    pub(super) flash: Option<FlashKernels>,
     /// Whether MLA attention takes the flash kernel where it applies (see [`super::model_mla`]).
     pub(super) mla_flash: bool,
 }
@@ -115,7 +144,11 @@ impl ModelKernels {
         Ok(ModelKernels {
             f,
             exact,
-            flash: FlashKernels::load(dev)?,
+            flash: if exact {
+                None
+            } else {
+                Some(FlashKernels::load(dev)?)
+            },
             mla_flash: std::env::var("TESSERA_MLA_PATH").as_deref() != Ok("generic"),
         })
     }
@@ -145,22 +178,9 @@ impl ModelKernels {
         cfg: LaunchConfig,
         args: &[Arg],
     ) -> Result<(), CudaError> {
-        if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
-            return Ok(());
-        }
-        let mut b = dev.stream().launch_builder(&self.f[name]);
-        for a in args {
-            match a {
-                Arg::P(v) => b.arg(v),
-                Arg::I(v) => b.arg(v),
-                Arg::L(v) => b.arg(v),
-                Arg::F(v) => b.arg(v),
-            };
-        }
         // SAFETY: every wrapper below passes the argument list of its kernel in `model.cu`, in
         // order and with the kernel's types; the extents are the callers' documented contract.
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        unsafe { launch_fn(dev, &self.f[name], cfg, args) }
     }
 
     /// `out[rows, dim]` f32 ← `table` rows `ids[rows]` (i32 device array, ids < vocab; the table
