@@ -4,12 +4,15 @@
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
-//!       [--mla-prefetch N,M,..] [--mla-coalesced]
+//!       [--mla-prefetch N,M,..] [--mla-coalesced] [--moe-tunings] [--moe-profile B,..]
 //!
 //! `mla-flash` is the whole-model forward's MLA attention over the paged f32 history (the flash
 //! kernel and the generic one, prefill and decode rows). MLA decode is checked and timed with every split kernel the device runs (the portable one,
 //! and on Hopper the warpgroup one); `--mla-prefetch` also checks and times each kernel with
 //! those L2 prefetch distances (tiles ahead), `--mla-coalesced` with its wider tile copies.
+//! MoE projections are checked and timed on both paths, the tensor cores with each input split;
+//! `--moe-tunings` adds build-time alternatives of the tensor-core kernels; `--moe-profile 1,16`
+//! only times the default MoE kernels at those batch sizes, unchecked (a profiler's target).
 //!
 //! Output: `check <name> rel_err=<e> tol=<t> <ok|FAIL>` lines (for sampling the value is the
 //! number of rows whose token differs), then `time <name> <shape> us=<median>
@@ -26,7 +29,7 @@ use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
 use tessera_kernels::cpu;
 use tessera_kernels::cuda::{
     bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, MlaDecode, MlaDecodeShape,
-    MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, ModelKernels, MoeDecode, MoeDims, MoePath,
+    MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, ModelKernels, MoeDecode, MoeDims,
     Sampler, SamplingRows, ShortConv, MLA_RANK, MLA_ROPE,
 };
 
@@ -444,6 +447,7 @@ fn bench(
     only: &Only,
     tunings: &[MlaTuning],
     hopper_ok: bool,
+    moe_tuned: bool,
 ) -> Result<(), CudaError> {
     let mut rng = Rng(7);
     let iters = if quick { 10 } else { 50 };
@@ -474,13 +478,8 @@ fn bench(
         mla_flash::bench(dev, &mut rng, iters)?;
     }
     if only.wants("moe") {
-        // The column kernels, then the tensor-core ones (the default path).
-        let mut columns = MoeDecode::load(dev)?;
-        columns.set_path(Some(MoePath::Columns));
-        let mut tc = MoeDecode::load(dev)?;
-        tc.set_path(Some(MoePath::TensorCores));
-        let variants = [(String::new(), columns), ("_tc".to_string(), tc)];
-        moe::bench_moe(dev, &variants, iters)?;
+        let batches = [1, 4, 8, 16, 32, 64];
+        moe::bench_moe(dev, &moe::variants(dev, moe_tuned)?, &batches, iters)?;
     }
     Ok(())
 }
@@ -639,6 +638,8 @@ fn run() -> Result<usize, CudaError> {
             .and_then(|i| args.get(i + 1).cloned())
     };
     let only = Only(flag("--only"));
+    // Build-time alternatives of the MoE tensor-core kernels, checked and timed besides them.
+    let moe_tuned = args.iter().any(|a| a == "--moe-tunings");
     // Build-time alternatives of the MLA split kernels to check and time besides the defaults.
     let mut tunings: Vec<MlaTuning> = flag("--mla-prefetch")
         .map(|l| {
@@ -661,6 +662,14 @@ fn run() -> Result<usize, CudaError> {
     }
     let dev = CudaDevice::open(0, default_cache_dir())?;
     println!("device {} ({})", dev.name(), dev.arch());
+    if let Some(batches) = flag("--moe-profile") {
+        // Only the default MoE kernels at these batch sizes, unchecked: a target for a profiler
+        // (run the checks in the same session without this flag).
+        let batches: Vec<usize> = batches.split(',').filter_map(|b| b.parse().ok()).collect();
+        let variants = moe::variants(&dev, false)?;
+        moe::bench_moe(&dev, &variants[1..2], &batches, 10)?;
+        return Ok(0);
+    }
     let mut checks = Checks { failed: 0 };
     let mut rng = Rng(1234);
 
@@ -750,12 +759,9 @@ fn run() -> Result<usize, CudaError> {
             din: 512,
             di: 384,
         };
-        // Both projection paths: the column kernels and the tensor cores.
-        let mut columns = MoeDecode::load(&dev)?;
-        columns.set_path(Some(MoePath::Columns));
-        let mut tc = MoeDecode::load(&dev)?;
-        tc.set_path(Some(MoePath::TensorCores));
-        for (label, moe_k) in [("Columns", &columns), ("TensorCores", &tc)] {
+        // Both projection paths: the column kernels and the tensor cores (each input split).
+        for (label, moe_k) in &moe::variants(&dev, moe_tuned)? {
+            let label = label.trim_start_matches('_');
             for mxfp4 in [false, true] {
                 // 40 experts top-6: at 33 and 64 tokens experts serve many tokens each.
                 for batch in [1, 5, 16, 33, 64] {
@@ -779,7 +785,7 @@ fn run() -> Result<usize, CudaError> {
     }
 
     // A Hopper kernel that failed its checks is not timed.
-    bench(&dev, quick, &only, &tunings, mla_ok != Some(false))?;
+    bench(&dev, quick, &only, &tunings, mla_ok != Some(false), moe_tuned)?;
     Ok(checks.failed)
 }
 

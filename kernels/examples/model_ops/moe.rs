@@ -6,7 +6,7 @@ use crate::common::{fill, rel_err, time_us_back_to_back, Checks, Device, Rng};
 use crate::{bf16_vec, report_time, values};
 use tessera_kernels::cpu::{self, MoeRouting};
 use tessera_kernels::cuda::{
-    CudaDevice, CudaError, MoeActivation, MoeDecode, MoeDims, MoeExperts, MoeWorkspace,
+    CudaDevice, CudaError, MoeActivation, MoeDecode, MoeDims, MoeExperts, MoePath, MoeWorkspace,
 };
 
 const SITU: MoeActivation = MoeActivation::Situ {
@@ -17,6 +17,47 @@ const SITU: MoeActivation = MoeActivation::Situ {
 fn situ(g: f32, u: f32) -> f32 {
     let sig = 1.0 / (1.0 + (-g).exp());
     (4.0 * (g / 4.0).tanh() * sig) * (25.0 * (u / 25.0).tanh())
+}
+
+/// The projection kernels to check and time: the column kernels, the tensor cores with the input
+/// split chosen per call (the default), and with it fixed at 1, 2 and 4; with `tuned`, build-time
+/// alternatives of the tensor-core kernels too (`MOE_TC_*` settings of moe.cu).
+pub(crate) fn variants(
+    dev: &CudaDevice,
+    tuned: bool,
+) -> Result<Vec<(String, MoeDecode)>, CudaError> {
+    let load = |path, ksplit, tuning: &[(&str, String)]| -> Result<MoeDecode, CudaError> {
+        let mut moe = MoeDecode::load_tuned(dev, 1024, tuning)?;
+        moe.set_path(Some(path));
+        moe.set_ksplit(ksplit);
+        Ok(moe)
+    };
+    let mut out = vec![
+        ("_columns".to_string(), load(MoePath::Columns, None, &[])?),
+        ("_tc".to_string(), load(MoePath::TensorCores, None, &[])?),
+    ];
+    for ks in [1, 2, 4] {
+        out.push((format!("_tc_ks{ks}"), load(MoePath::TensorCores, Some(ks), &[])?));
+    }
+    if tuned {
+        let set = |pairs: &[(&'static str, u32)]| -> Vec<(&'static str, String)> {
+            pairs.iter().map(|&(k, v)| (k, v.to_string())).collect()
+        };
+        let tunings = [
+            ("_tc_pipe", set(&[("MOE_TC_PIPELINE", 1)])),
+            ("_tc_pipe_mb3", set(&[("MOE_TC_PIPELINE", 1), ("MOE_TC_MIN_BLOCKS", 3)])),
+            ("_tc_pipe_s1", set(&[("MOE_TC_PIPELINE", 1), ("MOE_TC_SPAN_MXFP4", 1)])),
+            ("_tc_s4_mb3", set(&[("MOE_TC_SPAN_MXFP4", 4), ("MOE_TC_MIN_BLOCKS", 3)])),
+            (
+                "_tc_pipe_s4_mb2",
+                set(&[("MOE_TC_PIPELINE", 1), ("MOE_TC_SPAN_MXFP4", 4), ("MOE_TC_MIN_BLOCKS", 2)]),
+            ),
+        ];
+        for (label, tuning) in tunings {
+            out.push((label.to_string(), load(MoePath::TensorCores, None, &tuning)?));
+        }
+    }
+    Ok(out)
 }
 
 /// MXFP4 dequantisation of one `[out, in]` matrix (the rule of engine/src/model/mxfp4.rs).
@@ -246,6 +287,7 @@ pub(crate) fn check_moe_experts(
 pub(crate) fn bench_moe(
     dev: &CudaDevice,
     variants: &[(String, MoeDecode)],
+    batches: &[usize],
     iters: usize,
 ) -> Result<(), CudaError> {
     let mut rng = Rng(99);
@@ -298,7 +340,9 @@ pub(crate) fn bench_moe(
         };
         for (label, moe) in variants {
             let kind = format!("{}{label}", if mxfp4 { "mxfp4" } else { "bf16" });
-            for batch in [1usize, 4, 8, 16, 32, 64] {
+            let [wave_gate_up, wave_down] = moe.tc_wave_warps(mxfp4);
+            println!("moe_{kind}: tensor-core waves of {wave_gate_up} (gate/up) and {wave_down} (down) warps");
+            for &batch in batches {
                 let logits =
                     dev.upload(&fill(batch * dims.experts, rng.next_u64(), |r| r.normal()))?;
                 let x = dev.upload(&bf16_vec(batch * dims.din, &mut rng, 1.0))?;

@@ -448,30 +448,30 @@ struct Mxfp4Tc {
     static constexpr int REGS = 16;
     struct Vec {
         uint4 w;
-        unsigned scale;   // bf16 pair
-        unsigned scale2;  // a second factor past bf16's range, or 0
+        unsigned scale;  // the block's E8M0 exponent
     };
     const uint4* rows;
     const unsigned char* scales;
     __device__ __forceinline__ Vec load(size_t row, int v, int in_dim) const {
         const size_t at = row * (in_dim / 32) + v;
-        const unsigned s = __ldg(scales + at);
-        // Codes decode to 2^-126 of their values, so the factor is 2^(s-1): exact in bf16 up
-        // to s = 128, beyond that 2^127 · 2^(s-128) (255 is NaN).
-        const unsigned b = (min(s, 128u) + 126u) << 7;
-        const unsigned b2 = s <= 128 ? 0u : (s == 255 ? 0x7fc0u : (s - 1u) << 7);
-        return Vec{__ldg(rows + at), b | (b << 16), b2 | (b2 << 16)};
+        return Vec{__ldg(rows + at), __ldg(scales + at)};
     }
     __device__ __forceinline__ void decode(const Vec& vec, unsigned out[REGS]) const {
+        // Codes decode to 2^-126 of their values, so the factor is 2^(s-1): exact in bf16 up
+        // to s = 128, beyond that 2^127 · 2^(s-128) (255 is NaN).
+        const unsigned s = vec.scale;
+        const unsigned b = (min(s, 128u) + 126u) << 7;
+        const unsigned b2 = s <= 128 ? 0u : (s == 255 ? 0x7fc0u : (s - 1u) << 7);
+        const unsigned f = b | (b << 16), f2 = b2 | (b2 << 16);
         e2m1x8_spread(vec.w.x, out);
         e2m1x8_spread(vec.w.y, out + 4);
         e2m1x8_spread(vec.w.z, out + 8);
         e2m1x8_spread(vec.w.w, out + 12);
 #pragma unroll
-        for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], vec.scale);
-        if (vec.scale2) {
+        for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], f);
+        if (f2) {
 #pragma unroll
-            for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], vec.scale2);
+            for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], f2);
         }
     }
     // The inputs of one vector in the order `decode` pairs the codes.
@@ -481,58 +481,132 @@ struct Mxfp4Tc {
     }
 };
 
-// c[m] += W_m[rows lo/hi] · x over the whole input, for M weight matrices sharing the inputs.
-// Lane t takes W::SPAN consecutive vectors of each row per pass, so a row is read in runs of
-// 4 · W::SPAN vectors (256 bytes at span 4) while the warp has 16 rows in flight.
+// c[m] += W_m[rows lo/hi] · x over input vectors [vbeg, vend), for M weight matrices sharing the
+// inputs. Lane t takes W::SPAN consecutive vectors of each row per pass, so a row is read in runs
+// of 4 · W::SPAN vectors (256 bytes at span 4) while the warp has 16 rows in flight. With
+// MOE_TC_PIPELINE the next pass's vectors are loaded before this pass's are decoded, so a warp
+// keeps its loads in flight through its own arithmetic.
+#ifndef MOE_TC_PIPELINE
+#define MOE_TC_PIPELINE 0
+#endif
+template <typename W, int M>
+__device__ __forceinline__ void tc_load_pass(const W (&w)[M], size_t lo, size_t hi, int v0,
+                                             int vend, int t, int in_dim,
+                                             typename W::Vec (&wl)[M][W::SPAN],
+                                             typename W::Vec (&wh)[M][W::SPAN]) {
+#pragma unroll
+    for (int u = 0; u < W::SPAN; ++u) {
+        const int v = min(v0 + t * W::SPAN + u, vend - 1);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            wl[m][u] = w[m].load(lo, v, in_dim);
+            wh[m][u] = w[m].load(hi, v, in_dim);
+        }
+    }
+}
+
+template <typename W, int M>
+__device__ __forceinline__ void tc_mma_pass(const W (&w)[M], int v0, int vend, int t,
+                                            const bf16_t* __restrict__ xt,
+                                            const typename W::Vec (&wl)[M][W::SPAN],
+                                            const typename W::Vec (&wh)[M][W::SPAN],
+                                            float (&c)[M][4]) {
+#pragma unroll
+    for (int u = 0; u < W::SPAN; ++u) {
+        const int vu = v0 + t * W::SPAN + u;
+        const bool in = vu < vend;
+        unsigned xb[W::REGS];
+        const uint4* xv = reinterpret_cast<const uint4*>(xt + (size_t)min(vu, vend - 1) * W::PER_VEC);
+#pragma unroll
+        for (int i = 0; i < W::REGS / 4; ++i) {
+            uint4 q = xv[i];
+            if (!in) q = make_uint4(0, 0, 0, 0);
+            xb[4 * i] = q.x;
+            xb[4 * i + 1] = q.y;
+            xb[4 * i + 2] = q.z;
+            xb[4 * i + 3] = q.w;
+        }
+        W::arrange_x(xb);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            unsigned al[W::REGS], ah[W::REGS];
+            w[m].decode(wl[m][u], al);
+            w[m].decode(wh[m][u], ah);
+#pragma unroll
+            for (int s = 0; s < W::REGS / 2; ++s) {
+                const unsigned a[4] = {al[2 * s], ah[2 * s], al[2 * s + 1], ah[2 * s + 1]};
+                const unsigned b[2] = {xb[2 * s], xb[2 * s + 1]};
+                mma_bf16_16816(c[m], a, b);
+            }
+        }
+    }
+}
+
 template <typename W, int M>
 __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
-                                        const bf16_t* __restrict__ xt, int in_dim, int t,
-                                        float (&c)[M][4]) {
-    const int vecs = in_dim / W::PER_VEC;
+                                        const bf16_t* __restrict__ xt, int in_dim, int vbeg,
+                                        int vend, int t, float (&c)[M][4]) {
     // Every lane runs every step (the matrix instructions take the whole warp); a vector past
-    // the row's end contributes zeros.
+    // the range's end contributes zeros.
+    typename W::Vec wl[M][W::SPAN], wh[M][W::SPAN];
+#if MOE_TC_PIPELINE
+    if (vbeg < vend) tc_load_pass<W, M>(w, lo, hi, vbeg, vend, t, in_dim, wl, wh);
 #pragma unroll 1
-    for (int v0 = 0; v0 < vecs; v0 += 4 * W::SPAN) {
-        typename W::Vec wl[M][W::SPAN], wh[M][W::SPAN];
+    for (int v0 = vbeg; v0 < vend; v0 += 4 * W::SPAN) {
+        typename W::Vec nl[M][W::SPAN], nh[M][W::SPAN];
+        const int vn = v0 + 4 * W::SPAN;
+        if (vn < vend) tc_load_pass<W, M>(w, lo, hi, vn, vend, t, in_dim, nl, nh);
+        tc_mma_pass<W, M>(w, v0, vend, t, xt, wl, wh, c);
 #pragma unroll
-        for (int u = 0; u < W::SPAN; ++u) {
-            const int v = min(v0 + t * W::SPAN + u, vecs - 1);
+        for (int m = 0; m < M; ++m)
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                wl[m][u] = w[m].load(lo, v, in_dim);
-                wh[m][u] = w[m].load(hi, v, in_dim);
+            for (int u = 0; u < W::SPAN; ++u) {
+                wl[m][u] = nl[m][u];
+                wh[m][u] = nh[m][u];
             }
-        }
+    }
+#else
+#pragma unroll 1
+    for (int v0 = vbeg; v0 < vend; v0 += 4 * W::SPAN) {
+        tc_load_pass<W, M>(w, lo, hi, v0, vend, t, in_dim, wl, wh);
+        tc_mma_pass<W, M>(w, v0, vend, t, xt, wl, wh, c);
+    }
+#endif
+}
+
+// A block's warps split over row tiles and input ranges: with `ksplit` parts, warp w takes row
+// tile w / ksplit of the block and input part w % ksplit, and the parts' sums meet in shared
+// memory. Few active experts (batch 1) make few row tiles, too few to fill every multiprocessor
+// evenly: splitting the input multiplies the warps without changing the bytes.
+struct TcSplit {
+    int part, tile_row0, vbeg, vend;
+    __device__ __forceinline__ TcSplit(int ksplit, int vecs) {
+        const int warp = threadIdx.x >> 5, per = (vecs + ksplit - 1) / ksplit;
+        part = warp % ksplit;
+        tile_row0 = (blockIdx.x * (MOE_TC_WARPS / ksplit) + warp / ksplit) * 16;
+        vbeg = min(part * per, vecs);
+        vend = min(vbeg + per, vecs);
+    }
+};
+
+// Sums c over the ksplit warps of each row tile into the part-0 warp's c (a barrier before and
+// after: every warp of the block calls it the same number of times).
+template <int M>
+__device__ __forceinline__ void tc_sum_parts(float (&c)[M][4], int ksplit, int part) {
+    __shared__ float red[MOE_TC_WARPS][M][4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
 #pragma unroll
-        for (int u = 0; u < W::SPAN; ++u) {
-            const int vu = v0 + t * W::SPAN + u;
-            const bool in = vu < vecs;
-            unsigned xb[W::REGS];
-            const uint4* xv =
-                reinterpret_cast<const uint4*>(xt + (size_t)min(vu, vecs - 1) * W::PER_VEC);
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-            for (int i = 0; i < W::REGS / 4; ++i) {
-                uint4 q = xv[i];
-                if (!in) q = make_uint4(0, 0, 0, 0);
-                xb[4 * i] = q.x;
-                xb[4 * i + 1] = q.y;
-                xb[4 * i + 2] = q.z;
-                xb[4 * i + 3] = q.w;
-            }
-            W::arrange_x(xb);
+        for (int j = 0; j < 4; ++j) red[warp][m][j][lane] = c[m][j];
+    __syncthreads();
+    if (part == 0) {
+        for (int p = 1; p < ksplit; ++p)
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                unsigned al[W::REGS], ah[W::REGS];
-                w[m].decode(wl[m][u], al);
-                w[m].decode(wh[m][u], ah);
+            for (int m = 0; m < M; ++m)
 #pragma unroll
-                for (int s = 0; s < W::REGS / 2; ++s) {
-                    const unsigned a[4] = {al[2 * s], ah[2 * s], al[2 * s + 1], ah[2 * s + 1]};
-                    const unsigned b[2] = {xb[2 * s], xb[2 * s + 1]};
-                    mma_bf16_16816(c[m], a, b);
-                }
-            }
-        }
+                for (int j = 0; j < 4; ++j) c[m][j] += red[warp + p][m][j][lane];
     }
 }
 
@@ -543,22 +617,26 @@ __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict_
                                            const int* __restrict__ act_count,
                                            const int* __restrict__ act_pairs,
                                            bf16_t* __restrict__ h, int din, int di, int top_k,
-                                           float b1, float b2) {
+                                           float b1, float b2, int ksplit) {
     const int a = blockIdx.y;
     if (a >= *n_active) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = (blockIdx.x * MOE_TC_WARPS + (threadIdx.x >> 5)) * 16;
-    if (row0 >= di) return;
+    const TcSplit sp(ksplit, din / W::PER_VEC);
+    const int row0 = sp.tile_row0;
+    if (ksplit == 1 && row0 >= di) return;
+    const bool rows_in = row0 < di;
     const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
     const int* pairs = act_pairs + a * MOE_MAXT;
     const W w[2] = {wg, wu};
-    const size_t lo = (size_t)e * di + row0 + g, hi = lo + 8;
+    const size_t lo = (size_t)e * di + min(row0, di - 16) + g, hi = lo + 8;
     for (int t0 = 0; t0 < nt; t0 += 8) {
         // Token g of this pass (a missing one reads a present token's inputs: its column of
         // the product is never written).
         const bf16_t* xt = x + (size_t)(pairs[min(t0 + g, nt - 1)] / top_k) * din;
         float c[2][4] = {};
-        tc_rows<W, 2>(w, lo, hi, xt, din, t, c);
+        if (rows_in) tc_rows<W, 2>(w, lo, hi, xt, din, sp.vbeg, sp.vend, t, c);
+        if (ksplit > 1) tc_sum_parts<2>(c, ksplit, sp.part);
+        if (sp.part != 0 || !rows_in) continue;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
@@ -573,20 +651,24 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                         const int* __restrict__ act_expert,
                                         const int* __restrict__ act_count,
                                         const int* __restrict__ act_pairs, float* __restrict__ y,
-                                        int din, int di) {
+                                        int din, int di, int ksplit) {
     const int a = blockIdx.y;
     if (a >= *n_active) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = (blockIdx.x * MOE_TC_WARPS + (threadIdx.x >> 5)) * 16;
-    if (row0 >= din) return;
+    const TcSplit sp(ksplit, di / W::PER_VEC);
+    const int row0 = sp.tile_row0;
+    if (ksplit == 1 && row0 >= din) return;
+    const bool rows_in = row0 < din;
     const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
     const int* pairs = act_pairs + a * MOE_MAXT;
     const W w[1] = {wd};
-    const size_t lo = (size_t)e * din + row0 + g, hi = lo + 8;
+    const size_t lo = (size_t)e * din + min(row0, din - 16) + g, hi = lo + 8;
     for (int t0 = 0; t0 < nt; t0 += 8) {
         const bf16_t* ht = h + (size_t)pairs[min(t0 + g, nt - 1)] * di;
         float c[1][4] = {};
-        tc_rows<W, 1>(w, lo, hi, ht, di, t, c);
+        if (rows_in) tc_rows<W, 1>(w, lo, hi, ht, di, sp.vbeg, sp.vend, t, c);
+        if (ksplit > 1) tc_sum_parts<1>(c, ksplit, sp.part);
+        if (sp.part != 0 || !rows_in) continue;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
@@ -650,10 +732,10 @@ moe_combine(const float* __restrict__ y, const float* __restrict__ weight,
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
                     const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
-                    int di, int top_k, float b1, float b2) {
+                    int di, int top_k, float b1, float b2, int ksplit) {
     gate_up_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
                Bf16Tc{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert, act_count,
-               act_pairs, h, din, di, top_k, b1, b2);
+               act_pairs, h, din, di, top_k, b1, b2, ksplit);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
@@ -662,23 +744,23 @@ moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
                      const unsigned char* __restrict__ up_packed,
                      const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
                      PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
-                     float b2) {
+                     float b2, int ksplit) {
     gate_up_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
                Mxfp4Tc{reinterpret_cast<const uint4*>(up_packed), up_scale}, x, n_active,
-               act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2);
+               act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2, ksplit);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_down_tc_bf16(const bf16_t* __restrict__ w_down, const bf16_t* __restrict__ h, PLAN_ARGS,
-                 float* __restrict__ y, int din, int di) {
+                 float* __restrict__ y, int din, int di, int ksplit) {
     down_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_down)}, h, n_active, act_expert, act_count,
-            act_pairs, y, din, di);
+            act_pairs, y, din, di, ksplit);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_down_tc_mxfp4(const unsigned char* __restrict__ down_packed,
                   const unsigned char* __restrict__ down_scale, const bf16_t* __restrict__ h,
-                  PLAN_ARGS, float* __restrict__ y, int din, int di) {
+                  PLAN_ARGS, float* __restrict__ y, int din, int di, int ksplit) {
     down_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(down_packed), down_scale}, h, n_active,
-            act_expert, act_count, act_pairs, y, din, di);
+            act_expert, act_count, act_pairs, y, din, di, ksplit);
 }

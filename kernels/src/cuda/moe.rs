@@ -5,6 +5,7 @@
 //! `Σ_slot w · W2 · situ(W1·x, W3·x)` — the routed part of the engine's (latent) MoE, whose `x`
 //! is the latent after the down-projection.
 
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaError, MOE_SOURCE};
@@ -158,6 +159,26 @@ pub fn moe_path_from_env() -> Option<MoePath> {
 struct Projections {
     gate_up: CudaFunction,
     down: CudaFunction,
+    /// Warps of one kernel resident on the device at once (the tensor-core kernels' wave).
+    wave_warps: [usize; 2],
+}
+
+/// Input parts the tensor-core projections split each row tile's sum into (1, 2 or 4): the
+/// fewest that fill the last wave of warps to within 5% of the best (`tiles` row tiles of 16
+/// rows, `wave` warps resident at once). Batch 1 at K3's shapes: 3072 gate/up tiles over a
+/// wave of 2112 warps leave the second wave 45% full; two parts make it 97%.
+pub fn tc_ksplit(tiles: usize, wave: usize) -> usize {
+    let fill = |ks: usize| {
+        let waves = (tiles * ks) as f64 / wave.max(1) as f64;
+        waves / waves.ceil().max(1.0)
+    };
+    let mut best = 1;
+    for ks in [2, 4] {
+        if fill(ks) > fill(best) + 0.05 {
+            best = ks;
+        }
+    }
+    best
 }
 
 /// The compiled MoE decode kernels.
@@ -170,6 +191,8 @@ pub struct MoeDecode {
     projections: [[Projections; 2]; 2],
     /// A fixed path, or `None` for the default (from [`moe_path_from_env`] at load).
     path: Option<MoePath>,
+    /// A fixed input split for the tensor-core projections (`None`: [`tc_ksplit`]).
+    ksplit: Option<usize>,
     combine: CudaFunction,
 }
 
@@ -182,19 +205,41 @@ impl MoeDecode {
     /// The kernels for layers of at most `experts` experts (routing keeps that many scores per
     /// warp in registers, so a small count routes faster).
     pub fn load_for(dev: &CudaDevice, experts: usize) -> Result<Self, CudaError> {
+        Self::load_tuned(dev, experts, &[])
+    }
+
+    /// [`Self::load_for`] with extra compile-time settings of `moe.cu` (measurements).
+    pub fn load_tuned(
+        dev: &CudaDevice,
+        experts: usize,
+        tuning: &[(&str, String)],
+    ) -> Result<Self, CudaError> {
         let per_lane = experts.clamp(1, MAX_EXPERTS).div_ceil(32);
-        let defines = [
+        let mut defines = vec![
             ("MOE_WARPS", WARPS.to_string()),
             ("MOE_COLS_PER_WARP", COLS_PER_WARP.to_string()),
             ("MOE_TC_WARPS", TC_WARPS.to_string()),
             ("MOE_MAXT", MOE_MAX_BATCH.to_string()),
             ("ROUTE_PER_LANE", per_lane.to_string()),
         ];
+        defines.extend(tuning.iter().cloned());
         let m = dev.module("moe", MOE_SOURCE, &defines)?;
+        let sms = dev
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            as usize;
         let proj = |path: &str, format: &str| -> Result<Projections, CudaError> {
+            let gate_up = m.load_function(&format!("moe_gate_up_{path}{format}"))?;
+            let down = m.load_function(&format!("moe_down_{path}{format}"))?;
+            let wave = |f: &CudaFunction| -> Result<usize, CudaError> {
+                let threads = (TC_WARPS * 32) as u32;
+                let blocks = f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)?;
+                Ok(sms * blocks as usize * TC_WARPS)
+            };
             Ok(Projections {
-                gate_up: m.load_function(&format!("moe_gate_up_{path}{format}"))?,
-                down: m.load_function(&format!("moe_down_{path}{format}"))?,
+                wave_warps: [wave(&gate_up)?, wave(&down)?],
+                gate_up,
+                down,
             })
         };
         Ok(MoeDecode {
@@ -206,6 +251,7 @@ impl MoeDecode {
                 [proj("", "mxfp4")?, proj("tc_", "mxfp4")?],
             ],
             path: moe_path_from_env(),
+            ksplit: None,
             combine: m.load_function("moe_combine")?,
         })
     }
@@ -213,6 +259,18 @@ impl MoeDecode {
     /// Runs every later call's projections on `path` (`None`: the default).
     pub fn set_path(&mut self, path: Option<MoePath>) {
         self.path = path;
+    }
+
+    /// Fixes the tensor-core projections' input split (1, 2 or 4; `None`: chosen per call by
+    /// [`tc_ksplit`]).
+    pub fn set_ksplit(&mut self, ksplit: Option<usize>) {
+        self.ksplit = ksplit.map(|k| k.clamp(1, TC_WARPS).next_power_of_two());
+    }
+
+    /// Warps of the tensor-core gate/up and down kernels resident on the device at once, for
+    /// bf16 or MXFP4 experts (what the input split is chosen from).
+    pub fn tc_wave_warps(&self, mxfp4: bool) -> [usize; 2] {
+        self.projections[usize::from(mxfp4)][1].wave_warps
     }
 
     /// The path the projections take.
@@ -324,17 +382,26 @@ impl MoeDecode {
         let s = dev.stream();
         let mxfp4 = matches!(experts, MoeExperts::Mxfp4 { .. });
         let path = self.path();
-        let (per_block, warps) = match path {
-            MoePath::Columns => (COLS, WARPS),
-            MoePath::TensorCores => (16 * TC_WARPS, TC_WARPS),
+        let tc = path == MoePath::TensorCores;
+        let kernels = &self.projections[usize::from(mxfp4)][usize::from(tc)];
+        // Input parts per row tile (tensor cores; the column kernels take no such argument).
+        let ksplit = |rows: usize, which: usize| -> i32 {
+            let tiles = rows.div_ceil(16) * max_active as usize;
+            self.ksplit
+                .unwrap_or_else(|| tc_ksplit(tiles, kernels.wave_warps[which])) as i32
         };
-        let cfg = |rows: usize| LaunchConfig {
-            grid_dim: (rows.div_ceil(per_block) as u32, max_active, 1),
-            block_dim: ((warps * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
+        let (ks_gate_up, ks_down) = (ksplit(d.di, 0), ksplit(d.din, 1));
+        let cfg = |rows: usize, ks: i32| {
+            let (per_block, warps) = match path {
+                MoePath::Columns => (COLS, WARPS),
+                MoePath::TensorCores => (16 * TC_WARPS / ks as usize, TC_WARPS),
+            };
+            LaunchConfig {
+                grid_dim: (rows.div_ceil(per_block) as u32, max_active, 1),
+                block_dim: ((warps * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            }
         };
-        let kernels =
-            &self.projections[usize::from(mxfp4)][usize::from(path == MoePath::TensorCores)];
         let mut launch = s.launch_builder(&kernels.gate_up);
         match experts {
             MoeExperts::Bf16 { gate, up, .. } => launch.arg(*gate).arg(*up),
@@ -354,9 +421,13 @@ impl MoeDecode {
             .arg(&k_i)
             .arg(&b1)
             .arg(&b2);
-        // SAFETY: the argument list matches `moe_gate_up_{,tc_}{bf16,mxfp4}`; weights hold `experts`
-        // experts (checked), the plan names at most `max_active` experts, h holds `pairs` rows.
-        unsafe { launch.launch(cfg(d.di)) }?;
+        if tc {
+            launch.arg(&ks_gate_up);
+        }
+        // SAFETY: the argument list matches `moe_gate_up_{,tc_}{bf16,mxfp4}` (ksplit in 1, 2, 4
+        // for the tensor-core ones); weights hold `experts` experts (checked), the plan names at
+        // most `max_active` experts, h holds `pairs` rows.
+        unsafe { launch.launch(cfg(d.di, ks_gate_up)) }?;
         let mut launch = s.launch_builder(&kernels.down);
         match experts {
             MoeExperts::Bf16 { down, .. } => launch.arg(*down),
@@ -371,8 +442,11 @@ impl MoeDecode {
             .arg(&mut ws.y)
             .arg(&din_i)
             .arg(&di_i);
+        if tc {
+            launch.arg(&ks_down);
+        }
         // SAFETY: as above for `moe_down_{,tc_}{bf16,mxfp4}`; y holds `pairs` rows of `din`.
-        unsafe { launch.launch(cfg(d.din)) }?;
+        unsafe { launch.launch(cfg(d.din, ks_down)) }?;
         let mut launch = s.launch_builder(&self.combine);
         launch
             .arg(&ws.y)
@@ -431,5 +505,23 @@ fn check_weights(experts: &MoeExperts, d: &MoeDims) -> Result<(), CudaError> {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tc_ksplit;
+
+    #[test]
+    fn input_split_fills_the_last_wave() {
+        // K3 at batch 1 on 132 multiprocessors × 16 warps: gate/up 16 experts × 192 tiles,
+        // down 16 × 224 tiles.
+        assert_eq!(tc_ksplit(3072, 2112), 2);
+        assert_eq!(tc_ksplit(3584, 2112), 4);
+        // Many experts (batch 16): the waves are full enough without a split.
+        assert_eq!(tc_ksplit(230 * 192, 2112), 1);
+        // Exactly one wave, and an empty one, stay whole.
+        assert_eq!(tc_ksplit(2112, 2112), 1);
+        assert_eq!(tc_ksplit(0, 2112), 1);
     }
 }
