@@ -29,8 +29,8 @@ use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
 use tessera_kernels::cpu;
 use tessera_kernels::cuda::{
     bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, MlaDecode, MlaDecodeShape,
-    MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, ModelKernels, MoeDecode, MoeDims,
-    Sampler, SamplingRows, ShortConv, MLA_RANK, MLA_ROPE,
+    MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, ModelKernels, MoeDecode, MoeDims, Sampler,
+    SamplingRows, ShortConv, MLA_RANK, MLA_ROPE,
 };
 
 const MLA_D: usize = MLA_RANK + MLA_ROPE;
@@ -785,7 +785,14 @@ fn run() -> Result<usize, CudaError> {
     }
 
     // A Hopper kernel that failed its checks is not timed.
-    bench(&dev, quick, &only, &tunings, mla_ok != Some(false), moe_tuned)?;
+    bench(
+        &dev,
+        quick,
+        &only,
+        &tunings,
+        mla_ok != Some(false),
+        moe_tuned,
+    )?;
     Ok(checks.failed)
 }
 

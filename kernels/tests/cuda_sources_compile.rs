@@ -214,10 +214,7 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
                 ("MOE_TC_SPAN_MXFP4", "8".to_string()),
                 ("MOE_TC_MIN_BLOCKS", "2".to_string()),
             ],
-            vec![
-                ("MOE_TC_PIPELINE", "1".to_string()),
-                ("MOE_TC_SPAN_MXFP4", "4".to_string()),
-            ],
+            vec![("MOE_TC_SPAN_MXFP4", "1".to_string())],
         ],
         &[
             "moe_plan",

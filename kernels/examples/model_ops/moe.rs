@@ -37,24 +37,32 @@ pub(crate) fn variants(
         ("_tc".to_string(), load(MoePath::TensorCores, None, &[])?),
     ];
     for ks in [1, 2, 4] {
-        out.push((format!("_tc_ks{ks}"), load(MoePath::TensorCores, Some(ks), &[])?));
+        out.push((
+            format!("_tc_ks{ks}"),
+            load(MoePath::TensorCores, Some(ks), &[])?,
+        ));
     }
     if tuned {
         let set = |pairs: &[(&'static str, u32)]| -> Vec<(&'static str, String)> {
             pairs.iter().map(|&(k, v)| (k, v.to_string())).collect()
         };
         let tunings = [
-            ("_tc_pipe", set(&[("MOE_TC_PIPELINE", 1)])),
-            ("_tc_pipe_mb3", set(&[("MOE_TC_PIPELINE", 1), ("MOE_TC_MIN_BLOCKS", 3)])),
-            ("_tc_pipe_s1", set(&[("MOE_TC_PIPELINE", 1), ("MOE_TC_SPAN_MXFP4", 1)])),
-            ("_tc_s4_mb3", set(&[("MOE_TC_SPAN_MXFP4", 4), ("MOE_TC_MIN_BLOCKS", 3)])),
+            ("_tc_s1", set(&[("MOE_TC_SPAN_MXFP4", 1)])),
+            ("_tc_s4", set(&[("MOE_TC_SPAN_MXFP4", 4)])),
             (
-                "_tc_pipe_s4_mb2",
-                set(&[("MOE_TC_PIPELINE", 1), ("MOE_TC_SPAN_MXFP4", 4), ("MOE_TC_MIN_BLOCKS", 2)]),
+                "_tc_s4_mb3",
+                set(&[("MOE_TC_SPAN_MXFP4", 4), ("MOE_TC_MIN_BLOCKS", 3)]),
+            ),
+            (
+                "_tc_bf16_s8_mb2",
+                set(&[("MOE_TC_SPAN_BF16", 8), ("MOE_TC_MIN_BLOCKS", 2)]),
             ),
         ];
         for (label, tuning) in tunings {
-            out.push((label.to_string(), load(MoePath::TensorCores, None, &tuning)?));
+            out.push((
+                label.to_string(),
+                load(MoePath::TensorCores, None, &tuning)?,
+            ));
         }
     }
     Ok(out)
@@ -194,6 +202,20 @@ pub(crate) fn check_moe_experts(
                     n => 118 + (n % 6) as u8,
                 }
             });
+            // Even experts keep every factor within one bf16 (s ≤ 128), so their warps take
+            // the single-multiply decode; odd experts take the two-factor one.
+            let per_expert = rows * cols / 32;
+            let scales = scales
+                .into_iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    if (i / per_expert).is_multiple_of(2) && s > 128 {
+                        120
+                    } else {
+                        s
+                    }
+                })
+                .collect();
             (codes, scales)
         };
         let (g, u, d) = (mk(rng, di, din), mk(rng, di, din), mk(rng, din, di));

@@ -401,18 +401,29 @@ __device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
     return d;
 }
 
+// A format of the tensor-core path: `row` makes a lane's cursor at a vector of a weight row,
+// `load` reads the vector i places past it, `decode` turns a vector into REGS bf16 pairs in the
+// order `arrange_x` puts the inputs (`wide`: some block of the warp's pass has a scale past the
+// single-factor range, see Mxfp4Tc).
 struct Bf16Tc {
     static constexpr int SPAN = MOE_TC_SPAN_BF16;
     static constexpr int PER_VEC = 8;  // inputs per 16-byte vector
     static constexpr int REGS = 4;     // bf16 pairs a vector decodes into
+    static constexpr bool SCALED = false;
     struct Vec {
         uint4 w;
     };
+    struct Row {
+        const uint4* p;
+    };
     const uint4* rows;
-    __device__ __forceinline__ Vec load(size_t row, int v, int in_dim) const {
-        return Vec{__ldg(rows + row * (in_dim / 8) + v)};
+    __device__ __forceinline__ Row row(size_t r, int in_dim, int v) const {
+        return Row{rows + r * (in_dim / PER_VEC) + v};
     }
-    __device__ __forceinline__ void decode(const Vec& vec, unsigned out[REGS]) const {
+    __device__ __forceinline__ static Vec load(const Row& r, int i) { return Vec{__ldg(r.p + i)}; }
+    __device__ __forceinline__ static void advance(Row& r, int n) { r.p += n; }
+    __device__ __forceinline__ static unsigned wide_bits(const Vec&) { return 0u; }
+    __device__ __forceinline__ static void decode(const Vec& vec, unsigned out[REGS], bool) {
         out[0] = vec.w.x;
         out[1] = vec.w.y;
         out[2] = vec.w.z;
@@ -446,32 +457,52 @@ struct Mxfp4Tc {
     static constexpr int SPAN = MOE_TC_SPAN_MXFP4;
     static constexpr int PER_VEC = 32;  // one scale group
     static constexpr int REGS = 16;
+    static constexpr bool SCALED = true;
     struct Vec {
         uint4 w;
-        unsigned scale;  // the block's E8M0 exponent
+        unsigned scale;  // the block's E8M0 exponent s
+    };
+    struct Row {
+        const uint4* p;
+        const unsigned char* s;
     };
     const uint4* rows;
     const unsigned char* scales;
-    __device__ __forceinline__ Vec load(size_t row, int v, int in_dim) const {
-        const size_t at = row * (in_dim / 32) + v;
-        return Vec{__ldg(rows + at), __ldg(scales + at)};
+    __device__ __forceinline__ Row row(size_t r, int in_dim, int v) const {
+        const size_t at = r * (in_dim / PER_VEC) + v;
+        return Row{rows + at, scales + at};
     }
-    __device__ __forceinline__ void decode(const Vec& vec, unsigned out[REGS]) const {
-        // Codes decode to 2^-126 of their values, so the factor is 2^(s-1): exact in bf16 up
-        // to s = 128, beyond that 2^127 · 2^(s-128) (255 is NaN).
-        const unsigned s = vec.scale;
-        const unsigned b = (min(s, 128u) + 126u) << 7;
-        const unsigned b2 = s <= 128 ? 0u : (s == 255 ? 0x7fc0u : (s - 1u) << 7);
-        const unsigned f = b | (b << 16), f2 = b2 | (b2 << 16);
+    __device__ __forceinline__ static Vec load(const Row& r, int i) {
+        return Vec{__ldg(r.p + i), __ldg(r.s + i)};
+    }
+    __device__ __forceinline__ static void advance(Row& r, int n) {
+        r.p += n;
+        r.s += n;
+    }
+    // Bit 8 is set when s >= 129 (s + 127 < 512 always).
+    __device__ __forceinline__ static unsigned wide_bits(const Vec& v) { return v.scale + 127u; }
+    __device__ __forceinline__ static void decode(const Vec& vec, unsigned out[REGS], bool wide) {
+        // Codes decode to 2^-126 of their values, so the factor is 2^(s-1): one bf16 pair
+        // (s + 126) << 7 up to s = 128 (one multiply-add), beyond that 2^127 · 2^(s-128) (255
+        // is NaN) — taken only when some lane of the warp needs it.
         e2m1x8_spread(vec.w.x, out);
         e2m1x8_spread(vec.w.y, out + 4);
         e2m1x8_spread(vec.w.z, out + 8);
         e2m1x8_spread(vec.w.w, out + 12);
+        const unsigned s = vec.scale;
+        if (!wide) {
+            const unsigned f = s * 0x00800080u + 126u * 0x00800080u;
 #pragma unroll
-        for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], f);
-        if (f2) {
+            for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], f);
+            return;
+        }
+        const unsigned b = (min(s, 128u) + 126u) * 0x00800080u;
+        const unsigned b2 = s <= 128 ? 0u : (s == 255 ? 0x7fc07fc0u : (s - 1u) * 0x00800080u);
 #pragma unroll
-            for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], f2);
+        for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], b);
+        if (b2) {
+#pragma unroll
+            for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], b2);
         }
     }
     // The inputs of one vector in the order `decode` pairs the codes.
@@ -481,46 +512,29 @@ struct Mxfp4Tc {
     }
 };
 
-// c[m] += W_m[rows lo/hi] · x over input vectors [vbeg, vend), for M weight matrices sharing the
-// inputs. Lane t takes W::SPAN consecutive vectors of each row per pass, so a row is read in runs
-// of 4 · W::SPAN vectors (256 bytes at span 4) while the warp has 16 rows in flight. With
-// MOE_TC_PIPELINE the next pass's vectors are loaded before this pass's are decoded, so a warp
-// keeps its loads in flight through its own arithmetic.
-#ifndef MOE_TC_PIPELINE
-#define MOE_TC_PIPELINE 0
-#endif
-template <typename W, int M>
-__device__ __forceinline__ void tc_load_pass(const W (&w)[M], size_t lo, size_t hi, int v0,
-                                             int vend, int t, int in_dim,
-                                             typename W::Vec (&wl)[M][W::SPAN],
-                                             typename W::Vec (&wh)[M][W::SPAN]) {
-#pragma unroll
-    for (int u = 0; u < W::SPAN; ++u) {
-        const int v = min(v0 + t * W::SPAN + u, vend - 1);
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            wl[m][u] = w[m].load(lo, v, in_dim);
-            wh[m][u] = w[m].load(hi, v, in_dim);
-        }
-    }
-}
-
-template <typename W, int M>
-__device__ __forceinline__ void tc_mma_pass(const W (&w)[M], int v0, int vend, int t,
-                                            const bf16_t* __restrict__ xt,
-                                            const typename W::Vec (&wl)[M][W::SPAN],
+// One pass's products: c[m] += (vectors wl/wh of rows lo/hi) · (the inputs at xv[u]), u < SPAN;
+// an input vector that is not `in` is zero (only the last pass of a range has such).
+template <typename W, int M, bool FULL>
+__device__ __forceinline__ void tc_mma_pass(const typename W::Vec (&wl)[M][W::SPAN],
                                             const typename W::Vec (&wh)[M][W::SPAN],
-                                            float (&c)[M][4]) {
+                                            const uint4* const (&xv)[W::SPAN],
+                                            const bool (&in)[W::SPAN], float (&c)[M][4]) {
+    bool wide = false;
+    if (W::SCALED) {
+        unsigned bits = 0u;
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int u = 0; u < W::SPAN; ++u) bits |= W::wide_bits(wl[m][u]) | W::wide_bits(wh[m][u]);
+        wide = __any_sync(0xffffffffu, bits & 0x100u);
+    }
 #pragma unroll
     for (int u = 0; u < W::SPAN; ++u) {
-        const int vu = v0 + t * W::SPAN + u;
-        const bool in = vu < vend;
         unsigned xb[W::REGS];
-        const uint4* xv = reinterpret_cast<const uint4*>(xt + (size_t)min(vu, vend - 1) * W::PER_VEC);
 #pragma unroll
         for (int i = 0; i < W::REGS / 4; ++i) {
-            uint4 q = xv[i];
-            if (!in) q = make_uint4(0, 0, 0, 0);
+            uint4 q = xv[u][i];
+            if (!FULL && !in[u]) q = make_uint4(0, 0, 0, 0);
             xb[4 * i] = q.x;
             xb[4 * i + 1] = q.y;
             xb[4 * i + 2] = q.z;
@@ -530,8 +544,8 @@ __device__ __forceinline__ void tc_mma_pass(const W (&w)[M], int v0, int vend, i
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             unsigned al[W::REGS], ah[W::REGS];
-            w[m].decode(wl[m][u], al);
-            w[m].decode(wh[m][u], ah);
+            W::decode(wl[m][u], al, wide);
+            W::decode(wh[m][u], ah, wide);
 #pragma unroll
             for (int s = 0; s < W::REGS / 2; ++s) {
                 const unsigned a[4] = {al[2 * s], ah[2 * s], al[2 * s + 1], ah[2 * s + 1]};
@@ -542,36 +556,63 @@ __device__ __forceinline__ void tc_mma_pass(const W (&w)[M], int v0, int vend, i
     }
 }
 
+// c[m] += W_m[rows lo/hi] · x over input vectors [vbeg, vend), for M weight matrices sharing the
+// inputs. Lane t takes W::SPAN consecutive vectors of each row per pass, so a row is read in runs
+// of 4 · W::SPAN vectors (256 bytes at span 4) while the warp has 16 rows in flight. Whole passes
+// walk cursors with no bounds; a last, partial pass clamps its loads and zeroes the inputs past
+// the range (every lane runs every step: the matrix instructions take the whole warp).
 template <typename W, int M>
 __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
                                         const bf16_t* __restrict__ xt, int in_dim, int vbeg,
                                         int vend, int t, float (&c)[M][4]) {
-    // Every lane runs every step (the matrix instructions take the whole warp); a vector past
-    // the range's end contributes zeros.
+    constexpr int STEP = 4 * W::SPAN, XV = W::PER_VEC / 8;  // uint4 of inputs per vector
     typename W::Vec wl[M][W::SPAN], wh[M][W::SPAN];
-#if MOE_TC_PIPELINE
-    if (vbeg < vend) tc_load_pass<W, M>(w, lo, hi, vbeg, vend, t, in_dim, wl, wh);
-#pragma unroll 1
-    for (int v0 = vbeg; v0 < vend; v0 += 4 * W::SPAN) {
-        typename W::Vec nl[M][W::SPAN], nh[M][W::SPAN];
-        const int vn = v0 + 4 * W::SPAN;
-        if (vn < vend) tc_load_pass<W, M>(w, lo, hi, vn, vend, t, in_dim, nl, nh);
-        tc_mma_pass<W, M>(w, v0, vend, t, xt, wl, wh, c);
+    const uint4* xv[W::SPAN];
+    bool in[W::SPAN];
+    int v0 = vbeg;
+    if (v0 + STEP <= vend) {
+        typename W::Row rl[M], rh[M];
 #pragma unroll
-        for (int m = 0; m < M; ++m)
+        for (int m = 0; m < M; ++m) {
+            rl[m] = w[m].row(lo, in_dim, v0 + t * W::SPAN);
+            rh[m] = w[m].row(hi, in_dim, v0 + t * W::SPAN);
+        }
+        const uint4* xp = reinterpret_cast<const uint4*>(xt) + (size_t)(v0 + t * W::SPAN) * XV;
+#pragma unroll 1
+        for (; v0 + STEP <= vend; v0 += STEP) {
 #pragma unroll
             for (int u = 0; u < W::SPAN; ++u) {
-                wl[m][u] = nl[m][u];
-                wh[m][u] = nh[m][u];
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    wl[m][u] = W::load(rl[m], u);
+                    wh[m][u] = W::load(rh[m], u);
+                }
+                xv[u] = xp + u * XV;
+                in[u] = true;
             }
+            tc_mma_pass<W, M, true>(wl, wh, xv, in, c);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                W::advance(rl[m], STEP);
+                W::advance(rh[m], STEP);
+            }
+            xp += STEP * XV;
+        }
     }
-#else
-#pragma unroll 1
-    for (int v0 = vbeg; v0 < vend; v0 += 4 * W::SPAN) {
-        tc_load_pass<W, M>(w, lo, hi, v0, vend, t, in_dim, wl, wh);
-        tc_mma_pass<W, M>(w, v0, vend, t, xt, wl, wh, c);
+    if (v0 < vend) {
+#pragma unroll
+        for (int u = 0; u < W::SPAN; ++u) {
+            const int vu = v0 + t * W::SPAN + u, v = min(vu, vend - 1);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                wl[m][u] = W::load(w[m].row(lo, in_dim, v), 0);
+                wh[m][u] = W::load(w[m].row(hi, in_dim, v), 0);
+            }
+            xv[u] = reinterpret_cast<const uint4*>(xt) + (size_t)v * XV;
+            in[u] = vu < vend;
+        }
+        tc_mma_pass<W, M, false>(wl, wh, xv, in, c);
     }
-#endif
 }
 
 // A block's warps split over row tiles and input ranges: with `ksplit` parts, warp w takes row

@@ -156,6 +156,17 @@ pub fn moe_path_from_env() -> Option<MoePath> {
     }
 }
 
+/// `TESSERA_MOE_KSPLIT=1|2|4` fixes the tensor-core projections' input split (for
+/// measurements); unset or anything else leaves the choice per call to [`tc_ksplit`].
+pub fn moe_ksplit_from_env() -> Option<usize> {
+    match std::env::var("TESSERA_MOE_KSPLIT").ok()?.as_str() {
+        "1" => Some(1),
+        "2" => Some(2),
+        "4" => Some(4),
+        _ => None,
+    }
+}
+
 struct Projections {
     gate_up: CudaFunction,
     down: CudaFunction,
@@ -191,7 +202,8 @@ pub struct MoeDecode {
     projections: [[Projections; 2]; 2],
     /// A fixed path, or `None` for the default (from [`moe_path_from_env`] at load).
     path: Option<MoePath>,
-    /// A fixed input split for the tensor-core projections (`None`: [`tc_ksplit`]).
+    /// A fixed input split for the tensor-core projections (`None`: [`tc_ksplit`]; from
+    /// [`moe_ksplit_from_env`] at load).
     ksplit: Option<usize>,
     combine: CudaFunction,
 }
@@ -251,7 +263,7 @@ impl MoeDecode {
                 [proj("", "mxfp4")?, proj("tc_", "mxfp4")?],
             ],
             path: moe_path_from_env(),
-            ksplit: None,
+            ksplit: moe_ksplit_from_env(),
             combine: m.load_function("moe_combine")?,
         })
     }
