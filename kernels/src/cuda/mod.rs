@@ -55,7 +55,7 @@ pub const MLA_DECODE_SOURCE: &str = include_str!("mla_decode.cu");
 /// The split kernel of MLA decode on warpgroup MMAs; Hopper only (compiled for `sm_90a`).
 pub const MLA_DECODE_SM90_SOURCE: &str = include_str!("mla_decode_sm90.cu");
 /// MoE decode for small batches: routing, plan, gate+up+SiTU, down, combine (bf16 and MXFP4).
-pub const MOE_SOURCE: &str = include_str!("moe.cu");
+pub const MOE_SOURCE: &str = concat!(include_str!("moe.cu"), "\n", include_str!("moe_tc.cu"));
 
 /// Everything that can go wrong in the CUDA backend.
 #[derive(Debug, thiserror::Error)]

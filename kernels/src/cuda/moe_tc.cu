@@ -1,0 +1,387 @@
+// MoE expert projections on the tensor cores (the default path of `moe.cu`'s decode; compiled
+// after it, as one translation unit: it uses that file's weight formats, SiTU and plan arguments).
+// ---------------------------------------------------------------------------------------------
+// Expert projections on the tensor cores (m16n8k16, f32 accumulators): a warp owns 16 output
+// rows of one expert and up to 8 of its tokens per pass. Lane (g, t) = (lane/4, lane%4) loads
+// 16-byte vectors t, t+4, t+8, ... of rows g and g+8 and decodes each into bf16 pairs in input
+// order; k-step s of a vector takes its pairs 2s and 2s+1 as the A fragment's columns 2t.. and
+// 2t+8.. The product sums over every input whatever the order, so the B fragment (token g's
+// inputs) takes the same pairs of the same vector: both are plain 32-bit words, no shuffles.
+// Weights stream once per 8 tokens of an expert; the decode of MXFP4 codes (and not the
+// multiply-adds) is what the CUDA cores still do.
+
+#ifndef MOE_TC_WARPS
+#define MOE_TC_WARPS 4
+#endif
+// Consecutive 16-byte vectors of a row one lane loads per pass, per format (MXFP4 vectors carry
+// 4x the inputs and take their registers again once decoded).
+#ifndef MOE_TC_SPAN_BF16
+#define MOE_TC_SPAN_BF16 4
+#endif
+#ifndef MOE_TC_SPAN_MXFP4
+#define MOE_TC_SPAN_MXFP4 2
+#endif
+// Blocks per SM the register budget must allow.
+#ifndef MOE_TC_MIN_BLOCKS
+#define MOE_TC_MIN_BLOCKS 4
+#endif
+
+__device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
+    unsigned d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+// A format of the tensor-core path: `row` makes a lane's cursor at a vector of a weight row,
+// `load` reads the vector i places past it, `decode` turns a vector into REGS bf16 pairs in the
+// order `arrange_x` puts the inputs (`wide`: some block of the warp's pass has a scale past the
+// single-factor range, see Mxfp4Tc).
+struct Bf16Tc {
+    static constexpr int SPAN = MOE_TC_SPAN_BF16;
+    static constexpr int PER_VEC = 8;  // inputs per 16-byte vector
+    static constexpr int REGS = 4;     // bf16 pairs a vector decodes into
+    static constexpr bool SCALED = false;
+    struct Vec {
+        uint4 w;
+    };
+    struct Row {
+        const uint4* p;
+    };
+    const uint4* rows;
+    __device__ __forceinline__ Row row(size_t r, int in_dim, int v) const {
+        return Row{rows + r * (in_dim / PER_VEC) + v};
+    }
+    __device__ __forceinline__ static Vec load(const Row& r, int i) { return Vec{__ldg(r.p + i)}; }
+    __device__ __forceinline__ static void advance(Row& r, int n) { r.p += n; }
+    __device__ __forceinline__ static unsigned wide_bits(const Vec&) { return 0u; }
+    __device__ __forceinline__ static void decode(const Vec& vec, unsigned out[REGS], bool) {
+        out[0] = vec.w.x;
+        out[1] = vec.w.y;
+        out[2] = vec.w.z;
+        out[3] = vec.w.w;
+    }
+    __device__ __forceinline__ static void arrange_x(unsigned[REGS]) {}
+};
+
+// Elements k and k+4 of one 32-bit word of codes as one bf16x2 (k = 0..3), each at 2^-126 of
+// its value: a code's three magnitude bits become the bf16's two lowest exponent bits and its
+// first mantissa bit (so code 1, 0.5, becomes the subnormal 2^-127), its sign bit the sign.
+// Four masked shifts per pair, no lookups; the inputs are paired the same way (`spread_x`).
+__device__ __forceinline__ void e2m1x8_spread(unsigned w, unsigned out[4]) {
+    const unsigned mag = 0x01c001c0u, sign = 0x80008000u;
+    out[0] = ((w << 6) & mag) | ((w << 12) & sign);
+    out[1] = ((w << 2) & mag) | ((w << 8) & sign);
+    out[2] = ((w >> 2) & mag) | ((w << 4) & sign);
+    out[3] = ((w >> 6) & mag) | (w & sign);
+}
+
+// Eight inputs (four bf16x2 words, in order) paired as `e2m1x8_spread` pairs the codes.
+__device__ __forceinline__ void spread_x(unsigned x[4]) {
+    const unsigned x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
+    x[0] = prmt(x0, x2, 0x5410u);
+    x[1] = prmt(x0, x2, 0x7632u);
+    x[2] = prmt(x1, x3, 0x5410u);
+    x[3] = prmt(x1, x3, 0x7632u);
+}
+
+struct Mxfp4Tc {
+    static constexpr int SPAN = MOE_TC_SPAN_MXFP4;
+    static constexpr int PER_VEC = 32;  // one scale group
+    static constexpr int REGS = 16;
+    static constexpr bool SCALED = true;
+    struct Vec {
+        uint4 w;
+        unsigned scale;  // the block's E8M0 exponent s
+    };
+    struct Row {
+        const uint4* p;
+        const unsigned char* s;
+    };
+    const uint4* rows;
+    const unsigned char* scales;
+    __device__ __forceinline__ Row row(size_t r, int in_dim, int v) const {
+        const size_t at = r * (in_dim / PER_VEC) + v;
+        return Row{rows + at, scales + at};
+    }
+    __device__ __forceinline__ static Vec load(const Row& r, int i) {
+        return Vec{__ldg(r.p + i), __ldg(r.s + i)};
+    }
+    __device__ __forceinline__ static void advance(Row& r, int n) {
+        r.p += n;
+        r.s += n;
+    }
+    // Bit 8 is set when s >= 129 (s + 127 < 512 always).
+    __device__ __forceinline__ static unsigned wide_bits(const Vec& v) { return v.scale + 127u; }
+    __device__ __forceinline__ static void decode(const Vec& vec, unsigned out[REGS], bool wide) {
+        // Codes decode to 2^-126 of their values, so the factor is 2^(s-1): one bf16 pair
+        // (s + 126) << 7 up to s = 128 (one multiply-add), beyond that 2^127 · 2^(s-128) (255
+        // is NaN) — taken only when some lane of the warp needs it.
+        e2m1x8_spread(vec.w.x, out);
+        e2m1x8_spread(vec.w.y, out + 4);
+        e2m1x8_spread(vec.w.z, out + 8);
+        e2m1x8_spread(vec.w.w, out + 12);
+        const unsigned s = vec.scale;
+        if (!wide) {
+            const unsigned f = s * 0x00800080u + 126u * 0x00800080u;
+#pragma unroll
+            for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], f);
+            return;
+        }
+        const unsigned b = (min(s, 128u) + 126u) * 0x00800080u;
+        const unsigned b2 = s <= 128 ? 0u : (s == 255 ? 0x7fc07fc0u : (s - 1u) * 0x00800080u);
+#pragma unroll
+        for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], b);
+        if (b2) {
+#pragma unroll
+            for (int i = 0; i < REGS; ++i) out[i] = bf16x2_mul(out[i], b2);
+        }
+    }
+    // The inputs of one vector in the order `decode` pairs the codes.
+    __device__ __forceinline__ static void arrange_x(unsigned x[REGS]) {
+#pragma unroll
+        for (int i = 0; i < REGS; i += 4) spread_x(x + i);
+    }
+};
+
+// One pass's products: c[m] += (vectors wl/wh of rows lo/hi) · (the inputs at xv[u]), u < SPAN;
+// an input vector that is not `in` is zero (only the last pass of a range has such).
+template <typename W, int M, bool FULL>
+__device__ __forceinline__ void tc_mma_pass(const typename W::Vec (&wl)[M][W::SPAN],
+                                            const typename W::Vec (&wh)[M][W::SPAN],
+                                            const uint4* const (&xv)[W::SPAN],
+                                            const bool (&in)[W::SPAN], float (&c)[M][4]) {
+    bool wide = false;
+    if (W::SCALED) {
+        unsigned bits = 0u;
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int u = 0; u < W::SPAN; ++u) bits |= W::wide_bits(wl[m][u]) | W::wide_bits(wh[m][u]);
+        wide = __any_sync(0xffffffffu, bits & 0x100u);
+    }
+#pragma unroll
+    for (int u = 0; u < W::SPAN; ++u) {
+        unsigned xb[W::REGS];
+#pragma unroll
+        for (int i = 0; i < W::REGS / 4; ++i) {
+            uint4 q = xv[u][i];
+            if (!FULL && !in[u]) q = make_uint4(0, 0, 0, 0);
+            xb[4 * i] = q.x;
+            xb[4 * i + 1] = q.y;
+            xb[4 * i + 2] = q.z;
+            xb[4 * i + 3] = q.w;
+        }
+        W::arrange_x(xb);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            unsigned al[W::REGS], ah[W::REGS];
+            W::decode(wl[m][u], al, wide);
+            W::decode(wh[m][u], ah, wide);
+#pragma unroll
+            for (int s = 0; s < W::REGS / 2; ++s) {
+                const unsigned a[4] = {al[2 * s], ah[2 * s], al[2 * s + 1], ah[2 * s + 1]};
+                const unsigned b[2] = {xb[2 * s], xb[2 * s + 1]};
+                mma_bf16_16816(c[m], a, b);
+            }
+        }
+    }
+}
+
+// c[m] += W_m[rows lo/hi] · x over input vectors [vbeg, vend), for M weight matrices sharing the
+// inputs. Lane t takes W::SPAN consecutive vectors of each row per pass, so a row is read in runs
+// of 4 · W::SPAN vectors (256 bytes at span 4) while the warp has 16 rows in flight. Whole passes
+// walk cursors with no bounds; a last, partial pass clamps its loads and zeroes the inputs past
+// the range (every lane runs every step: the matrix instructions take the whole warp).
+template <typename W, int M>
+__device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
+                                        const bf16_t* __restrict__ xt, int in_dim, int vbeg,
+                                        int vend, int t, float (&c)[M][4]) {
+    constexpr int STEP = 4 * W::SPAN, XV = W::PER_VEC / 8;  // uint4 of inputs per vector
+    typename W::Vec wl[M][W::SPAN], wh[M][W::SPAN];
+    const uint4* xv[W::SPAN];
+    bool in[W::SPAN];
+    int v0 = vbeg;
+    if (v0 + STEP <= vend) {
+        typename W::Row rl[M], rh[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            rl[m] = w[m].row(lo, in_dim, v0 + t * W::SPAN);
+            rh[m] = w[m].row(hi, in_dim, v0 + t * W::SPAN);
+        }
+        const uint4* xp = reinterpret_cast<const uint4*>(xt) + (size_t)(v0 + t * W::SPAN) * XV;
+#pragma unroll 1
+        for (; v0 + STEP <= vend; v0 += STEP) {
+#pragma unroll
+            for (int u = 0; u < W::SPAN; ++u) {
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    wl[m][u] = W::load(rl[m], u);
+                    wh[m][u] = W::load(rh[m], u);
+                }
+                xv[u] = xp + u * XV;
+                in[u] = true;
+            }
+            tc_mma_pass<W, M, true>(wl, wh, xv, in, c);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                W::advance(rl[m], STEP);
+                W::advance(rh[m], STEP);
+            }
+            xp += STEP * XV;
+        }
+    }
+    if (v0 < vend) {
+#pragma unroll
+        for (int u = 0; u < W::SPAN; ++u) {
+            const int vu = v0 + t * W::SPAN + u, v = min(vu, vend - 1);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                wl[m][u] = W::load(w[m].row(lo, in_dim, v), 0);
+                wh[m][u] = W::load(w[m].row(hi, in_dim, v), 0);
+            }
+            xv[u] = reinterpret_cast<const uint4*>(xt) + (size_t)v * XV;
+            in[u] = vu < vend;
+        }
+        tc_mma_pass<W, M, false>(wl, wh, xv, in, c);
+    }
+}
+
+// A block's warps split over row tiles and input ranges: with `ksplit` parts, warp w takes row
+// tile w / ksplit of the block and input part w % ksplit, and the parts' sums meet in shared
+// memory. Few active experts (batch 1) make few row tiles, too few to fill every multiprocessor
+// evenly: splitting the input multiplies the warps without changing the bytes.
+struct TcSplit {
+    int part, tile_row0, vbeg, vend;
+    __device__ __forceinline__ TcSplit(int ksplit, int vecs) {
+        const int warp = threadIdx.x >> 5, per = (vecs + ksplit - 1) / ksplit;
+        part = warp % ksplit;
+        tile_row0 = (blockIdx.x * (MOE_TC_WARPS / ksplit) + warp / ksplit) * 16;
+        vbeg = min(part * per, vecs);
+        vend = min(vbeg + per, vecs);
+    }
+};
+
+// Sums c over the ksplit warps of each row tile into the part-0 warp's c (a barrier before and
+// after: every warp of the block calls it the same number of times).
+template <int M>
+__device__ __forceinline__ void tc_sum_parts(float (&c)[M][4], int ksplit, int part) {
+    __shared__ float red[MOE_TC_WARPS][M][4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) red[warp][m][j][lane] = c[m][j];
+    __syncthreads();
+    if (part == 0) {
+        for (int p = 1; p < ksplit; ++p)
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) c[m][j] += red[warp + p][m][j][lane];
+    }
+}
+
+template <typename W>
+__device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict__ x,
+                                           const int* __restrict__ n_active,
+                                           const int* __restrict__ act_expert,
+                                           const int* __restrict__ act_count,
+                                           const int* __restrict__ act_pairs,
+                                           bf16_t* __restrict__ h, int din, int di, int top_k,
+                                           float b1, float b2, int ksplit) {
+    const int a = blockIdx.y;
+    if (a >= *n_active) return;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const TcSplit sp(ksplit, din / W::PER_VEC);
+    const int row0 = sp.tile_row0;
+    if (ksplit == 1 && row0 >= di) return;
+    const bool rows_in = row0 < di;
+    const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
+    const int* pairs = act_pairs + a * MOE_MAXT;
+    const W w[2] = {wg, wu};
+    const size_t lo = (size_t)e * di + min(row0, di - 16) + g, hi = lo + 8;
+    for (int t0 = 0; t0 < nt; t0 += 8) {
+        // Token g of this pass (a missing one reads a present token's inputs: its column of
+        // the product is never written).
+        const bf16_t* xt = x + (size_t)(pairs[min(t0 + g, nt - 1)] / top_k) * din;
+        float c[2][4] = {};
+        if (rows_in) tc_rows<W, 2>(w, lo, hi, xt, din, sp.vbeg, sp.vend, t, c);
+        if (ksplit > 1) tc_sum_parts<2>(c, ksplit, sp.part);
+        if (sp.part != 0 || !rows_in) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
+            if (tok < nt) h[(size_t)pairs[tok] * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
+        }
+    }
+}
+
+template <typename W>
+__device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
+                                        const int* __restrict__ n_active,
+                                        const int* __restrict__ act_expert,
+                                        const int* __restrict__ act_count,
+                                        const int* __restrict__ act_pairs, float* __restrict__ y,
+                                        int din, int di, int ksplit) {
+    const int a = blockIdx.y;
+    if (a >= *n_active) return;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const TcSplit sp(ksplit, di / W::PER_VEC);
+    const int row0 = sp.tile_row0;
+    if (ksplit == 1 && row0 >= din) return;
+    const bool rows_in = row0 < din;
+    const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
+    const int* pairs = act_pairs + a * MOE_MAXT;
+    const W w[1] = {wd};
+    const size_t lo = (size_t)e * din + min(row0, din - 16) + g, hi = lo + 8;
+    for (int t0 = 0; t0 < nt; t0 += 8) {
+        const bf16_t* ht = h + (size_t)pairs[min(t0 + g, nt - 1)] * di;
+        float c[1][4] = {};
+        if (rows_in) tc_rows<W, 1>(w, lo, hi, ht, di, sp.vbeg, sp.vend, t, c);
+        if (ksplit > 1) tc_sum_parts<1>(c, ksplit, sp.part);
+        if (sp.part != 0 || !rows_in) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
+            if (tok < nt) y[(size_t)pairs[tok] * din + row] = c[0][j];
+        }
+    }
+}
+
+// The same four projections on the tensor cores (block: MOE_TC_WARPS warps of 16 rows each).
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
+                    const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
+                    int di, int top_k, float b1, float b2, int ksplit) {
+    gate_up_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
+               Bf16Tc{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert, act_count,
+               act_pairs, h, din, di, top_k, b1, b2, ksplit);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
+                     const unsigned char* __restrict__ gate_scale,
+                     const unsigned char* __restrict__ up_packed,
+                     const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
+                     PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
+                     float b2, int ksplit) {
+    gate_up_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
+               Mxfp4Tc{reinterpret_cast<const uint4*>(up_packed), up_scale}, x, n_active,
+               act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2, ksplit);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_down_tc_bf16(const bf16_t* __restrict__ w_down, const bf16_t* __restrict__ h, PLAN_ARGS,
+                 float* __restrict__ y, int din, int di, int ksplit) {
+    down_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_down)}, h, n_active, act_expert, act_count,
+            act_pairs, y, din, di, ksplit);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_down_tc_mxfp4(const unsigned char* __restrict__ down_packed,
+                  const unsigned char* __restrict__ down_scale, const bf16_t* __restrict__ h,
+                  PLAN_ARGS, float* __restrict__ y, int din, int di, int ksplit) {
+    down_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(down_packed), down_scale}, h, n_active,
+            act_expert, act_count, act_pairs, y, din, di, ksplit);
+}
