@@ -47,15 +47,12 @@ pub(crate) fn variants(
             pairs.iter().map(|&(k, v)| (k, v.to_string())).collect()
         };
         let tunings = [
-            ("_tc_s1", set(&[("MOE_TC_SPAN_MXFP4", 1)])),
+            ("_tc_mb5", set(&[("MOE_TC_MIN_BLOCKS", 5)])),
+            ("_tc_mb6", set(&[("MOE_TC_MIN_BLOCKS", 6)])),
             ("_tc_s4", set(&[("MOE_TC_SPAN_MXFP4", 4)])),
             (
                 "_tc_s4_mb3",
                 set(&[("MOE_TC_SPAN_MXFP4", 4), ("MOE_TC_MIN_BLOCKS", 3)]),
-            ),
-            (
-                "_tc_bf16_s8_mb2",
-                set(&[("MOE_TC_SPAN_BF16", 8), ("MOE_TC_MIN_BLOCKS", 2)]),
             ),
         ];
         for (label, tuning) in tunings {
@@ -363,7 +360,11 @@ pub(crate) fn bench_moe(
         for (label, moe) in variants {
             let kind = format!("{}{label}", if mxfp4 { "mxfp4" } else { "bf16" });
             let [wave_gate_up, wave_down] = moe.tc_wave_warps(mxfp4);
-            println!("moe_{kind}: tensor-core waves of {wave_gate_up} (gate/up) and {wave_down} (down) warps");
+            let [(regs_gu, local_gu), (regs_d, local_d)] = moe.tc_resources(mxfp4)?;
+            println!(
+                "moe_{kind}: tensor-core waves of {wave_gate_up} (gate/up) and {wave_down} (down) \
+                 warps; registers {regs_gu} / {regs_d}, local bytes {local_gu} / {local_d}"
+            );
             for &batch in batches {
                 let logits =
                     dev.upload(&fill(batch * dims.experts, rng.next_u64(), |r| r.normal()))?;

@@ -285,6 +285,16 @@ impl MoeDecode {
         self.projections[usize::from(mxfp4)][1].wave_warps
     }
 
+    /// Registers per thread and local-memory bytes per thread (spills) of the tensor-core gate/up
+    /// and down kernels, for bf16 or MXFP4 experts.
+    pub fn tc_resources(&self, mxfp4: bool) -> Result<[(i32, i32); 2], CudaError> {
+        let p = &self.projections[usize::from(mxfp4)][1];
+        let res = |f: &CudaFunction| -> Result<(i32, i32), CudaError> {
+            Ok((f.num_regs()?, f.local_size_bytes()?))
+        };
+        Ok([res(&p.gate_up)?, res(&p.down)?])
+    }
+
     /// The path the projections take.
     pub fn path(&self) -> MoePath {
         self.path.unwrap_or_default()
