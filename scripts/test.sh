@@ -92,7 +92,11 @@ fi
 
 if [ -z "$filter" ]; then
   say "the official openai client against tessera serve"
-  cargo build --locked --features "$FEATURES" --bin tessera
+  # The binary the tests above ran: `cargo test` built target/debug/tessera with $FEATURES for
+  # the root package's integration tests. A `cargo build --bin tessera` here would rebuild
+  # tessera-engine and every crate above it (1.5 to 2 minutes): without the dev-dependencies,
+  # bitflags (under png and image) loses the `std` feature that tempfile turns on through rustix.
+  [ -x target/debug/tessera ] || cargo build --locked --features "$FEATURES" --bin tessera
   serve_log=$(mktemp)
   ./target/debug/tessera serve --port 0 --page-tokens 16 >"$serve_log" 2>&1 &
   serve_pid=$!

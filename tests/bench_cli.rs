@@ -1,15 +1,12 @@
 //! `tessera bench` against a `tessera serve` child: counts, output lengths, latency ordering and
 //! a clean failure against a port where nothing listens.
 
-mod common;
-#[path = "common/server.rs"]
-mod server;
-
 use std::process::Command;
 
-use common::*;
 use serde_json::Value;
-use server::Server;
+
+use crate::common::*;
+use crate::server::Server;
 
 fn bench(url: &str, extra: &[&str], json_out: &std::path::Path) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_tessera"))

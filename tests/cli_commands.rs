@@ -1,11 +1,9 @@
 //! The CLI contract: `tessera logits`, `tessera generate --json` and `tessera init-model`, run as
 //! a user runs them, checked against the reference fixtures.
 
-mod common;
-
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 
 fn tessera() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tessera"));

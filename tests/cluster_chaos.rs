@@ -6,19 +6,13 @@
 //! (new incarnations); the router takes them back and they serve exactly too. Finally the router
 //! itself is killed: it holds no state, `up` starts it again at its port, and it serves exactly.
 
-#[path = "common/cluster.rs"]
-mod cluster;
-mod common;
-#[path = "common/server.rs"]
-mod server;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cluster::{complete_streamed, jobs, prompts, wait_until, Job};
-use common::*;
-use server::{http_request, metric_sum, Server};
+use crate::cluster::{complete_streamed, jobs, prompts, wait_until, Job};
+use crate::common::*;
+use crate::server::{self, http_request, metric_sum, Server};
 
 const REQUESTS: usize = 200;
 const CLIENTS: usize = 12;
@@ -127,6 +121,7 @@ fn run_load(
 
 #[test]
 fn killing_a_prefill_and_a_decode_worker_mid_run_loses_no_request() {
+    let _cluster = crate::cluster_alone();
     let dir = fixtures_dir().join("kl_mixed");
     let s = Server::launch(
         &dir,

@@ -7,21 +7,15 @@
 //! finishes what it has in flight and exits 0 — for decode, stopped while a request has
 //! reserved pages on it and is still being prefilled, that request then decodes there.
 
-#[path = "common/cluster.rs"]
-mod cluster;
-mod common;
-#[path = "common/etcd.rs"]
-mod etcd;
-#[path = "common/server.rs"]
-mod server;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cluster::{jobs, prompts, spawn_router, start_worker, wait_until, Daemon, Load};
-use common::fixtures_dir;
-use server::{metric_sum, try_http_request};
 use tessera_proto::etcd::EtcdClient;
+
+use crate::cluster::{jobs, prompts, spawn_router, start_worker, wait_until, Daemon, Load};
+use crate::common::fixtures_dir;
+use crate::etcd;
+use crate::server::{self, metric_sum, try_http_request};
 
 const CLUSTER: &str = "scaling";
 /// Tokens each request generates: enough that a request outlives a few `/metrics` scrapes.
@@ -130,6 +124,7 @@ fn stop(w: &mut Daemon, busy: &str) -> Drained {
 
 #[test]
 fn pools_scale_up_and_down_under_load_without_failing_a_request() {
+    let _cluster = crate::cluster_alone();
     let fixture = fixtures_dir().join("kl_mixed");
     let model = server::with_tokenizer(&fixture);
     let rt = tokio::runtime::Builder::new_current_thread()

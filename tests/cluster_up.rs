@@ -4,13 +4,10 @@
 //! workers refuse gRPC calls without the cluster secret `up` generated for its children. The
 //! router gets `up`'s API-key and limit flags.
 
-mod common;
-#[path = "common/server.rs"]
-mod server;
-
-use common::*;
 use serde_json::{json, Value};
-use server::{sse_events, KeyFile, Server};
+
+use crate::common::*;
+use crate::server::{sse_events, KeyFile, Server};
 
 fn ids(v: &Value) -> Vec<u32> {
     serde_json::from_value(v.clone()).unwrap()
@@ -84,16 +81,19 @@ fn check_cluster(prefill: &str, decode: &str) {
 
 #[test]
 fn one_prefill_one_decode() {
+    let _cluster = crate::cluster_beside_others();
     check_cluster("1", "1");
 }
 
 #[test]
 fn two_prefill_two_decode() {
+    let _cluster = crate::cluster_beside_others();
     check_cluster("2", "2");
 }
 
 #[test]
 fn workers_refuse_calls_without_the_secret_up_gave_its_children() {
+    let _cluster = crate::cluster_beside_others();
     use tessera_prefill::runtime::{ClusterToken, DEV_SECRET};
     use tessera_proto::tonic::{transport::Channel, Code};
     use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
@@ -162,6 +162,7 @@ fn workers_refuse_calls_without_the_secret_up_gave_its_children() {
 
 #[test]
 fn up_hands_api_keys_and_limits_to_the_router() {
+    let _cluster = crate::cluster_beside_others();
     let dir = fixtures_dir().join("kl_mixed");
     let keys = KeyFile::new("sk-cluster\n");
     let s = Server::launch(

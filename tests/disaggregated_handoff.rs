@@ -2,16 +2,15 @@
 //! snapshot of every group) must give exactly the tokens of a single-process run — and leaving
 //! out any one group's state must not.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 
-use common::*;
 use tessera_engine::generate::{generate, GenerateRequest};
 use tessera_engine::kv::PageId;
 use tessera_engine::serving::handoff::{copy_pages, transfer_pairs};
 use tessera_engine::serving::{EngineEvent, EngineRequest, Handoff, Scheduler, SchedulerConfig};
 use tessera_engine::{Model, SamplingParams};
+
+use crate::common::*;
 
 fn model(name: &str) -> Model {
     let mut m = Model::load(&fixtures_dir().join(name)).unwrap();

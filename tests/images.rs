@@ -9,16 +9,13 @@
 //! and a chat template that writes text parts as they are and an image part as `t7` (the
 //! model's `image_token_id`), so a chat request spells the fixture's prompt exactly.
 
-mod common;
-#[path = "common/server.rs"]
-mod server;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::*;
 use serde_json::{json, Value};
-use server::{http_request, metric_sum, sse_events, Server};
+
+use crate::common::*;
+use crate::server::{http_request, metric_sum, sse_events, Server};
 
 const SECRET: &str = "images-test-secret";
 
@@ -474,6 +471,7 @@ fn eventually(what: &str, f: impl Fn() -> bool) {
 
 #[test]
 fn the_cluster_takes_images_through_an_encoder_worker() {
+    let _cluster = crate::cluster_beside_others();
     let s = Server::launch_prepared(
         model_dir(),
         &[
@@ -519,6 +517,7 @@ fn the_cluster_takes_images_through_an_encoder_worker() {
 #[cfg(feature = "ucx")]
 #[test]
 fn the_cluster_takes_images_over_ucx() {
+    let _cluster = crate::cluster_beside_others();
     let s = Server::launch_prepared(
         model_dir(),
         &["up", "--port", "0", "--transport", "ucx"],
@@ -546,6 +545,7 @@ fn pid_of(s: &Server, role: &str) -> u32 {
 
 #[test]
 fn encoders_take_images_by_hash_and_stand_in_for_each_other() {
+    let _cluster = crate::cluster_beside_others();
     let s = Server::launch_prepared(
         model_dir(),
         &["up", "--port", "0", "--encoders", "2"],
@@ -689,6 +689,7 @@ fn release_paths(s: &Server) {
 /// `TESSERA_OPENAI_PYTHON`).
 #[test]
 fn the_openai_client_sends_an_image() {
+    let _cluster = crate::cluster_beside_others();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let python = std::env::var_os("TESSERA_OPENAI_PYTHON")
         .map(PathBuf::from)

@@ -1,12 +1,11 @@
 //! The CPU engine against `transformers`: prompt logits and greedy continuations recorded by
 //! `tests/reference/make_fixtures.py` from small random Kimi Linear checkpoints.
 
-mod common;
-
-use common::*;
 use tessera_engine::generate::{generate, prefill, prompt_logits, GenerateRequest};
 use tessera_engine::model::{LogitsWanted, Segment};
 use tessera_engine::{Model, SamplingParams};
+
+use crate::common::*;
 
 fn greedy(max_new_tokens: usize, prompt: &[u32], chunk: Option<usize>) -> GenerateRequest {
     GenerateRequest {

@@ -1,13 +1,10 @@
 //! `tessera serve` over HTTP: prefix-cache accounting, reference outputs, concurrency, streaming
 //! and cancellation, as a client sees them.
 
-mod common;
-#[path = "common/server.rs"]
-mod server;
-
-use common::*;
 use serde_json::{json, Value};
-use server::{sse_events, KeyFile, Server};
+
+use crate::common::*;
+use crate::server::{sse_events, KeyFile, Server};
 
 fn ids(v: &Value) -> Vec<u32> {
     serde_json::from_value(v.clone()).unwrap()

@@ -1,17 +1,16 @@
 //! The scheduler over the flat page pool: batched, chunked, cached, preempted and cancelled runs
 //! must give bitwise the same tokens as one sequence generated alone, and leak no page.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 
-use common::*;
 use proptest::prelude::*;
 use tessera_engine::generate::{generate, GenerateRequest};
 use tessera_engine::serving::{
     EngineEvent, EngineRequest, EventSink, FinishReason, Scheduler, SchedulerConfig,
 };
 use tessera_engine::{Model, SamplingParams};
+
+use crate::common::*;
 
 fn model(name: &str) -> Model {
     let mut m = Model::load(&fixtures_dir().join(name)).unwrap();

@@ -6,18 +6,12 @@
 //! pages (so the ratio really leaves reclaimable cache out). Every family carries `# HELP` and
 //! `# TYPE`.
 
-#[path = "common/cluster.rs"]
-mod cluster;
-mod common;
-#[path = "common/server.rs"]
-mod server;
-
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use cluster::{jobs, prompts, spawn_router, start_worker, wait_until, Daemon, Load};
-use common::fixtures_dir;
-use server::metric_sum;
+use crate::cluster::{jobs, prompts, spawn_router, start_worker, wait_until, Daemon, Load};
+use crate::common::fixtures_dir;
+use crate::server::{self, metric_sum};
 
 /// Every sample's family has `# HELP` and `# TYPE` lines before its first sample.
 fn assert_exposition(who: &str, text: &str) {
@@ -71,6 +65,7 @@ fn peaks<const N: usize>(
 
 #[test]
 fn queued_prompt_tokens_and_request_pool_use_rise_under_load_and_fall_after() {
+    let _cluster = crate::cluster_alone();
     let fixture = fixtures_dir().join("kl_mixed");
     let model = server::with_tokenizer(&fixture);
     // Prefill is the bottleneck: one request at a time in steps of 16 tokens, so the others

@@ -22,9 +22,7 @@ use tessera_router::{
 };
 use tokio::sync::mpsc;
 
-mod common;
-
-use common::{fixture, stopper, Worker};
+use crate::common::{self, fixture, stopper, Worker};
 
 const SECRET: &str = "router-cluster-test";
 
@@ -253,6 +251,7 @@ fn http_post(addr: std::net::SocketAddr, path: &str, body: &Value) -> (u16, Stri
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_prefill_one_decode_matches_the_fixture_over_the_backend_and_http() {
+    let _workers = crate::workers_beside_others().await;
     let decode = start_decode().await;
     let prefill = start_prefill().await;
     let b = backend(&[&prefill], &[&decode]).await;
@@ -426,6 +425,7 @@ async fn one_prefill_one_decode_matches_the_fixture_over_the_backend_and_http() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_by_two_spreads_load_and_survives_a_dead_prefill_worker() {
+    let _workers = crate::workers_beside_others().await;
     let (d0, d1) = (start_decode().await, start_decode().await);
     let (p0, p1) = (start_prefill().await, start_prefill().await);
     let b = backend(&[&p0, &p1], &[&d0, &d1]).await;
@@ -513,6 +513,7 @@ async fn two_by_two_spreads_load_and_survives_a_dead_prefill_worker() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transfer_that_misses_its_deadline_fails_the_request_and_frees_both_sides() {
+    let _workers = crate::workers_beside_others().await;
     use std::sync::atomic::Ordering;
     let hooks = Arc::new(TestHooks::default());
     let decode = start_decode_with(hooks.clone()).await;
@@ -622,6 +623,7 @@ fn migrations(b: &ClusterBackend) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_worker_failing_mid_stream_migrates_the_request_without_a_seam() {
+    let _workers = crate::workers_beside_others().await;
     use std::sync::atomic::Ordering;
     let hooks = Arc::new(TestHooks::default());
     let (flaky, sound) = (start_decode_with(hooks.clone()).await, start_decode().await);
@@ -749,6 +751,7 @@ impl Pki {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutual_tls_between_router_and_workers_refuses_strangers() {
+    let _workers = crate::workers_beside_others().await;
     let pki = Pki::new();
     let tls: Vec<String> = pki.flags().into_iter().collect();
     let tls: Vec<&str> = tls.iter().map(String::as_str).collect();
@@ -831,6 +834,7 @@ async fn start_on(role: Role, transport: &str) -> Result<Worker, String> {
 #[cfg(not(feature = "ucx"))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transport_ucx_without_the_feature_fails_at_start() {
+    let _workers = crate::workers_beside_others().await;
     for role in [Role::Decode, Role::Prefill] {
         match start_on(role, "ucx").await {
             Ok(_) => panic!(
@@ -863,6 +867,7 @@ async fn worker_info(addr: &str, role: Role) -> v1::WorkerInfo {
 #[cfg(feature = "ucx")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_over_ucx_match_the_fixture_and_free_every_page() {
+    let _workers = crate::workers_beside_others().await;
     let decode = start_on(Role::Decode, "ucx").await.unwrap();
     let prefill = start_on(Role::Prefill, "ucx").await.unwrap();
     for (w, role) in [(&decode, Role::Decode), (&prefill, Role::Prefill)] {
@@ -896,6 +901,7 @@ async fn workers_over_ucx_match_the_fixture_and_free_every_page() {
 #[cfg(feature = "ucx")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tcp_prefill_and_a_ucx_decode_fail_the_handshake_with_a_mismatch() {
+    let _workers = crate::workers_beside_others().await;
     let decode = start_on(Role::Decode, "ucx").await.unwrap();
     let prefill = start_on(Role::Prefill, "tcp").await.unwrap();
     let b = backend(&[&prefill], &[&decode]).await;

@@ -194,6 +194,7 @@ async fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) -
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_discovery_adds_and_drains_workers_live() {
+    let _workers = crate::workers_alone().await;
     let etcd = start_etcd().await;
     let ep = etcd.endpoint.clone();
     let (prompt, want) = reference();

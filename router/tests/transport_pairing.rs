@@ -11,9 +11,7 @@ use tessera_router::{
     Sampling, TokenEvent,
 };
 
-mod common;
-
-use common::Worker;
+use crate::common::{self, Worker};
 
 const SECRET: &str = "router-pairing-test";
 
@@ -90,6 +88,7 @@ fn routed_to(b: &ClusterBackend, role: Role, addr: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_of_another_transport_get_no_requests_and_a_lone_one_gets_a_clear_error() {
+    let _workers = crate::workers_alone().await;
     let p_tcp = start_on(Role::Prefill, "tcp").await;
     let p_ucx = start_on(Role::Prefill, "ucx").await;
     let d_tcp = start_on(Role::Decode, "tcp").await;

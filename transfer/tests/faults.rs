@@ -1,15 +1,14 @@
 //! Fault injection: corrupted bytes, stalled and vanished peers, dropped connections. Nothing
 //! may hang past its deadline; only I/O failures are retried.
 
-mod common;
-
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::*;
 use tessera_transfer::{
     Instant, LocalTransport, RegionHandle, TcpTransport, TransferError, TransferId, Transport,
 };
+
+use crate::common::*;
 
 /// How late past its deadline a call may return on a loaded two-core machine.
 const SLACK: Duration = Duration::from_millis(400);

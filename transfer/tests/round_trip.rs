@@ -1,12 +1,11 @@
 //! Bytes land exactly where the batch says, on every backend, and nowhere else.
 
-mod common;
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use common::*;
 use tessera_transfer::{LocalTransport, RegionHandle, TransferError, TransferId, Transport};
+
+use crate::common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_random_extents_land_exactly() {

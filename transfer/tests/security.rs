@@ -1,13 +1,12 @@
 //! The transfer handshake: unauthenticated peers and stale incarnations are refused.
 
-mod common;
-
-use common::*;
 use tessera_transfer::tcp::wire::{ClientHello, ClientProof, ServerHello, Verdict, VERSION};
 use tessera_transfer::{
     Endpoint, Incarnation, LocalTransport, Secret, TcpTransport, TransferError, Transport,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::common::*;
 
 fn other_secret() -> tessera_transfer::TransportConfig {
     tessera_transfer::TransportConfig::new(Secret::new("not the cluster secret"))

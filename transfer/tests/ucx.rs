@@ -3,17 +3,16 @@
 //! connections are retried.
 #![cfg(feature = "ucx")]
 
-mod common;
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use tessera_transfer::{
     Endpoint, Incarnation, Instant, RegionHandle, Secret, TransferError, TransferId, Transport,
     TransportConfig, UcxTransport,
 };
+
+use crate::common::*;
 
 /// How late past its deadline a call may return on a loaded two-core machine.
 const SLACK: Duration = Duration::from_millis(400);

@@ -8,7 +8,7 @@ use axum::http::{HeaderMap, Method, StatusCode};
 use serde_json::{json, Value};
 use tessera_router::{ApiKeys, BackendError, FrontOptions, RateLimit};
 
-use crate::common::*;
+use super::common::*;
 
 const KEYS: &str = "# test keys\nsk-alpha\nsk-beta\n";
 

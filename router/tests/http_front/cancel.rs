@@ -10,7 +10,7 @@ use tessera_tokenizer::Tokenizer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::common::*;
+use super::common::*;
 
 fn request(path: &str, body: &str) -> String {
     format!(

@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 use tessera_router::fake::FakeConfig;
 use tessera_router::{BackendError, FrontOptions};
 
-use crate::common::*;
+use super::common::*;
 
 const C: &str = "/v1/completions";
 const CHAT: &str = "/v1/chat/completions";

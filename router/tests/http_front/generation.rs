@@ -6,7 +6,7 @@ use tessera_router::fake::FakeConfig;
 use tessera_router::FrontOptions;
 use tessera_tokenizer::ChatMessage;
 
-use crate::common::*;
+use super::common::*;
 
 #[tokio::test]
 async fn completion_text_prompt() {

@@ -4,7 +4,7 @@ use axum::http::{Method, StatusCode};
 use serde_json::{json, Value};
 use tessera_router::BackendError;
 
-use crate::common::*;
+use super::common::*;
 
 #[tokio::test]
 async fn health_and_models() {
