@@ -282,6 +282,42 @@ __device__ __forceinline__ void tc_sum_parts(float (&c)[M][4], int ksplit, int p
     }
 }
 
+// One projection of the active expert blockIdx.y on the tensor cores: this warp's 16 of its
+// `out_rows` output rows (or its input part of them) over `in_dim` inputs, for the expert's tokens
+// 8 at a time. `input(pair)` is a (token, slot) pair's input row; `store(pair, row, c, j)` writes
+// element j of the sums c of the M matrices for that pair and row.
+template <typename W, int M, typename Input, typename Store>
+__device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restrict__ n_active,
+                                           const int* __restrict__ act_expert,
+                                           const int* __restrict__ act_count,
+                                           const int* __restrict__ act_pairs, int out_rows,
+                                           int in_dim, int ksplit, Input input, Store store) {
+    const int a = blockIdx.y;
+    if (a >= *n_active) return;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const TcSplit sp(ksplit, in_dim / W::PER_VEC);
+    const int row0 = sp.tile_row0;
+    if (ksplit == 1 && row0 >= out_rows) return;
+    const bool rows_in = row0 < out_rows;
+    const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
+    const int* pairs = act_pairs + a * MOE_MAXT;
+    const size_t lo = (size_t)e * out_rows + min(row0, out_rows - 16) + g, hi = lo + 8;
+    for (int t0 = 0; t0 < nt; t0 += 8) {
+        // Token g of this pass (a missing one reads a present token's inputs: its column of
+        // the product is never written).
+        const bf16_t* xt = input(pairs[min(t0 + g, nt - 1)]);
+        float c[M][4] = {};
+        if (rows_in) tc_rows<W, M>(w, lo, hi, xt, in_dim, sp.vbeg, sp.vend, t, c);
+        if (ksplit > 1) tc_sum_parts<M>(c, ksplit, sp.part);
+        if (sp.part != 0 || !rows_in) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
+            if (tok < nt) store(pairs[tok], row, c, j);
+        }
+    }
+}
+
 template <typename W>
 __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict__ x,
                                            const int* __restrict__ n_active,
@@ -290,31 +326,13 @@ __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict_
                                            const int* __restrict__ act_pairs,
                                            bf16_t* __restrict__ h, int din, int di, int top_k,
                                            float b1, float b2, int ksplit) {
-    const int a = blockIdx.y;
-    if (a >= *n_active) return;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const TcSplit sp(ksplit, din / W::PER_VEC);
-    const int row0 = sp.tile_row0;
-    if (ksplit == 1 && row0 >= di) return;
-    const bool rows_in = row0 < di;
-    const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
-    const int* pairs = act_pairs + a * MOE_MAXT;
     const W w[2] = {wg, wu};
-    const size_t lo = (size_t)e * di + min(row0, di - 16) + g, hi = lo + 8;
-    for (int t0 = 0; t0 < nt; t0 += 8) {
-        // Token g of this pass (a missing one reads a present token's inputs: its column of
-        // the product is never written).
-        const bf16_t* xt = x + (size_t)(pairs[min(t0 + g, nt - 1)] / top_k) * din;
-        float c[2][4] = {};
-        if (rows_in) tc_rows<W, 2>(w, lo, hi, xt, din, sp.vbeg, sp.vend, t, c);
-        if (ksplit > 1) tc_sum_parts<2>(c, ksplit, sp.part);
-        if (sp.part != 0 || !rows_in) continue;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
-            if (tok < nt) h[(size_t)pairs[tok] * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
-        }
-    }
+    tc_project<W, 2>(
+        w, n_active, act_expert, act_count, act_pairs, di, din, ksplit,
+        [&](int pair) { return x + (size_t)(pair / top_k) * din; },
+        [&](int pair, int row, const float (&c)[2][4], int j) {
+            h[(size_t)pair * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
+        });
 }
 
 template <typename W>
@@ -324,29 +342,11 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                         const int* __restrict__ act_count,
                                         const int* __restrict__ act_pairs, float* __restrict__ y,
                                         int din, int di, int ksplit) {
-    const int a = blockIdx.y;
-    if (a >= *n_active) return;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const TcSplit sp(ksplit, di / W::PER_VEC);
-    const int row0 = sp.tile_row0;
-    if (ksplit == 1 && row0 >= din) return;
-    const bool rows_in = row0 < din;
-    const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
-    const int* pairs = act_pairs + a * MOE_MAXT;
     const W w[1] = {wd};
-    const size_t lo = (size_t)e * din + min(row0, din - 16) + g, hi = lo + 8;
-    for (int t0 = 0; t0 < nt; t0 += 8) {
-        const bf16_t* ht = h + (size_t)pairs[min(t0 + g, nt - 1)] * di;
-        float c[1][4] = {};
-        if (rows_in) tc_rows<W, 1>(w, lo, hi, ht, di, sp.vbeg, sp.vend, t, c);
-        if (ksplit > 1) tc_sum_parts<1>(c, ksplit, sp.part);
-        if (sp.part != 0 || !rows_in) continue;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
-            if (tok < nt) y[(size_t)pairs[tok] * din + row] = c[0][j];
-        }
-    }
+    tc_project<W, 1>(
+        w, n_active, act_expert, act_count, act_pairs, din, di, ksplit,
+        [&](int pair) { return h + (size_t)pair * di; },
+        [&](int pair, int row, const float (&c)[1][4], int j) { y[(size_t)pair * din + row] = c[0][j]; });
 }
 
 // The same four projections on the tensor cores (block: MOE_TC_WARPS warps of 16 rows each).
