@@ -4,7 +4,7 @@
 //! with `t = 1`: `q` is `[batch, heads, 576]` (absorbed q_nope ++ q_pe), the output the latent
 //! `[batch, heads, 512]` in bf16.
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaError, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE};
@@ -110,12 +110,6 @@ fn smem_bytes(mt: usize) -> usize {
     hb * qld * 2 + 2 * BN * qld * 2 + hb * sld * 4 + hb * pld * 2 + 3 * hb * 4
 }
 
-fn sm_count(dev: &CudaDevice) -> Result<usize, CudaError> {
-    Ok(dev
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize)
-}
-
 impl MlaDecode {
     /// Compiles the kernels for `heads` query heads (a multiple of 16): the portable split
     /// kernel (see [`MlaKernel`]).
@@ -178,7 +172,7 @@ impl MlaDecode {
             heads_per_block: 64,
             threads: 256,
             smem: HOPPER_SMEM as u32,
-            sms: sm_count(dev)?,
+            sms: dev.sm_count()?,
             hopper: true,
             tuning,
         })
@@ -216,7 +210,7 @@ impl MlaDecode {
             heads_per_block: 16 * mt,
             threads: 128 * mt as u32,
             smem,
-            sms: sm_count(dev)?,
+            sms: dev.sm_count()?,
             hopper: false,
             tuning,
         })

@@ -20,6 +20,7 @@ mod staging;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaModule};
 pub use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
 use cudarc::nvrtc::{CompileOptions, Ptx};
@@ -131,6 +132,12 @@ impl CudaDevice {
     /// The device's marketing name, e.g. "NVIDIA H200".
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The device's multiprocessor count.
+    pub fn sm_count(&self) -> Result<usize, CudaError> {
+        let count = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        Ok(self.ctx.attribute(count)? as usize)
     }
 
     /// The architecture kernels are compiled for, e.g. "sm_90".

@@ -5,7 +5,6 @@
 //! `Σ_slot w · W2 · situ(W1·x, W3·x)` — the routed part of the engine's (latent) MoE, whose `x`
 //! is the latent after the down-projection.
 
-use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaError, MOE_SOURCE};
@@ -236,10 +235,7 @@ impl MoeDecode {
         ];
         defines.extend(tuning.iter().cloned());
         let m = dev.module("moe", MOE_SOURCE, &defines)?;
-        let sms = dev
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
-            as usize;
+        let sms = dev.sm_count()?;
         let proj = |path: &str, format: &str| -> Result<Projections, CudaError> {
             let gate_up = m.load_function(&format!("moe_gate_up_{path}{format}"))?;
             let down = m.load_function(&format!("moe_down_{path}{format}"))?;
