@@ -4,14 +4,16 @@
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
-//!       [--mla-prefetch N,M,..] [--mla-coalesced] [--moe-tunings] [--moe-profile B,..]
+//!       [--mla-prefetch N,M,..] [--mla-coalesced] [--moe-tunings] [--moe-variants L,..]
+//!       [--moe-profile B,..]
 //!
 //! `mla-flash` is the whole-model forward's MLA attention over the paged f32 history (the flash
 //! kernel and the generic one, prefill and decode rows). MLA decode is checked and timed with every split kernel the device runs (the portable one,
 //! and on Hopper the warpgroup one); `--mla-prefetch` also checks and times each kernel with
 //! those L2 prefetch distances (tiles ahead), `--mla-coalesced` with its wider tile copies.
 //! MoE projections are checked and timed on both paths, the tensor cores with each input split;
-//! `--moe-tunings` adds build-time alternatives of the tensor-core kernels; `--moe-profile 1,16`
+//! `--moe-tunings` adds build-time alternatives of the tensor-core kernels (`--moe-variants
+//! tc,tc_tma8x3` keeps only the named ones, as printed without the format); `--moe-profile 1,16`
 //! only times the default MoE kernels at those batch sizes, unchecked (a profiler's target).
 //!
 //! Output: `check <name> rel_err=<e> tol=<t> <ok|FAIL>` lines (for sampling the value is the
@@ -441,13 +443,19 @@ fn mla_kernels(dev: &CudaDevice) -> Vec<MlaKernel> {
     v
 }
 
+/// Which MoE projection variants to check and time (see `moe::variants`).
+struct MoeSelect {
+    tuned: bool,
+    keep: Option<Vec<String>>,
+}
+
 fn bench(
     dev: &CudaDevice,
     quick: bool,
     only: &Only,
     tunings: &[MlaTuning],
     hopper_ok: bool,
-    moe_tuned: bool,
+    moe: &MoeSelect,
 ) -> Result<(), CudaError> {
     let mut rng = Rng(7);
     let iters = if quick { 10 } else { 50 };
@@ -479,7 +487,8 @@ fn bench(
     }
     if only.wants("moe") {
         let batches = [1, 4, 8, 16, 32, 64];
-        moe::bench_moe(dev, &moe::variants(dev, moe_tuned)?, &batches, iters)?;
+        let variants = moe::variants(dev, moe.tuned, moe.keep.as_deref())?;
+        moe::bench_moe(dev, &variants, &batches, iters)?;
     }
     Ok(())
 }
@@ -640,6 +649,13 @@ fn run() -> Result<usize, CudaError> {
     let only = Only(flag("--only"));
     // Build-time alternatives of the MoE tensor-core kernels, checked and timed besides them.
     let moe_tuned = args.iter().any(|a| a == "--moe-tunings");
+    // Only these MoE projection variants (labels as printed, e.g. `tc,tc_tma8x3`).
+    let moe_keep: Option<Vec<String>> =
+        flag("--moe-variants").map(|l| l.split(',').map(str::to_string).collect());
+    let moe_sel = MoeSelect {
+        tuned: moe_tuned,
+        keep: moe_keep,
+    };
     // Build-time alternatives of the MLA split kernels to check and time besides the defaults.
     let mut tunings: Vec<MlaTuning> = flag("--mla-prefetch")
         .map(|l| {
@@ -663,11 +679,15 @@ fn run() -> Result<usize, CudaError> {
     let dev = CudaDevice::open(0, default_cache_dir())?;
     println!("device {} ({})", dev.name(), dev.arch());
     if let Some(batches) = flag("--moe-profile") {
-        // Only the default MoE kernels at these batch sizes, unchecked: a target for a profiler
+        // Only the default MoE kernels (or those of --moe-variants) at these batch sizes,
+        // unchecked: a target for a profiler
         // (run the checks in the same session without this flag).
         let batches: Vec<usize> = batches.split(',').filter_map(|b| b.parse().ok()).collect();
-        let variants = moe::variants(&dev, false)?;
-        moe::bench_moe(&dev, &variants[1..2], &batches, 10)?;
+        let variants = match moe_sel.keep.as_deref() {
+            Some(keep) => moe::variants(&dev, false, Some(keep))?,
+            None => moe::variants(&dev, false, Some(&["tc".to_string()]))?,
+        };
+        moe::bench_moe(&dev, &variants, &batches, 10)?;
         return Ok(0);
     }
     let mut checks = Checks { failed: 0 };
@@ -760,7 +780,7 @@ fn run() -> Result<usize, CudaError> {
             di: 384,
         };
         // Both projection paths: the column kernels and the tensor cores (each input split).
-        for (label, moe_k) in &moe::variants(&dev, moe_tuned)? {
+        for (label, moe_k) in &moe::variants(&dev, moe_sel.tuned, moe_sel.keep.as_deref())? {
             let label = label.trim_start_matches('_');
             for mxfp4 in [false, true] {
                 // 40 experts top-6: at 33 and 64 tokens experts serve many tokens each.
@@ -791,7 +811,7 @@ fn run() -> Result<usize, CudaError> {
         &only,
         &tunings,
         mla_ok != Some(false),
-        moe_tuned,
+        &moe_sel,
     )?;
     Ok(checks.failed)
 }

@@ -233,6 +233,37 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
     );
 }
 
+/// The copy-engine MXFP4 projections: tensor copies and transaction barriers on sm_90, and the
+/// register path where those do not exist (sm_80).
+#[test]
+fn moe_copy_engine_projections_compile() {
+    for (chunk, stages) in [(16, 2), (8, 3), (8, 2)] {
+        let defines = vec![
+            ("MOE_TC_TMA", "1".to_string()),
+            ("MOE_TMA_CHUNK", chunk.to_string()),
+            ("MOE_TMA_STAGES", stages.to_string()),
+        ];
+        for (arch, bulk) in [("sm_90", true), ("sm_80", false)] {
+            match compile(arch, "moe", MOE_SOURCE, &defines) {
+                Ok(ptx) => {
+                    let text = ptx.to_src();
+                    assert_eq!(
+                        text.contains("cp.async.bulk.tensor.2d"),
+                        bulk,
+                        "{arch} chunk {chunk} stages {stages}"
+                    );
+                    assert!(text.contains(".entry moe_down_tc_mxfp4"));
+                }
+                Err(CudaError::NoNvrtc) if !nvrtc_required() => {
+                    eprintln!("NVRTC not found: set TESSERA_REQUIRE_NVRTC=1 to make this fatal");
+                    return;
+                }
+                Err(e) => panic!("{arch} chunk {chunk} stages {stages}: {e}"),
+            }
+        }
+    }
+}
+
 #[test]
 fn whole_model_glue_kernels_compile_for_hopper_and_ampere() {
     compiles_with("model", MODEL_SOURCE, &[vec![]], MODEL_KERNELS, &[]);

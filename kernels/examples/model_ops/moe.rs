@@ -21,46 +21,51 @@ fn situ(g: f32, u: f32) -> f32 {
 
 /// The projection kernels to check and time: the column kernels, the tensor cores with the input
 /// split chosen per call (the default), and with it fixed at 1, 2 and 4; with `tuned`, build-time
-/// alternatives of the tensor-core kernels too (`MOE_TC_*` settings of moe.cu).
+/// alternatives of the tensor-core kernels too (`MOE_TC_*` / `MOE_TMA_*` settings of
+/// moe_tc.cu). `keep` names the labels to load (without the leading `_`; `None`: all).
 pub(crate) fn variants(
     dev: &CudaDevice,
     tuned: bool,
+    keep: Option<&[String]>,
 ) -> Result<Vec<(String, MoeDecode)>, CudaError> {
-    let load = |path, ksplit, tuning: &[(&str, String)]| -> Result<MoeDecode, CudaError> {
-        let mut moe = MoeDecode::load_tuned(dev, 1024, tuning)?;
-        moe.set_path(Some(path));
-        moe.set_ksplit(ksplit);
-        Ok(moe)
+    type Spec = (String, MoePath, Option<usize>, Vec<(&'static str, String)>);
+    let set = |pairs: &[(&'static str, u32)]| -> Vec<(&'static str, String)> {
+        pairs.iter().map(|&(k, v)| (k, v.to_string())).collect()
     };
-    let mut out = vec![
-        ("_columns".to_string(), load(MoePath::Columns, None, &[])?),
-        ("_tc".to_string(), load(MoePath::TensorCores, None, &[])?),
+    let mut specs: Vec<Spec> = vec![
+        ("_columns".into(), MoePath::Columns, None, vec![]),
+        ("_tc".into(), MoePath::TensorCores, None, vec![]),
     ];
     for ks in [1, 2, 4] {
-        out.push((
+        specs.push((
             format!("_tc_ks{ks}"),
-            load(MoePath::TensorCores, Some(ks), &[])?,
+            MoePath::TensorCores,
+            Some(ks),
+            vec![],
         ));
     }
-    if tuned {
-        let set = |pairs: &[(&'static str, u32)]| -> Vec<(&'static str, String)> {
-            pairs.iter().map(|&(k, v)| (k, v.to_string())).collect()
-        };
-        let tunings = [
-            ("_tc_mb5", set(&[("MOE_TC_MIN_BLOCKS", 5)])),
-            ("_tc_mb6", set(&[("MOE_TC_MIN_BLOCKS", 6)])),
-            ("_tc_s4", set(&[("MOE_TC_SPAN_MXFP4", 4)])),
-            (
-                "_tc_s4_mb3",
-                set(&[("MOE_TC_SPAN_MXFP4", 4), ("MOE_TC_MIN_BLOCKS", 3)]),
-            ),
-        ];
-        for (label, tuning) in tunings {
-            out.push((
-                label.to_string(),
-                load(MoePath::TensorCores, None, &tuning)?,
-            ));
+    if tuned || keep.is_some() {
+        // The copy-engine ring for MXFP4: (vectors per row and stage, stages, blocks per SM).
+        for (chunk, stages, blocks) in [(8, 2, 4), (8, 3, 3), (8, 4, 2), (16, 2, 2)] {
+            let tuning = set(&[
+                ("MOE_TC_TMA", 1),
+                ("MOE_TMA_CHUNK", chunk),
+                ("MOE_TMA_STAGES", stages),
+                ("MOE_TC_MIN_BLOCKS", blocks),
+            ]);
+            let label = format!("_tc_tma{chunk}x{stages}");
+            specs.push((label, MoePath::TensorCores, None, tuning));
         }
+    }
+    let mut out = Vec::new();
+    for (label, path, ksplit, tuning) in specs {
+        if keep.is_some_and(|k| !k.iter().any(|l| *l == label[1..])) {
+            continue;
+        }
+        let mut moe = MoeDecode::load_tuned(dev, 1024, &tuning)?;
+        moe.set_path(Some(path));
+        moe.set_ksplit(ksplit);
+        out.push((label, moe));
     }
     Ok(out)
 }
@@ -358,6 +363,9 @@ pub(crate) fn bench_moe(
             _ => unreachable!(),
         };
         for (label, moe) in variants {
+            if !mxfp4 && label.contains("tma") {
+                continue; // the copy-engine ring is MXFP4's alone: bf16 is the `tc` row
+            }
             let kind = format!("{}{label}", if mxfp4 { "mxfp4" } else { "bf16" });
             let [wave_gate_up, wave_down] = moe.tc_wave_warps(mxfp4);
             let [(regs_gu, local_gu), (regs_d, local_d)] = moe.tc_resources(mxfp4)?;

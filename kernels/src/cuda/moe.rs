@@ -5,7 +5,8 @@
 //! `Σ_slot w · W2 · situ(W1·x, W3·x)` — the routed part of the engine's (latent) MoE, whose `x`
 //! is the latent after the down-projection.
 
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaError, MOE_SOURCE};
 use crate::cpu::MoeRouting;
@@ -15,6 +16,8 @@ const COLS_PER_WARP: usize = 2;
 const COLS: usize = WARPS * COLS_PER_WARP;
 /// Warps per block of the tensor-core projections; each owns 16 output rows.
 const TC_WARPS: usize = 4;
+/// Most dynamic shared memory a copy-engine MXFP4 projection block may take.
+const TMA_MAX_SHARED: usize = 200 * 1024;
 /// Most tokens one decode call takes (and so most tokens one expert serves).
 pub const MOE_MAX_BATCH: usize = 64;
 const MAX_EXPERTS: usize = 1024;
@@ -204,7 +207,88 @@ pub struct MoeDecode {
     /// A fixed input split for the tensor-core projections (`None`: [`tc_ksplit`]; from
     /// [`moe_ksplit_from_env`] at load).
     ksplit: Option<usize>,
+    /// MXFP4 tensor-core weights through shared memory by the copy engine (`MOE_TC_TMA`).
+    tma: Option<TmaRing>,
     combine: CudaFunction,
+}
+
+/// The shared-memory ring of the copy-engine MXFP4 projections (`MOE_TMA_*` in moe_tc.cu).
+#[derive(Clone, Copy, Debug)]
+struct TmaRing {
+    chunk: usize,
+    stages: usize,
+}
+
+impl TmaRing {
+    /// From the build settings: on when `MOE_TC_TMA` is 1 and the device is sm_90 or newer.
+    fn from_defines(defines: &[(&str, String)], arch: &str) -> Option<Self> {
+        let hopper = arch
+            .strip_prefix("sm_")
+            .and_then(|a| a.get(..a.len().saturating_sub(1))?.parse::<u32>().ok())
+            .is_some_and(|major| major >= 9);
+        let get = |k: &str, default: usize| {
+            defines
+                .iter()
+                .rev()
+                .find(|(name, _)| *name == k)
+                .and_then(|(_, v)| v.parse().ok())
+                .unwrap_or(default)
+        };
+        (get("MOE_TC_TMA", 0) == 1 && hopper).then(|| TmaRing {
+            chunk: get("MOE_TMA_CHUNK", 8),
+            stages: get("MOE_TMA_STAGES", 3),
+        })
+    }
+
+    /// Dynamic shared bytes of one block for `m` matrices over `in_dim` inputs (the kernel's
+    /// per-warp layout: ring of 2048-byte boxes, scale rows padded to 16 bytes, barriers, rounded
+    /// to 1024 bytes; plus 1024 bytes of slack to align the first ring).
+    fn block_bytes(&self, m: usize, in_dim: usize) -> usize {
+        let ring = self.stages * m * (self.chunk / 8) * 2048;
+        let scale_row = (in_dim / 32).next_multiple_of(16);
+        let per_warp = (ring + m * 16 * scale_row + self.stages * 8).next_multiple_of(1024);
+        TC_WARPS * per_warp + 1024
+    }
+}
+
+/// A CUtensorMap passed by value to a kernel.
+#[repr(transparent)]
+struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
+
+// SAFETY: a plain 128-byte descriptor the driver copies into the kernel's parameters.
+unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
+
+/// The 2-D tensor map of `rows` rows of `row_bytes` bytes at `ptr`, read in boxes of 16 rows x
+/// 128 bytes with the 128-byte swizzle (what `tc_project_tma` reads back).
+fn codes_map(ptr: u64, row_bytes: usize, rows: usize) -> Result<TensorMapArg, CudaError> {
+    use cudarc::driver::sys::{
+        cuTensorMapEncodeTiled, CUtensorMapDataType, CUtensorMapFloatOOBfill,
+        CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
+    };
+    let mut map = std::mem::MaybeUninit::<cudarc::driver::sys::CUtensorMap>::zeroed();
+    let dims = [row_bytes as u64, rows as u64];
+    let strides = [row_bytes as u64];
+    let boxes = [128u32, 16];
+    let steps = [1u32, 1];
+    // SAFETY: every array has the rank's length (2, strides 1); the map is written in place.
+    unsafe {
+        cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()?;
+        Ok(TensorMapArg(map.assume_init()))
+    }
 }
 
 impl MoeDecode {
@@ -234,6 +318,7 @@ impl MoeDecode {
             ("ROUTE_PER_LANE", per_lane.to_string()),
         ];
         defines.extend(tuning.iter().cloned());
+        let tma = TmaRing::from_defines(&defines, dev.arch());
         let m = dev.module("moe", MOE_SOURCE, &defines)?;
         let sms = dev.sm_count()?;
         let proj = |path: &str, format: &str| -> Result<Projections, CudaError> {
@@ -244,6 +329,11 @@ impl MoeDecode {
                 let blocks = f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)?;
                 Ok(sms * blocks as usize * TC_WARPS)
             };
+            if tma.is_some() && path == "tc_" && format == "mxfp4" {
+                let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+                gate_up.set_attribute(attr, TMA_MAX_SHARED as i32)?;
+                down.set_attribute(attr, TMA_MAX_SHARED as i32)?;
+            }
             Ok(Projections {
                 wave_warps: [wave(&gate_up)?, wave(&down)?],
                 gate_up,
@@ -260,6 +350,7 @@ impl MoeDecode {
             ],
             path: moe_path_from_env(),
             ksplit: moe_ksplit_from_env(),
+            tma,
             combine: m.load_function("moe_combine")?,
         })
     }
@@ -402,14 +493,29 @@ impl MoeDecode {
         let path = self.path();
         let tc = path == MoePath::TensorCores;
         let kernels = &self.projections[usize::from(mxfp4)][usize::from(tc)];
+        // Dynamic shared memory of [gate/up, down] and the waves it leaves.
+        let ring = self.tma.filter(|_| tc && mxfp4);
+        let smem = ring.map_or([0, 0], |r| {
+            [r.block_bytes(2, d.din), r.block_bytes(1, d.di)]
+        });
+        let mut waves = kernels.wave_warps;
+        if ring.is_some() {
+            let sms = dev.sm_count()?;
+            for (which, f) in [&kernels.gate_up, &kernels.down].into_iter().enumerate() {
+                let threads = (TC_WARPS * 32) as u32;
+                let blocks =
+                    f.occupancy_max_active_blocks_per_multiprocessor(threads, smem[which], None)?;
+                waves[which] = sms * blocks as usize * TC_WARPS;
+            }
+        }
         // Input parts per row tile (tensor cores; the column kernels take no such argument).
         let ksplit = |rows: usize, which: usize| -> i32 {
             let tiles = rows.div_ceil(16) * max_active as usize;
             self.ksplit
-                .unwrap_or_else(|| tc_ksplit(tiles, kernels.wave_warps[which])) as i32
+                .unwrap_or_else(|| tc_ksplit(tiles, waves[which])) as i32
         };
         let (ks_gate_up, ks_down) = (ksplit(d.di, 0), ksplit(d.din, 1));
-        let cfg = |rows: usize, ks: i32| {
+        let cfg = |rows: usize, ks: i32, smem: usize| {
             let (per_block, warps) = match path {
                 MoePath::Columns => (COLS, WARPS),
                 MoePath::TensorCores => (16 * TC_WARPS / ks as usize, TC_WARPS),
@@ -417,7 +523,7 @@ impl MoeDecode {
             LaunchConfig {
                 grid_dim: (rows.div_ceil(per_block) as u32, max_active, 1),
                 block_dim: ((warps * 32) as u32, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: smem as u32,
             }
         };
         let mut launch = s.launch_builder(&kernels.gate_up);
@@ -442,10 +548,27 @@ impl MoeDecode {
         if tc {
             launch.arg(&ks_gate_up);
         }
+        let maps = match (ring, experts) {
+            (Some(_), MoeExperts::Mxfp4 { gate, up, down }) => {
+                let s = dev.stream();
+                let (pg, _g) = gate.0.device_ptr(s);
+                let (pu, _u) = up.0.device_ptr(s);
+                let (pd, _d) = down.0.device_ptr(s);
+                Some([
+                    codes_map(pg, d.din / 2, d.experts * d.di)?,
+                    codes_map(pu, d.din / 2, d.experts * d.di)?,
+                    codes_map(pd, d.di / 2, d.experts * d.din)?,
+                ])
+            }
+            _ => None,
+        };
+        if let Some(m) = &maps {
+            launch.arg(&m[0]).arg(&m[1]);
+        }
         // SAFETY: the argument list matches `moe_gate_up_{,tc_}{bf16,mxfp4}` (ksplit in 1, 2, 4
         // for the tensor-core ones); weights hold `experts` experts (checked), the plan names at
         // most `max_active` experts, h holds `pairs` rows.
-        unsafe { launch.launch(cfg(d.di, ks_gate_up)) }?;
+        unsafe { launch.launch(cfg(d.di, ks_gate_up, smem[0])) }?;
         let mut launch = s.launch_builder(&kernels.down);
         match experts {
             MoeExperts::Bf16 { down, .. } => launch.arg(*down),
@@ -463,8 +586,11 @@ impl MoeDecode {
         if tc {
             launch.arg(&ks_down);
         }
+        if let Some(m) = &maps {
+            launch.arg(&m[2]);
+        }
         // SAFETY: as above for `moe_down_{,tc_}{bf16,mxfp4}`; y holds `pairs` rows of `din`.
-        unsafe { launch.launch(cfg(d.din, ks_down)) }?;
+        unsafe { launch.launch(cfg(d.din, ks_down, smem[1])) }?;
         let mut launch = s.launch_builder(&self.combine);
         launch
             .arg(&ws.y)
@@ -528,7 +654,34 @@ fn check_weights(experts: &MoeExperts, d: &MoeDims) -> Result<(), CudaError> {
 
 #[cfg(test)]
 mod tests {
-    use super::tc_ksplit;
+    use super::{tc_ksplit, TmaRing};
+
+    #[test]
+    fn copy_engine_ring_only_on_request_and_hopper() {
+        let on = |v: &str| vec![("MOE_TC_TMA", v.to_string())];
+        assert!(TmaRing::from_defines(&on("1"), "sm_90").is_some());
+        assert!(TmaRing::from_defines(&on("1"), "sm_100").is_some());
+        assert!(TmaRing::from_defines(&on("1"), "sm_80").is_none());
+        assert!(TmaRing::from_defines(&on("0"), "sm_90").is_none());
+        assert!(TmaRing::from_defines(&[], "sm_90").is_none());
+        // The last setting wins, as on the compiler's command line.
+        let mut twice = on("1");
+        twice.push(("MOE_TC_TMA", "0".to_string()));
+        assert!(TmaRing::from_defines(&twice, "sm_90").is_none());
+    }
+
+    #[test]
+    fn copy_engine_ring_bytes_follow_the_kernel_layout() {
+        let ring = TmaRing {
+            chunk: 8,
+            stages: 3,
+        };
+        // K3 gate/up: 3 stages x 2 matrices x one 2048-byte box, 32 scale rows of 112 bytes,
+        // 3 barriers -> 15,896 bytes, 16 KiB a warp; four warps and the alignment slack.
+        assert_eq!(ring.block_bytes(2, 3584), 4 * 16384 + 1024);
+        // Scale rows are padded to 16 bytes: 384 inputs are 12 blocks, 16 bytes a row.
+        assert_eq!(ring.block_bytes(1, 384), 4 * 7168 + 1024);
+    }
 
     #[test]
     fn input_split_fills_the_last_wave() {
