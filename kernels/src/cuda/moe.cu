@@ -2,10 +2,10 @@
 // down projection and the weighted combine. Experts in bf16 or MXFP4 (w4a16: packed E2M1 codes
 // with one E8M0 scale per 32 inputs, dequantised in registers as the weights stream in).
 //
-// moe_route_threshold: one warp per token. scores = sigmoid(logits), choice = scores + bias; the
-//   top_k experts by choice (NaN as -inf, ties to the lower index), written in descending order
-//   and weighted by their scores, renormalised by (sum + 1e-20) in slot order, times `scaling` —
-//   the CPU backend's route_sigmoid_grouped with one group (K3's n_group = 1).
+// moe_route: one block per token. scores = sigmoid(logits), choice = scores + bias; the top_k
+//   experts by choice (NaN as -inf, ties to the lower index), written in descending order and
+//   weighted by their scores, renormalised by (sum + 1e-20) in slot order, times `scaling` — the
+//   CPU backend's route_sigmoid_grouped with one group (K3's n_group = 1).
 // moe_plan: one block. The distinct experts of the batch in ascending order, each with its
 //   (token, slot) pairs in pair order: every expert's weights are then read once per step.
 // moe_gate_up_*: block (column tile, active expert); a warp per output column streams the gate
@@ -38,87 +38,159 @@
 #ifndef MOE_MAXT
 #define MOE_MAXT 64
 #endif
-// Router scores one lane keeps: ceil(experts / 32), set per model from the host (at most 32).
-#ifndef ROUTE_PER_LANE
-#define ROUTE_PER_LANE 32
+// Routing: threads per token, and experts per thread (ceil(experts / 256), set per model from the
+// host; at most 4).
+#define ROUTE_THREADS 256
+#ifndef ROUTE_PER_THREAD
+#define ROUTE_PER_THREAD 4
 #endif
 
 // ---------------------------------------------------------------------------------------------
 // Routing and plan
 
-// The top_k-th largest choice is found bit by bit over all the token's scores at once (a count
-// per candidate by warp reduction), with no pass per slot; the experts above it are taken with
-// the lowest-numbered ones at it, and the taken are ranked by (choice descending, expert
-// ascending) into the slots.
+// moe_route: one block per token, ROUTE_PER_THREAD consecutive experts per thread. The
+// top_k-th largest choice is found by a radix select over order-preserving integer keys (four
+// rounds of an 8-bit digit histogram in shared memory); the experts above it are taken with the
+// lowest-numbered ones at it (a block-wide scan in expert order places each in a compact list),
+// and the taken are ranked by (choice descending, expert ascending) into the slots.
 __device__ __forceinline__ unsigned order_key(float c) {
     const unsigned b = __float_as_uint(c == 0.0f ? 0.0f : c);  // -0 and +0 tie
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
-extern "C" __global__ void __launch_bounds__(32)
-moe_route_threshold(const float* __restrict__ logits, const float* __restrict__ bias,
-                    unsigned* __restrict__ idx, float* __restrict__ weight, int experts,
-                    int top_k, int renormalize, float scaling) {
-    const int b = blockIdx.x, lane = threadIdx.x;
-    const unsigned all = 0xffffffffu, below = (1u << lane) - 1u;
+
+// Exclusive prefix sum of v over the block in thread order; `total` gets the block's sum.
+__device__ __forceinline__ unsigned route_scan(unsigned v, unsigned* s_warp, unsigned& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+    }
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    unsigned before = 0;
+    total = 0;
+#pragma unroll
+    for (int w = 0; w < ROUTE_THREADS / 32; ++w) {
+        const unsigned x = s_warp[w];
+        before += w < warp ? x : 0u;
+        total += x;
+    }
+    return before + incl - v;
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
+          unsigned* __restrict__ idx, float* __restrict__ weight, int experts, int top_k,
+          int renormalize, float scaling) {
+    constexpr int CAP = ROUTE_THREADS * ROUTE_PER_THREAD;
+    __shared__ unsigned hist[256];
+    __shared__ unsigned s_warp[ROUTE_THREADS / 32];
+    __shared__ unsigned s_sel[2];
+    __shared__ unsigned s_key[CAP];
+    __shared__ int s_exp[CAP];
+    __shared__ float s_score[CAP];
+    __shared__ unsigned s_idx[CAP];
+    __shared__ float s_w[CAP];
+    const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* lg = logits + (size_t)b * experts;
     const float ninf = -__int_as_float(0x7f800000);
-    unsigned key[ROUTE_PER_LANE];  // 0: past the experts (below every choice, -inf included)
+    const int e0 = tid * ROUTE_PER_THREAD;
+    unsigned key[ROUTE_PER_THREAD];  // 0: past the experts (below every choice, -inf included)
+    float score[ROUTE_PER_THREAD];
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
-        const int e = i * 32 + lane;
+    for (int i = 0; i < ROUTE_PER_THREAD; ++i) {
+        const int e = e0 + i;
         key[i] = 0u;
+        score[i] = 0.0f;
         if (e < experts) {
-            const float c = 1.0f / (1.0f + expf(-lg[e])) + bias[e];
+            score[i] = 1.0f / (1.0f + expf(-lg[e]));
+            const float c = score[i] + bias[e];
             key[i] = order_key(c != c ? ninf : c);
         }
     }
-    unsigned t = 0u;
-    for (int bit = 31; bit >= 0; --bit) {
-        const unsigned cand = t | (1u << bit);
-        int n = 0;
+    // Radix select, most significant digit first: `prefix` holds the digits chosen so far and
+    // `need` the rank of the top_k-th largest key among the keys that share them.
+    unsigned prefix = 0u, need = (unsigned)top_k;
+#pragma unroll 1
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        hist[tid] = 0u;
+        __syncthreads();
+        const unsigned high = shift == 24 ? 0u : 0xffffffffu << (shift + 8);
 #pragma unroll
-        for (int i = 0; i < ROUTE_PER_LANE; ++i) n += key[i] >= cand;
-        if ((int)__reduce_add_sync(all, (unsigned)n) >= top_k) t = cand;
-    }
-    int above = 0;
+        for (int i = 0; i < ROUTE_PER_THREAD; ++i)
+            if ((key[i] & high) == prefix) atomicAdd(&hist[(key[i] >> shift) & 255u], 1u);
+        __syncthreads();
+        if (warp == 0) {
+            // Lane l holds bins 255 - 8l .. 248 - 8l, so lanes run from the largest digit down.
+            unsigned c[8], sum = 0u;
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; ++i) above += key[i] > t;
-    const int ties = top_k - (int)__reduce_add_sync(all, (unsigned)above);
-    __shared__ unsigned s_key[ROUTE_PER_LANE * 32];
-    __shared__ int s_exp[ROUTE_PER_LANE * 32];
-    __shared__ unsigned s_idx[ROUTE_PER_LANE * 32];
-    __shared__ float s_w[ROUTE_PER_LANE * 32];
-    // The taken, packed in expert order.
-    int taken = 0, eq_seen = 0;
+            for (int j = 0; j < 8; ++j) {
+                c[j] = hist[255 - 8 * lane - j];
+                sum += c[j];
+            }
+            unsigned incl = sum;
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
-        const bool eq = key[i] == t;
-        const unsigned eqm = __ballot_sync(all, eq);
-        const bool take = key[i] > t || (eq && eq_seen + __popc(eqm & below) < ties);
-        eq_seen += __popc(eqm);
-        const unsigned tm = __ballot_sync(all, take);
-        if (take) {
-            const int at = taken + __popc(tm & below);
-            s_key[at] = key[i];
-            s_exp[at] = i * 32 + lane;
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned u = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += u;
+            }
+            unsigned acc = incl - sum;
+            if (acc < need && need <= incl) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    if (acc + c[j] >= need) {
+                        s_sel[0] = prefix | ((255u - 8u * lane - j) << shift);
+                        s_sel[1] = need - acc;
+                        break;
+                    }
+                    acc += c[j];
+                }
+            }
         }
-        taken += __popc(tm);
+        __syncthreads();
+        prefix = s_sel[0];
+        need = s_sel[1];
     }
-    __syncwarp();
-    for (int j = lane; j < top_k; j += 32) {
+    // prefix is the top_k-th largest key; `need` of the keys equal to it are taken.
+    const unsigned t = prefix, ties = need;
+    unsigned above = 0u, eq = 0u;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_THREAD; ++i) {
+        above += key[i] > t;
+        eq += key[i] == t;
+    }
+    unsigned total;
+    const unsigned before = route_scan((eq << 16) | above, s_warp, total);
+    unsigned eq_seen = before >> 16, at = (before & 0xffffu) + min(before >> 16, ties);
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_THREAD; ++i) {
+        const bool take = key[i] > t || (key[i] == t && eq_seen < ties);
+        eq_seen += key[i] == t;
+        if (take) {
+            s_key[at] = key[i];
+            s_exp[at] = e0 + i;
+            s_score[at] = score[i];
+            ++at;
+        }
+    }
+    __syncthreads();
+    for (int j = tid; j < top_k; j += ROUTE_THREADS) {
         const unsigned kj = s_key[j];
         const int ej = s_exp[j];
         int rank = 0;
         for (int m = 0; m < top_k; ++m) rank += s_key[m] > kj || (s_key[m] == kj && s_exp[m] < ej);
         s_idx[rank] = (unsigned)ej;
-        s_w[rank] = 1.0f / (1.0f + expf(-lg[ej]));
+        s_w[rank] = s_score[j];
     }
-    __syncwarp();
-    if (lane == 0) {
+    __syncthreads();
+    if (tid < top_k) {
+        // Every writer sums the weights in slot order, as the CPU router does.
         float denom = 0.0f;
         for (int j = 0; j < top_k; ++j) denom += s_w[j];
         denom += 1e-20f;
-        for (int j = 0; j < top_k; ++j) {
+        for (int j = tid; j < top_k; j += ROUTE_THREADS) {
             const float w = renormalize ? s_w[j] / denom : s_w[j];
             idx[(size_t)b * top_k + j] = s_idx[j];
             weight[(size_t)b * top_k + j] = w * scaling;

@@ -21,6 +21,8 @@ const TMA_MAX_SHARED: usize = 200 * 1024;
 /// Most tokens one decode call takes (and so most tokens one expert serves).
 pub const MOE_MAX_BATCH: usize = 64;
 const MAX_EXPERTS: usize = 1024;
+/// Threads of the routing kernel per token (`ROUTE_THREADS` in moe.cu).
+const ROUTE_THREADS: usize = 256;
 
 fn shape_err(msg: String) -> CudaError {
     CudaError::Shape(format!("moe: {msg}"))
@@ -196,7 +198,7 @@ pub fn tc_ksplit(tiles: usize, wave: usize) -> usize {
 
 /// The compiled MoE decode kernels.
 pub struct MoeDecode {
-    /// Most experts `moe_route_threshold` was compiled for (32 per lane).
+    /// Most experts `moe_route` was compiled for (256 threads of up to 4 each).
     route_experts: usize,
     route: CudaFunction,
     plan: CudaFunction,
@@ -309,13 +311,13 @@ impl MoeDecode {
         experts: usize,
         tuning: &[(&str, String)],
     ) -> Result<Self, CudaError> {
-        let per_lane = experts.clamp(1, MAX_EXPERTS).div_ceil(32);
+        let per_thread = experts.clamp(1, MAX_EXPERTS).div_ceil(ROUTE_THREADS);
         let mut defines = vec![
             ("MOE_WARPS", WARPS.to_string()),
             ("MOE_COLS_PER_WARP", COLS_PER_WARP.to_string()),
             ("MOE_TC_WARPS", TC_WARPS.to_string()),
             ("MOE_MAXT", MOE_MAX_BATCH.to_string()),
-            ("ROUTE_PER_LANE", per_lane.to_string()),
+            ("ROUTE_PER_THREAD", per_thread.to_string()),
         ];
         defines.extend(tuning.iter().cloned());
         let tma = TmaRing::from_defines(&defines, dev.arch());
@@ -341,8 +343,8 @@ impl MoeDecode {
             })
         };
         Ok(MoeDecode {
-            route_experts: per_lane * 32,
-            route: m.load_function("moe_route_threshold")?,
+            route_experts: per_thread * ROUTE_THREADS,
+            route: m.load_function("moe_route")?,
             plan: m.load_function("moe_plan")?,
             projections: [
                 [proj("", "bf16")?, proj("tc_", "bf16")?],
@@ -434,10 +436,10 @@ impl MoeDecode {
             .arg(&routing.scaling);
         let cfg = LaunchConfig {
             grid_dim: (batch as u32, 1, 1),
-            block_dim: (32, 1, 1),
+            block_dim: (ROUTE_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the argument list matches `moe_route_threshold`; logits hold `batch` rows of
+        // SAFETY: the argument list matches `moe_route`; logits hold `batch` rows of
         // `experts` (≤ 1024, checked by `check_dims`), idx/weight `batch · top_k` values.
         unsafe { launch.launch(cfg) }?;
         self.plan(dev, ws)
@@ -461,7 +463,7 @@ impl MoeDecode {
             shared_mem_bytes: 4 * dims.experts as u32,
         };
         // SAFETY: the argument list matches `moe_plan`; idx holds `pairs` expert ids below
-        // `experts` (written by `moe_route_threshold`), the plan arrays `pairs` entries (× 16 pairs).
+        // `experts` (written by `moe_route`), the plan arrays `pairs` entries (× 16 pairs).
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
