@@ -58,21 +58,29 @@ __device__ __forceinline__ unsigned order_key(float c) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Exclusive prefix sum of v over the block in thread order; `total` gets the block's sum.
-__device__ __forceinline__ unsigned route_scan(unsigned v, unsigned* s_warp, unsigned& total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    unsigned incl = v;
+// Inclusive prefix sum of v over the warp's lanes.
+__device__ __forceinline__ unsigned warp_incl_scan(unsigned v) {
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        const unsigned u = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += u;
+        const unsigned u = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += u;
     }
+    return v;
+}
+
+// Exclusive prefix sum of v over a block of THREADS threads in thread order; `total` gets the
+// block's sum. s_warp holds THREADS / 32 values; every thread must call it.
+template <int THREADS>
+__device__ __forceinline__ unsigned block_excl_scan(unsigned v, unsigned* s_warp, unsigned& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned incl = warp_incl_scan(v);
     if (lane == 31) s_warp[warp] = incl;
     __syncthreads();
     unsigned before = 0;
     total = 0;
 #pragma unroll
-    for (int w = 0; w < ROUTE_THREADS / 32; ++w) {
+    for (int w = 0; w < THREADS / 32; ++w) {
         const unsigned x = s_warp[w];
         before += w < warp ? x : 0u;
         total += x;
@@ -130,12 +138,7 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
                 c[j] = hist[255 - 8 * lane - j];
                 sum += c[j];
             }
-            unsigned incl = sum;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const unsigned u = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += u;
-            }
+            const unsigned incl = warp_incl_scan(sum);
             unsigned acc = incl - sum;
             if (acc < need && need <= incl) {
 #pragma unroll
@@ -162,7 +165,7 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
         eq += key[i] == t;
     }
     unsigned total;
-    const unsigned before = route_scan((eq << 16) | above, s_warp, total);
+    const unsigned before = block_excl_scan<ROUTE_THREADS>((eq << 16) | above, s_warp, total);
     unsigned eq_seen = before >> 16, at = (before & 0xffffu) + min(before >> 16, ties);
 #pragma unroll
     for (int i = 0; i < ROUTE_PER_THREAD; ++i) {
@@ -208,9 +211,9 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
 moe_plan(const unsigned* __restrict__ idx, int pairs, int experts, int* __restrict__ n_active,
          int* __restrict__ act_expert, int* __restrict__ act_count, int* __restrict__ act_pairs) {
     extern __shared__ int s_slot[];  // [experts]: 1 if used, then its active index (or -1)
-    __shared__ int s_warp[PLAN_THREADS / 32];
+    __shared__ unsigned s_warp[PLAN_THREADS / 32];
     __shared__ int s_count[1024];  // MAX_EXPERTS
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     for (int e = tid; e < experts; e += PLAN_THREADS) s_slot[e] = 0;
     __syncthreads();
     for (int p = tid; p < pairs; p += PLAN_THREADS) s_slot[idx[p]] = 1;
@@ -218,17 +221,8 @@ moe_plan(const unsigned* __restrict__ idx, int pairs, int experts, int* __restri
     const int per = (experts + PLAN_THREADS - 1) / PLAN_THREADS, e0 = tid * per;
     int mine = 0;
     for (int e = e0; e < min(e0 + per, experts); ++e) mine += s_slot[e];
-    // Exclusive scan of `mine` over the block: within each warp, then over the warps.
-    int incl = mine;
-    for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-    }
-    if (lane == 31) s_warp[warp] = incl;
-    __syncthreads();
-    int before = 0;
-    for (int w = 0; w < warp; ++w) before += s_warp[w];
-    int n = before + incl - mine;
+    unsigned total;
+    int n = (int)block_excl_scan<PLAN_THREADS>((unsigned)mine, s_warp, total);
     for (int e = e0; e < min(e0 + per, experts); ++e) {
         if (s_slot[e]) {
             act_expert[n] = e;
@@ -246,9 +240,7 @@ moe_plan(const unsigned* __restrict__ idx, int pairs, int experts, int* __restri
         if (c < MOE_MAXT) act_pairs[a * MOE_MAXT + c] = p;
     }
     __syncthreads();
-    int total = 0;
-    for (int w = 0; w < PLAN_THREADS / 32; ++w) total += s_warp[w];
-    for (int a = tid; a < total; a += PLAN_THREADS) act_count[a] = s_count[a];
+    for (int a = tid; a < (int)total; a += PLAN_THREADS) act_count[a] = s_count[a];
 }
 
 // ---------------------------------------------------------------------------------------------

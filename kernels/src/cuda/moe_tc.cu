@@ -282,6 +282,22 @@ __device__ __forceinline__ void tc_sum_parts(float (&c)[M][4], int ksplit, int p
     }
 }
 
+// The end of one pass of 8 tokens: the ksplit parts' sums meet in the part-0 warp, which
+// stores element j of each of its rows for the pass's tokens present.
+template <int M, typename Store>
+__device__ __forceinline__ void tc_store_pass(float (&c)[M][4], int ksplit, int part,
+                                              bool rows_in, int t0, int nt, int row0,
+                                              const int* __restrict__ pairs, Store store) {
+    if (ksplit > 1) tc_sum_parts<M>(c, ksplit, part);
+    if (part != 0 || !rows_in) return;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
+        if (tok < nt) store(pairs[tok], row, c, j);
+    }
+}
+
 // One projection of the active expert blockIdx.y on the tensor cores: this warp's 16 of its
 // `out_rows` output rows (or its input part of them) over `in_dim` inputs, for the expert's tokens
 // 8 at a time. `input(pair)` is a (token, slot) pair's input row; `store(pair, row, c, j)` writes
@@ -308,13 +324,7 @@ __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restric
         const bf16_t* xt = input(pairs[min(t0 + g, nt - 1)]);
         float c[M][4] = {};
         if (rows_in) tc_rows<W, M>(w, lo, hi, xt, in_dim, sp.vbeg, sp.vend, t, c);
-        if (ksplit > 1) tc_sum_parts<M>(c, ksplit, sp.part);
-        if (sp.part != 0 || !rows_in) continue;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
-            if (tok < nt) store(pairs[tok], row, c, j);
-        }
+        tc_store_pass<M>(c, ksplit, sp.part, rows_in, t0, nt, row0, pairs, store);
     }
 }
 
@@ -503,13 +513,7 @@ __device__ __forceinline__ void tc_project_tma(const Mxfp4Tc (&w)[M],
                 fill(it + MOE_TMA_STAGES);
             }
         }
-        if (ksplit > 1) tc_sum_parts<M>(c, ksplit, sp.part);
-        if (sp.part != 0 || !rows_in) continue;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int tok = t0 + 2 * t + (j & 1), row = row0 + g + 8 * (j >> 1);
-            if (tok < nt) store(pairs[tok], row, c, j);
-        }
+        tc_store_pass<M>(c, ksplit, sp.part, rows_in, t0, nt, row0, pairs, store);
     }
 }
 #endif
