@@ -80,9 +80,14 @@ filter=${TESSERA_TEST_FILTER:-}
 export TESSERA_CACHE_DIR="${TESSERA_CACHE_DIR:-$PWD/target/test-cache}"
 nvrtc_dir=$(compgen -G "$NVRTC_LIB" | head -1)
 export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The unit tests of every lib and bin, and every integration test. Not the examples: a plain
+# `cargo test` builds all ten of them (linked against tessera-kernels and tessera-engine at
+# opt-level 3) without running them, and both clippy passes above check and lint them. Nor
+# doctests: there are none (no Rust code block in the crates' docs), and rustdoc ran once per
+# crate to find 0 tests.
 # A missing NVRTC or hiprtc fails the compile tests instead of skipping them.
 TESSERA_REQUIRE_NVRTC=1 TESSERA_REQUIRE_HIPRTC=1 \
-  cargo test --workspace --locked --features "$FEATURES" -- ${filter:+"$filter"}
+  cargo test --workspace --locked --features "$FEATURES" --lib --bins --tests -- ${filter:+"$filter"}
 
 if [ -z "$filter" ]; then
   say "fuzz smoke (scripts/fuzz.sh: every cargo-fuzz target a few seconds, no sanitizer, dev build)"
