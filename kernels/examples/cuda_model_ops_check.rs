@@ -680,13 +680,11 @@ fn run() -> Result<usize, CudaError> {
     println!("device {} ({})", dev.name(), dev.arch());
     if let Some(batches) = flag("--moe-profile") {
         // Only the default MoE kernels (or those of --moe-variants) at these batch sizes,
-        // unchecked: a target for a profiler
-        // (run the checks in the same session without this flag).
+        // unchecked: a target for a profiler (run the checks in the same session without this
+        // flag).
         let batches: Vec<usize> = batches.split(',').filter_map(|b| b.parse().ok()).collect();
-        let variants = match moe_sel.keep.as_deref() {
-            Some(keep) => moe::variants(&dev, false, Some(keep))?,
-            None => moe::variants(&dev, false, Some(&["tc".to_string()]))?,
-        };
+        let keep = moe_sel.keep.unwrap_or_else(|| vec!["tc".to_string()]);
+        let variants = moe::variants(&dev, false, Some(&keep))?;
         moe::bench_moe(&dev, &variants, &batches, 10)?;
         return Ok(0);
     }

@@ -196,6 +196,14 @@ pub fn tc_ksplit(tiles: usize, wave: usize) -> usize {
     best
 }
 
+/// Warps of a tensor-core projection kernel resident on the device at once, with `smem` bytes of
+/// dynamic shared memory per block.
+fn tc_wave_warps(f: &CudaFunction, sms: usize, smem: usize) -> Result<usize, CudaError> {
+    let threads = (TC_WARPS * 32) as u32;
+    let blocks = f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None)?;
+    Ok(sms * blocks as usize * TC_WARPS)
+}
+
 /// The compiled MoE decode kernels.
 pub struct MoeDecode {
     /// Most experts `moe_route` was compiled for (256 threads of up to 4 each).
@@ -326,11 +334,7 @@ impl MoeDecode {
         let proj = |path: &str, format: &str| -> Result<Projections, CudaError> {
             let gate_up = m.load_function(&format!("moe_gate_up_{path}{format}"))?;
             let down = m.load_function(&format!("moe_down_{path}{format}"))?;
-            let wave = |f: &CudaFunction| -> Result<usize, CudaError> {
-                let threads = (TC_WARPS * 32) as u32;
-                let blocks = f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)?;
-                Ok(sms * blocks as usize * TC_WARPS)
-            };
+            let wave = |f: &CudaFunction| tc_wave_warps(f, sms, 0);
             if tma.is_some() && path == "tc_" && format == "mxfp4" {
                 let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
                 gate_up.set_attribute(attr, TMA_MAX_SHARED as i32)?;
@@ -504,10 +508,7 @@ impl MoeDecode {
         if ring.is_some() {
             let sms = dev.sm_count()?;
             for (which, f) in [&kernels.gate_up, &kernels.down].into_iter().enumerate() {
-                let threads = (TC_WARPS * 32) as u32;
-                let blocks =
-                    f.occupancy_max_active_blocks_per_multiprocessor(threads, smem[which], None)?;
-                waves[which] = sms * blocks as usize * TC_WARPS;
+                waves[which] = tc_wave_warps(f, sms, smem[which])?;
             }
         }
         // Input parts per row tile (tensor cores; the column kernels take no such argument).
