@@ -359,12 +359,31 @@ fn run() -> Result<usize, CudaError> {
         return Ok(checks.failed);
     }
     let mut variants = Vec::new();
-    for (vt, stages) in [(32usize, 2usize), (64, 2)] {
-        let label = format!("vt{vt}.s{stages}");
+    // The mma.sync scan at two V tiles, the warpgroup scan (Hopper) at two pipeline depths, and
+    // the prep with its block products staged through shared memory instead of registers.
+    let table: [(&str, usize, bool, &[(&str, &str)]); 5] = [
+        ("vt32.s2", 32, false, &[("SCAN_STAGES", "2")]),
+        ("vt64.s2", 64, false, &[("SCAN_STAGES", "2")]),
+        ("wg.s2", 32, true, &[("WG_SCAN_STAGES", "2")]),
+        ("wg.s3", 32, true, &[("WG_SCAN_STAGES", "3")]),
+        (
+            "wg.s2.staged_products",
+            32,
+            true,
+            &[("PREP_REG_PRODUCTS", "0")],
+        ),
+    ];
+    for (label, vt, warpgroup, extra) in table {
         let mut defines = base.clone();
-        defines.push(("SCAN_STAGES", stages.to_string()));
+        defines.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
         match KdaKernels::load_with(&dev, 128, 128, vt, &defines) {
-            Ok(k) => variants.push((label, k)),
+            Ok(mut k) => {
+                if k.set_scan_warpgroup(warpgroup) == warpgroup {
+                    variants.push((label.to_string(), k));
+                } else {
+                    println!("variant {label} unavailable: no warpgroup scan on this device");
+                }
+            }
             Err(e) => println!("variant {label} unavailable: {e}"),
         }
     }

@@ -4,8 +4,8 @@
 //!   cargo run -p tessera-kernels --features cuda --example cuda_ptx -- OUT_DIR [sm_90]
 
 use tessera_kernels::cuda::{
-    compile, kda_defines, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE,
-    MLA_FLASH_SOURCE, MODEL_SOURCE, MOE_SOURCE, SAMPLE_SOURCE,
+    compile, kda_defines, CONV_SOURCE, KDA_SCAN_SM90_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE,
+    MLA_DECODE_SOURCE, MLA_FLASH_SOURCE, MODEL_SOURCE, MOE_SOURCE, SAMPLE_SOURCE,
 };
 
 /// One PTX file to write: its name, the source and the `-D` macros.
@@ -46,10 +46,15 @@ fn main() {
     }
     if arch == "sm_90" {
         units.push(("mla_decode_sm90".into(), MLA_DECODE_SM90_SOURCE, vec![]));
+        units.push((
+            "kda_scan_sm90".into(),
+            KDA_SCAN_SM90_SOURCE,
+            kda_defines(128, 128, 32).to_vec(),
+        ));
     }
     for (name, source, defines) in units {
-        // The warpgroup kernel needs the architecture-specific target.
-        let arch = if name == "mla_decode_sm90" {
+        // The warpgroup kernels need the architecture-specific target.
+        let arch = if name.ends_with("_sm90") {
             "sm_90a".to_string()
         } else {
             arch.clone()

@@ -89,6 +89,14 @@ __device__ __forceinline__ void load_b_frag(unsigned b[2], const bf16_t* bt, int
     b[1] = *(const unsigned*)(p + 8);
 }
 
+// B fragment of the 16x8 tile at (k0, n0) of a row-major B in shared memory (b[k][n], leading
+// dimension ld, rows 16-byte aligned): the k pairs a lane needs lie a row apart, so the two 8x8
+// halves are read transposed (ldmatrix .trans; lanes 0-15 address rows k0..k0+15).
+__device__ __forceinline__ void load_b_frag_kn(unsigned b[2], const bf16_t* m, int ld, int k0, int n0);
+// A fragment of the 16x16 tile at (row0, k0) of an A stored transposed in shared memory
+// (at[k][row], leading dimension ld, rows 16-byte aligned), read by ldmatrix .trans.
+__device__ __forceinline__ void load_a_frag_t(unsigned a[4], const bf16_t* at, int ld, int row0, int k0);
+
 #ifndef TESSERA_PLAIN_HELPERS
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned a;
@@ -119,6 +127,20 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const bf16_t* p) {
                  : "r"(smem_addr(p)));
 }
 
+__device__ __forceinline__ void load_b_frag_kn(unsigned b[2], const bf16_t* m, int ld, int k0, int n0) {
+    const bf16_t* p = m + (k0 + (threadIdx.x & 15)) * ld + n0;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(b[0]), "=r"(b[1])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void load_a_frag_t(unsigned a[4], const bf16_t* at, int ld, int row0, int k0) {
+    // Lane l addresses row l % 8 of matrix l / 8: matrix m covers rows row0 + 8 (m & 1) and
+    // k0 + 8 (m >> 1), which is fragment register m.
+    const int l = threadIdx.x & 31, m = l >> 3;
+    ldmatrix_x4_trans(a, at + (k0 + 8 * (m >> 1) + (l & 7)) * ld + row0 + 8 * (m & 1));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N));
@@ -134,6 +156,20 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
     *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
+}
+__device__ __forceinline__ void load_b_frag_kn(unsigned b[2], const bf16_t* m, int ld, int k0, int n0) {
+    const int lane = threadIdx.x & LANE_MASK, g = lane >> 2, t = lane & 3;
+    const bf16_t* p = m + (k0 + 2 * t) * ld + n0 + g;
+    b[0] = (unsigned)p[0] | ((unsigned)p[ld] << 16);
+    b[1] = (unsigned)p[8 * ld] | ((unsigned)p[9 * ld] << 16);
+}
+__device__ __forceinline__ void load_a_frag_t(unsigned a[4], const bf16_t* at, int ld, int row0, int k0) {
+    const int lane = threadIdx.x & LANE_MASK, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const bf16_t* p = at + (k0 + 8 * (m >> 1) + 2 * t) * ld + row0 + 8 * (m & 1) + g;
+        a[m] = (unsigned)p[0] | ((unsigned)p[ld] << 16);
+    }
 }
 __device__ __forceinline__ void cp_async_commit() {}
 template <int N> __device__ __forceinline__ void cp_async_wait() {}

@@ -9,7 +9,7 @@
 //   kda_chunk_prep  — one block per (chunk, head, batch), fully parallel. Everything that does not
 //                     depend on the incoming state: the 64x64 decayed products, the inverse
 //                     T = (I + A)^-1, u = T (beta v), w = T (beta k exp(gc)), q exp(gc), and
-//                     (k exp(gc_last - gc))^T.
+//                     k exp(gc_last - gc).
 //   kda_chunk_scan  — one block per (V tile, head, batch), walking the chunks in order with its
 //                     slice of the state resident in registers; all products on the tensor cores.
 // Decay products exp(gc_i - gc_j) are factored per 16-token sub-chunk into two factors that are
@@ -39,11 +39,16 @@
 #ifndef PREP_SKIP
 #define PREP_SKIP 0
 #endif
+// 1: the block products of kda_chunk_prep from register-built fragments (the default); 0: from
+// operands staged in shared memory, one 16-row block at a time.
+#ifndef PREP_REG_PRODUCTS
+#define PREP_REG_PRODUCTS 1
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Shared-memory layout of kda_chunk_prep (bytes). q/k rows are padded (OLD) so that walks down a
 // column are free of bank conflicts. Phase scratch X holds, in turn: the block-product operands
-// (lk, lq, rr); T in f32 with a per-warp 16x16 scratch; a transposed [DK][TLD] staging tile. Once
+// (lk, lq, rr); T in f32 with a per-warp 16x16 scratch; the beta k exp(gc) stage [CH][DK + 8]. Once
 // T is known, af's space holds T in bf16 (tb); once q/k are consumed, theirs holds (beta v)^T.
 #define P_GCS 0
 #define P_QS (P_GCS + CH * GLD * 4)
@@ -59,35 +64,44 @@
 #define X_RR (X_LQ + SUB * OLD * 2)
 #define X_TF 0
 #define X_XS (X_TF + CH * ALD * 4)
-#define X_KT 0
+#define X_BK 0
 
-// rows x cols (bf16, this block's T) times rhs^T, written row-major to dst [CH][ncol];
-// 8 warps = 4 row tiles x 2 column halves.
-__device__ __forceinline__ void t_times(const bf16_t* tb, const bf16_t* rhs_t, int ncol, bf16_t* dst) {
+// T (bf16, this block's) times rhs [CH][ncol] (row-major, leading dimension ncol + 8), written
+// row-major to dst [CH][ncol]; 8 warps = 4 row tiles x 2 column halves. Each warp's 16 x ncol/2
+// tile goes through its own piece of `scratch` so that global stores are whole 16-byte pieces
+// (every thread of the block calls this: LANE_SYNC is a block barrier under HIP).
+__device__ __forceinline__ void t_times(const bf16_t* tb, const bf16_t* rhs, int ncol, bf16_t* dst,
+                                        bf16_t* scratch) {
     const int warp = threadIdx.x >> LANE_BITS, lane = threadIdx.x & LANE_MASK, g8 = lane >> 2, t4 = lane & 3;
-    const int mt = warp & 3, half = warp >> 2;
+    const int mt = warp & 3, half = warp >> 2, wcols = ncol / 2, sld = wcols + 8;
+    bf16_t* sc = scratch + warp * 16 * sld;
     unsigned a[CH / 16][4];
 #pragma unroll
     for (int ks_ = 0; ks_ < CH / 16; ++ks_) load_a_frag(a[ks_], tb, TLD, mt * 16, ks_ * 16);
-    for (int n0 = half * (ncol / 2); n0 < (half + 1) * (ncol / 2); n0 += 8) {
+    for (int n0 = 0; n0 < wcols; n0 += 8) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int ks_ = 0; ks_ < CH / 16; ++ks_) {
             unsigned bb[2];
-            load_b_frag(bb, rhs_t, TLD, n0, ks_ * 16);
+            load_b_frag_kn(bb, rhs, ncol + 8, ks_ * 16, half * wcols + n0);
             mma_bf16_16816(acc, a[ks_], bb);
         }
-        const int i = mt * 16 + g8, n = n0 + 2 * t4;
-        *(unsigned*)(dst + i * ncol + n) = pack_bf16x2(acc[0], acc[1]);
-        *(unsigned*)(dst + (i + 8) * ncol + n) = pack_bf16x2(acc[2], acc[3]);
+        *(unsigned*)(sc + g8 * sld + n0 + 2 * t4) = pack_bf16x2(acc[0], acc[1]);
+        *(unsigned*)(sc + (g8 + 8) * sld + n0 + 2 * t4) = pack_bf16x2(acc[2], acc[3]);
     }
+    LANE_SYNC();
+    for (int e = lane; e < 16 * (wcols / 8); e += LANES) {
+        const int r = e / (wcols / 8), p = (e % (wcols / 8)) * 8;
+        *(uint4*)(dst + (mt * 16 + r) * ncol + half * wcols + p) = *(const uint4*)(sc + r * sld + p);
+    }
+    LANE_SYNC();
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
     const float* __restrict__ g, const bf16_t* __restrict__ beta, int T, int H, float scale,
     int l2norm, bf16_t* __restrict__ w_out, bf16_t* __restrict__ u_out,
-    bf16_t* __restrict__ qg_out, bf16_t* __restrict__ kgt_out, bf16_t* __restrict__ aqk_out,
+    bf16_t* __restrict__ qg_out, bf16_t* __restrict__ kg_out, bf16_t* __restrict__ aqk_out,
     float* __restrict__ egl_out) {
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, NC = gridDim.x;
     const int tid = threadIdx.x, warp = tid >> LANE_BITS, lane = tid & LANE_MASK, g8 = lane >> 2, t4 = lane & 3;
@@ -122,37 +136,51 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     cp_async_commit();
     if (tid < CH) bs[tid] = tid < len ? bf2f(beta[((size_t)b * T + t0 + tid) * H + h]) : 0.f;
     if (tid == 0) unsafe_span[0] = 0;
-    for (int e = tid; e < CH * ALD; e += 256) af[e] = 0.f;
     cp_async_wait<0>();
     __syncthreads();
 
-    // 2. Norms (a warp per token) and the within-chunk cumulative decay (threads per channel).
-    for (int i = warp; i < CH; i += 8) {
+    // 2. Norms (a quad of lanes per token, each lane four 16-byte pieces of q and of k) and the
+    //    within-chunk cumulative decay (threads per channel).
+    {
+        const int i = tid >> 2, qd = tid & 3;
         float sq = 0.f, sk = 0.f;
-        for (int d = lane; d < DK; d += LANES) {
-            const float a = bf2f(qs[i * OLD + d]), bk = bf2f(ks[i * OLD + d]);
-            sq += a * a;
-            sk += bk * bk;
+#pragma unroll
+        for (int m = 0; m < DK / 32; ++m) {
+            const int d = (4 * m + qd) * 8;
+            const uint4 a = *(const uint4*)(qs + i * OLD + d), c = *(const uint4*)(ks + i * OLD + d);
+            const unsigned aw[4] = {a.x, a.y, a.z, a.w}, cw[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                sq = fmaf(lo_bf(aw[p]), lo_bf(aw[p]), fmaf(hi_bf(aw[p]), hi_bf(aw[p]), sq));
+                sk = fmaf(lo_bf(cw[p]), lo_bf(cw[p]), fmaf(hi_bf(cw[p]), hi_bf(cw[p]), sk));
+            }
         }
-        sq = warp_sum(sq);
-        sk = warp_sum(sk);
-        if (lane == 0) {
+        sq += LANE_SHFL_XOR(sq, 1);
+        sq += LANE_SHFL_XOR(sq, 2);
+        sk += LANE_SHFL_XOR(sk, 1);
+        sk += LANE_SHFL_XOR(sk, 2);
+        if (qd == 0) {
             rq[i] = l2norm ? scale / sqrtf(sq + 1e-6f) : scale;
             rk[i] = l2norm ? 1.f / sqrtf(sk + 1e-6f) : 1.f;
         }
     }
     {
-        const int segs = 256 / DK, seg_len = CH / segs, d = tid % DK, s = tid / DK;
-        float run = 0.f;
-        for (int i = s * seg_len; i < (s + 1) * seg_len; ++i) {
-            run += gcs[i * GLD + d];
-            gcs[i * GLD + d] = run;
-        }
+        // Each thread sums one channel over one segment of tokens in registers; the segments'
+        // totals (in af's space, unused yet) give each its offset.
+        constexpr int SEGS = 256 / DK, SEG = CH / SEGS;
+        const int d = tid % DK, sg = tid / DK;
+        float* seg_total = af;
+        float run[SEG];
+#pragma unroll
+        for (int i = 0; i < SEG; ++i) run[i] = gcs[(sg * SEG + i) * GLD + d];
+#pragma unroll
+        for (int i = 1; i < SEG; ++i) run[i] += run[i - 1];
+        seg_total[sg * DK + d] = run[SEG - 1];
         __syncthreads();
         float off = 0.f;
-        for (int s2 = 0; s2 < s; ++s2) off += gcs[((s2 + 1) * seg_len - 1) * GLD + d];
-        __syncthreads();
-        for (int i = s * seg_len; i < (s + 1) * seg_len; ++i) gcs[i * GLD + d] += off;
+        for (int s2 = 0; s2 < sg; ++s2) off += seg_total[s2 * DK + d];
+#pragma unroll
+        for (int i = 0; i < SEG; ++i) gcs[(sg * SEG + i) * GLD + d] = run[i] + off;
         __syncthreads();
         if (tid < DK) {
             for (int sc = 0; sc < NSUB; ++sc) {
@@ -165,10 +193,95 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     const bool exact_diag = unsafe_span[0] != 0;
 
     // 3. A (beta-scaled k.k, strictly lower) into shared f32 and Aqk (q.k, lower with the
-    //    diagonal) into global bf16, one 16-row block I at a time. Decays are referenced to the
-    //    first token f of block I: left factor exp(gc_i - gc_f) <= 1, right exp(gc_f - gc_j),
-    //    which is <= 1 for earlier blocks and at most exp(span) inside block I.
+    //    diagonal) into global bf16, by 16-row blocks I. Decays are referenced to the first token
+    //    f of block I: left factor exp(gc_i - gc_f) <= 1, right exp(gc_f - gc_j), which is <= 1
+    //    for earlier blocks and at most exp(span) inside block I.
     bf16_t* aqk = aqk_out + chunk * CH * CH;
+#if PREP_REG_PRODUCTS
+    if (!(PREP_SKIP & 1)) {
+        // Operands built in registers, as mma fragments, straight from the staged chunk: warps
+        // 2I and 2I+1 own row block I (its left operands, k and q, built once) and take the
+        // column blocks J <= I of their parity. No shared-memory staging, no barriers.
+        const int I = warp >> 1, f = I * SUB;
+        unsigned lk[DK / 16][4], lq[DK / 16][4];
+        if ((warp & 1) <= I) {
+#pragma unroll
+            for (int ks_ = 0; ks_ < DK / 16; ++ks_)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int i = f + g8 + 8 * (r & 1), d = 16 * ks_ + 2 * t4 + 8 * (r >> 1);
+                    const float2 gi = *(const float2*)(gcs + i * GLD + d);
+                    const float2 gf = *(const float2*)(gcs + f * GLD + d);
+                    const float e0 = __expf(gi.x - gf.x), e1 = __expf(gi.y - gf.y);
+                    const unsigned kw = *(const unsigned*)(ks + i * OLD + d);
+                    const unsigned qw = *(const unsigned*)(qs + i * OLD + d);
+                    lk[ks_][r] = pack_bf16x2(lo_bf(kw) * rk[i] * e0, hi_bf(kw) * rk[i] * e1);
+                    lq[ks_][r] = pack_bf16x2(lo_bf(qw) * rq[i] * e0, hi_bf(qw) * rq[i] * e1);
+                }
+        }
+        for (int J = warp & 1; J <= I; J += 2) {
+            const int fj = J * SUB;
+            float ak[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            float aq[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+            for (int ks_ = 0; ks_ < DK / 16; ++ks_)
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const int j = fj + 8 * nt + g8;
+                    unsigned bb[2];
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int d = 16 * ks_ + 2 * t4 + 8 * hh;
+                        const float2 gf = *(const float2*)(gcs + f * GLD + d);
+                        const float2 gj = *(const float2*)(gcs + j * GLD + d);
+                        const unsigned kw = *(const unsigned*)(ks + j * OLD + d);
+                        bb[hh] = pack_bf16x2(lo_bf(kw) * rk[j] * __expf(gf.x - gj.x),
+                                             hi_bf(kw) * rk[j] * __expf(gf.y - gj.y));
+                    }
+                    mma_bf16_16816(ak[nt], lk[ks_], bb);
+                    mma_bf16_16816(aq[nt], lq[ks_], bb);
+                }
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int i = f + g8 + 8 * hf, j = fj + 8 * nt + 2 * t4;
+                    const float v0 = ak[nt][2 * hf], v1 = ak[nt][2 * hf + 1];
+                    af[i * ALD + j] = j < i ? v0 * bs[i] : 0.f;
+                    af[i * ALD + j + 1] = j + 1 < i ? v1 * bs[i] : 0.f;
+                    *(unsigned*)(aqk + i * CH + j) = pack_bf16x2(j <= i ? aq[nt][2 * hf] : 0.f,
+                                                                 j + 1 <= i ? aq[nt][2 * hf + 1] : 0.f);
+                }
+        }
+        // Aqk is zero right of each row block's diagonal tile.
+        for (int e = tid; e < CH * CH / 2; e += 256) {
+            const int i = e / (CH / 2), j = (e % (CH / 2)) * 2;
+            if (j >= (i / SUB + 1) * SUB) *(unsigned*)(aqk + i * CH + j) = 0u;
+        }
+        if (exact_diag) {
+            // The diagonal blocks pair by pair in f32 (a chunk whose decay span could overflow
+            // the factored form).
+            __syncthreads();
+            constexpr int PAIRS = SUB * (SUB + 1) / 2;
+            for (int p = tid; p < NSUB * PAIRS; p += 256) {
+                const int q = p % PAIRS, fd = (p / PAIRS) * SUB;
+                int ii = 0;
+                while ((ii + 1) * (ii + 2) / 2 <= q) ++ii;
+                const int i = fd + ii, j = fd + q - ii * (ii + 1) / 2;
+                float dk_ = 0.f, dq = 0.f;
+                for (int d = 0; d < DK; ++d) {
+                    const float e = __expf(gcs[i * GLD + d] - gcs[j * GLD + d]);
+                    const float kj = bf2f(ks[j * OLD + d]) * rk[j] * e;
+                    dk_ += bf2f(ks[i * OLD + d]) * rk[i] * kj;
+                    dq += bf2f(qs[i * OLD + d]) * rq[i] * kj;
+                }
+                af[i * ALD + j] = j < i ? dk_ * bs[i] : 0.f;
+                aqk[i * CH + j] = f2bf(dq);
+            }
+        }
+        __syncthreads();
+    }
+#else
     if (!(PREP_SKIP & 1)) {
         bf16_t* lk = (bf16_t*)(x + X_LK);
         bf16_t* lq = (bf16_t*)(x + X_LQ);
@@ -225,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
                     }
                 }
             }
-            __syncthreads();
+            if (exact_diag) __syncthreads();  // uniform: the exact path overwrites tile entries
             if (exact_diag && tid < SUB * (SUB + 1) / 2) {
                 int ii = 0;
                 while ((ii + 1) * (ii + 2) / 2 <= tid) ++ii;
@@ -243,6 +356,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
             __syncthreads();
         }
     }
+
+#endif
 
     // 4. T = (I + A)^-1 (unit lower triangular): 16x16 diagonal blocks by substitution (a lane per
     //    column), then off-diagonal blocks by distance: T_IJ = -T_II sum_{K=J..I-1} A_IK T_KJ.
@@ -303,7 +418,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
 
     // 5. Outputs that need no product: q exp(gc) (row-major), (k exp(gc_last - gc))^T (staged
     //    transposed in shared memory, then copied out in 16-byte rows), exp(gc_last).
-    bf16_t* kt = (bf16_t*)(x + X_KT);
     bf16_t* qg = qg_out + chunk * CH * DK;
     for (int e = tid; !(PREP_SKIP & 4) && e < CH * DK / 8; e += 256) {
         const int j = e / (DK / 8), n = (e % (DK / 8)) * 8;
@@ -317,59 +431,62 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
         o4.w = pack_bf16x2(lo_bf(qw.w) * r * __expf(gb.z), hi_bf(qw.w) * r * __expf(gb.w));
         *(uint4*)(qg + j * DK + n) = o4;
     }
-    // Staged transposes: a thread per (token j, 8 channels); lanes run along j, so the 16-bit
-    // writes down each column hit consecutive addresses.
-    auto stage_k_t = [&](bool to_beta) {
-#pragma unroll 2
+    // k exp(gc_last - gc), row-major like k: 16-byte pieces straight to global memory.
+    if (!(PREP_SKIP & 4)) {
+        bf16_t* kg = kg_out + chunk * CH * DK;
         for (int e = tid; e < CH * DK / 8; e += 256) {
-            const int j = e % CH, n = (e / CH) * 8;
+            const int j = e / (DK / 8), n = (e % (DK / 8)) * 8;
             const uint4 kw = *(const uint4*)(ks + j * OLD + n);
-            const unsigned kk[4] = {kw.x, kw.y, kw.z, kw.w};
-            const float r = rk[j] * (to_beta ? bs[j] : 1.f);
             const float4 ga = *(const float4*)(gcs + j * GLD + n), gb = *(const float4*)(gcs + j * GLD + n + 4);
             const float4 la = *(const float4*)(gcs + (CH - 1) * GLD + n);
             const float4 lb = *(const float4*)(gcs + (CH - 1) * GLD + n + 4);
-            const float gj[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
-            const float gl[8] = {la.x, la.y, la.z, la.w, lb.x, lb.y, lb.z, lb.w};
-#pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                const float kv = (m & 1) ? hi_bf(kk[m / 2]) : lo_bf(kk[m / 2]);
-                const float ex = to_beta ? __expf(gj[m]) : __expf(gl[m] - gj[m]);
-                kt[(n + m) * TLD + j] = f2bf(kv * r * ex);
-            }
+            const float r = rk[j];
+            uint4 o4;
+            o4.x = pack_bf16x2(lo_bf(kw.x) * r * __expf(la.x - ga.x), hi_bf(kw.x) * r * __expf(la.y - ga.y));
+            o4.y = pack_bf16x2(lo_bf(kw.y) * r * __expf(la.z - ga.z), hi_bf(kw.y) * r * __expf(la.w - ga.w));
+            o4.z = pack_bf16x2(lo_bf(kw.z) * r * __expf(lb.x - gb.x), hi_bf(kw.z) * r * __expf(lb.y - gb.y));
+            o4.w = pack_bf16x2(lo_bf(kw.w) * r * __expf(lb.z - gb.z), hi_bf(kw.w) * r * __expf(lb.w - gb.w));
+            *(uint4*)(kg + j * DK + n) = o4;
         }
-    };
-    if (!(PREP_SKIP & 4)) {
-    stage_k_t(false);
-    if (tid < DK) egl_out[chunk * DK + tid] = __expf(gcs[(CH - 1) * GLD + tid]);
-    __syncthreads();
-    bf16_t* kgt = kgt_out + chunk * DK * CH;
-    for (int e = tid; e < DK * CH / 8; e += 256) {
-        const int d = e / (CH / 8), j = (e % (CH / 8)) * 8;
-        *(uint4*)(kgt + d * CH + j) = *(const uint4*)(kt + d * TLD + j);
-    }
-    __syncthreads();
+        if (tid < DK) egl_out[chunk * DK + tid] = __expf(gcs[(CH - 1) * GLD + tid]);
     }
     if (PREP_SKIP & 8) return;
 
-    // 6. w = T (beta k exp(gc)) and u = T (beta v) on the tensor cores. (beta v)^T goes where q/k
-    //    were (they are consumed once the beta k stage is built).
-    stage_k_t(true);
-    __syncthreads();
-    t_times(tb, kt, DK, w_out + chunk * CH * DK);
-    bf16_t* bvt = (bf16_t*)(smem + P_QS);
-#pragma unroll
-    for (int rep = 0; rep < CH * DV / 8 / 256; ++rep) {
-        const int e = tid + rep * 256, j = e % CH, n = (e / CH) * 8;
-        uint4 vw = make_uint4(0, 0, 0, 0);
-        if (j < len) vw = *(const uint4*)(v + (((size_t)b * T + t0 + j) * H + h) * DV + n);
-        const unsigned vv[4] = {vw.x, vw.y, vw.z, vw.w};
-#pragma unroll
-        for (int m = 0; m < 8; ++m)
-            bvt[(n + m) * TLD + j] = f2bf(((m & 1) ? hi_bf(vv[m / 2]) : lo_bf(vv[m / 2])) * bs[j]);
+    // 6. w = T (beta k exp(gc)) and u = T (beta v) on the tensor cores, their right operands
+    //    staged row-major (16-byte pieces, read back transposed by the fragment loads). beta v
+    //    goes where q/k were (they are consumed once the beta k stage is built).
+    bf16_t* bk = (bf16_t*)(x + X_BK);
+    for (int e = tid; e < CH * DK / 8; e += 256) {
+        const int j = e / (DK / 8), n = (e % (DK / 8)) * 8;
+        const uint4 kw = *(const uint4*)(ks + j * OLD + n);
+        const float4 ga = *(const float4*)(gcs + j * GLD + n), gb = *(const float4*)(gcs + j * GLD + n + 4);
+        const float r = rk[j] * bs[j];
+        uint4 o4;
+        o4.x = pack_bf16x2(lo_bf(kw.x) * r * __expf(ga.x), hi_bf(kw.x) * r * __expf(ga.y));
+        o4.y = pack_bf16x2(lo_bf(kw.y) * r * __expf(ga.z), hi_bf(kw.y) * r * __expf(ga.w));
+        o4.z = pack_bf16x2(lo_bf(kw.z) * r * __expf(gb.x), hi_bf(kw.z) * r * __expf(gb.y));
+        o4.w = pack_bf16x2(lo_bf(kw.w) * r * __expf(gb.z), hi_bf(kw.w) * r * __expf(gb.w));
+        *(uint4*)(bk + j * (DK + 8) + n) = o4;
     }
     __syncthreads();
-    t_times(tb, bvt, DV, u_out + chunk * CH * DV);
+    bf16_t* out_scratch = (bf16_t*)(smem + P_GCS);  // the decays are consumed
+    t_times(tb, bk, DK, w_out + chunk * CH * DK, out_scratch);
+    bf16_t* bv = (bf16_t*)(smem + P_QS);
+#pragma unroll
+    for (int rep = 0; rep < CH * DV / 8 / 256; ++rep) {
+        const int e = tid + rep * 256, j = e / (DV / 8), n = (e % (DV / 8)) * 8;
+        uint4 vw = make_uint4(0, 0, 0, 0);
+        if (j < len) vw = *(const uint4*)(v + (((size_t)b * T + t0 + j) * H + h) * DV + n);
+        const float r = bs[j];
+        uint4 o4;
+        o4.x = pack_bf16x2(lo_bf(vw.x) * r, hi_bf(vw.x) * r);
+        o4.y = pack_bf16x2(lo_bf(vw.y) * r, hi_bf(vw.y) * r);
+        o4.z = pack_bf16x2(lo_bf(vw.z) * r, hi_bf(vw.z) * r);
+        o4.w = pack_bf16x2(lo_bf(vw.w) * r, hi_bf(vw.w) * r);
+        *(uint4*)(bv + j * (DV + 8) + n) = o4;
+    }
+    __syncthreads();
+    t_times(tb, bv, DV, u_out + chunk * CH * DV, out_scratch);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -387,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
 #define S_WS 0
 #define S_QS (S_WS + CH * OLD * 2)
 #define S_KT (S_QS + CH * OLD * 2)
-#define S_AS (S_KT + DK * TLD * 2)
+#define S_AS (S_KT + CH * OLD * 2)
 #define S_US (S_AS + CH * TLD * 2)
 #define S_EG (S_US + CH * ULD * 2)
 #define STAGE_BYTES (S_EG + DK * 4)
@@ -396,12 +513,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
 #define S_VN (S_SB + VT * SLD * 2)
 #define SCAN_SMEM (S_VN + VT * TLD * 2)
 
-// Stages one chunk's products (w, q exp(gc), k^T, Aqk, this block's u columns, exp(gc_last))
+// Stages one chunk's products (w, q exp(gc), k exp(gc_last - gc), Aqk, this block's u columns, exp(gc_last))
 // into shared memory with asynchronous copies, as one commit group.
 __device__ __forceinline__ void scan_load_stage(unsigned char* base, size_t ch, int vt, int tid,
                                                 int nthreads, const bf16_t* w_in,
                                                 const bf16_t* u_in, const bf16_t* qg_in,
-                                                const bf16_t* kgt_in, const bf16_t* aqk_in,
+                                                const bf16_t* kg_in, const bf16_t* aqk_in,
                                                 const float* egl_in) {
     bf16_t* ws = (bf16_t*)(base + S_WS);
     bf16_t* qs = (bf16_t*)(base + S_QS);
@@ -414,9 +531,9 @@ __device__ __forceinline__ void scan_load_stage(unsigned char* base, size_t ch, 
         cp_async16(ws + i * OLD + d, w_in + ch * CH * DK + i * DK + d);
         cp_async16(qs + i * OLD + d, qg_in + ch * CH * DK + i * DK + d);
     }
-    for (int e = tid; e < DK * CH / 8; e += nthreads) {
-        const int d = e / (CH / 8), j = (e % (CH / 8)) * 8;
-        cp_async16(kt + d * TLD + j, kgt_in + ch * DK * CH + d * CH + j);
+    for (int e = tid; e < CH * DK / 8; e += nthreads) {
+        const int i = e / (DK / 8), d = (e % (DK / 8)) * 8;
+        cp_async16(kt + i * OLD + d, kg_in + ch * CH * DK + i * DK + d);
     }
     for (int e = tid; e < CH * CH / 8; e += nthreads) {
         const int i = e / (CH / 8), j = (e % (CH / 8)) * 8;
@@ -432,7 +549,7 @@ __device__ __forceinline__ void scan_load_stage(unsigned char* base, size_t ch, 
 
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS) kda_chunk_scan(
     const bf16_t* __restrict__ w_in, const bf16_t* __restrict__ u_in,
-    const bf16_t* __restrict__ qg_in, const bf16_t* __restrict__ kgt_in,
+    const bf16_t* __restrict__ qg_in, const bf16_t* __restrict__ kg_in,
     const bf16_t* __restrict__ aqk_in, const float* __restrict__ egl_in,
     const float* __restrict__ s0, float* __restrict__ s_out, bf16_t* __restrict__ o, int T,
     int H) {
@@ -447,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS) kda_chunk_scan(
 
     auto load_stage = [&](int cidx, int st) {
         scan_load_stage(smem + st * STAGE_BYTES, bh * NC + cidx, vt, tid, SCAN_THREADS, w_in, u_in,
-                        qg_in, kgt_in, aqk_in, egl_in);
+                        qg_in, kg_in, aqk_in, egl_in);
     };
 
     float S[MT][NT][4];
@@ -556,7 +673,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS) kda_chunk_scan(
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 unsigned a[4];
-                load_a_frag(a, kt, TLD, warp * (DK / 4) + mt * 16, k0);
+                load_a_frag_t(a, kt, OLD, warp * (DK / 4) + mt * 16, k0);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     unsigned bb[2];

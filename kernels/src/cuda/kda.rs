@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::{CudaDevice, CudaError};
+use super::{CudaDevice, CudaError, KDA_SCAN_SM90_SOURCE};
 use crate::gpu::{
     kda_check_config, kda_defines, kda_scan_stages, kda_smem_bytes, KdaShape, CHUNK, KDA_SOURCE,
 };
@@ -13,6 +13,9 @@ use crate::gpu::{
 pub struct KdaKernels {
     prep: CudaFunction,
     scan: CudaFunction,
+    /// The scan on warpgroup MMAs (`kda_scan_sm90.cu`), where the device and head dims allow it.
+    scan_wg: Option<CudaFunction>,
+    use_scan_wg: bool,
     decode: CudaFunction,
     decode_occ3: CudaFunction,
     decode_split2: CudaFunction,
@@ -23,6 +26,25 @@ pub struct KdaKernels {
     v_tile: usize,
     prep_smem: u32,
     scan_smem: u32,
+    scan_wg_smem: u32,
+}
+
+/// Value columns per block of the warpgroup scan (the M of its products).
+const WG_SCAN_COLUMNS: usize = 64;
+
+/// Dynamic shared memory of `kda_chunk_scan_wg`; mirrors the `G_*` macros of `kda_scan_sm90.cu`.
+fn wg_scan_smem(dk: usize, stages: usize) -> u32 {
+    let (ch, uld) = (CHUNK, WG_SCAN_COLUMNS + 8);
+    let stage = 3 * ch * dk * 2 + ch * ch * 2 + ch * uld * 2 + dk * 4;
+    (stages * stage + ch * uld * 2) as u32
+}
+
+/// Whether the warpgroup scan is used: on Hopper (`sm_90`) with dk = 128, unless
+/// `TESSERA_KDA_SCAN=mma` asks for the mma.sync scan (any other value, or none, keeps the default).
+fn wg_scan_wanted(arch: &str, dk: usize, dv: usize, extra: &[(&str, String)]) -> bool {
+    let plain = extra.iter().any(|(k, _)| *k == "TESSERA_PLAIN_HELPERS");
+    let forced_off = std::env::var("TESSERA_KDA_SCAN").is_ok_and(|v| v == "mma");
+    arch == "sm_90" && dk == 128 && dv.is_multiple_of(WG_SCAN_COLUMNS) && !plain && !forced_off
 }
 
 /// Scratch of the chunked prefill, sized for one shape (reuse it across calls of that shape).
@@ -31,7 +53,7 @@ pub struct KdaPrefillWorkspace {
     w: CudaSlice<u16>,
     u: CudaSlice<u16>,
     qg: CudaSlice<u16>,
-    kgt: CudaSlice<u16>,
+    kg: CudaSlice<u16>,
     aqk: CudaSlice<u16>,
     egl: CudaSlice<f32>,
 }
@@ -45,7 +67,7 @@ impl KdaPrefillWorkspace {
             w: s.alloc_zeros(n * CHUNK * shape.dk)?,
             u: s.alloc_zeros(n * CHUNK * shape.dv)?,
             qg: s.alloc_zeros(n * CHUNK * shape.dk)?,
-            kgt: s.alloc_zeros(n * CHUNK * shape.dk)?,
+            kg: s.alloc_zeros(n * CHUNK * shape.dk)?,
             aqk: s.alloc_zeros(n * CHUNK * CHUNK)?,
             egl: s.alloc_zeros(n * shape.dk)?,
         })
@@ -53,7 +75,7 @@ impl KdaPrefillWorkspace {
 
     /// Device bytes this workspace holds.
     pub fn bytes(&self) -> usize {
-        2 * (self.w.len() + self.u.len() + self.qg.len() + self.kgt.len() + self.aqk.len())
+        2 * (self.w.len() + self.u.len() + self.qg.len() + self.kg.len() + self.aqk.len())
             + 4 * self.egl.len()
     }
 }
@@ -100,9 +122,27 @@ impl KdaKernels {
         let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         prep.set_attribute(attr, prep_smem as i32)?;
         scan.set_attribute(attr, scan_smem as i32)?;
+        let wg_stages = extra
+            .iter()
+            .find(|(k, _)| *k == "WG_SCAN_STAGES")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(2);
+        let scan_wg_smem = wg_scan_smem(dk, wg_stages);
+        let scan_wg = if wg_scan_wanted(dev.arch(), dk, dv, extra) {
+            let f = dev
+                .module_for("sm_90a", "kda_scan_sm90", KDA_SCAN_SM90_SOURCE, &defines)?
+                .load_function("kda_chunk_scan_wg")?;
+            f.set_attribute(attr, scan_wg_smem as i32)?;
+            Some(f)
+        } else {
+            None
+        };
         Ok(KdaKernels {
             prep,
             scan,
+            use_scan_wg: scan_wg.is_some(),
+            scan_wg,
+            scan_wg_smem,
             decode,
             decode_occ3,
             decode_split2,
@@ -218,7 +258,7 @@ impl KdaKernels {
                 .arg(&mut ws.w)
                 .arg(&mut ws.u)
                 .arg(&mut ws.qg)
-                .arg(&mut ws.kgt)
+                .arg(&mut ws.kg)
                 .arg(&mut ws.aqk)
                 .arg(&mut ws.egl)
                 .launch(prep_cfg)?;
@@ -237,24 +277,34 @@ impl KdaKernels {
         ws: &KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
         let (t, h) = (shape.seq_len as i32, shape.heads as i32);
+        let (f, columns, threads, smem) = match (&self.scan_wg, self.use_scan_wg) {
+            (Some(f), true) => (f, WG_SCAN_COLUMNS, 128, self.scan_wg_smem),
+            _ => (
+                &self.scan,
+                self.v_tile,
+                128 * (self.v_tile / 32) as u32,
+                self.scan_smem,
+            ),
+        };
         let scan_cfg = LaunchConfig {
             grid_dim: (
-                (shape.dv / self.v_tile) as u32,
+                (shape.dv / columns) as u32,
                 shape.heads as u32,
                 shape.batch as u32,
             ),
-            block_dim: (128 * (self.v_tile / 32) as u32, 1, 1),
-            shared_mem_bytes: self.scan_smem,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
         };
         let null: u64 = 0;
-        // SAFETY: argument types and order match kda_chunk_scan; `prefill` checks the sizes.
+        // SAFETY: argument types and order match kda_chunk_scan and kda_chunk_scan_wg (the
+        // same parameters); `prefill` checks the sizes.
         unsafe {
-            let mut launch = dev.stream().launch_builder(&self.scan);
+            let mut launch = dev.stream().launch_builder(f);
             launch
                 .arg(&ws.w)
                 .arg(&ws.u)
                 .arg(&ws.qg)
-                .arg(&ws.kgt)
+                .arg(&ws.kg)
                 .arg(&ws.aqk)
                 .arg(&ws.egl);
             match initial {
@@ -269,6 +319,13 @@ impl KdaKernels {
                 .launch(scan_cfg)?;
         }
         Ok(())
+    }
+
+    /// Chooses the scan on warpgroup MMAs (when it was built: Hopper, dk = 128) or the
+    /// mma.sync scan; returns whether the warpgroup scan is now in use.
+    pub fn set_scan_warpgroup(&mut self, on: bool) -> bool {
+        self.use_scan_wg = on && self.scan_wg.is_some();
+        self.use_scan_wg
     }
 
     /// Chooses the decode kernel built for three resident blocks per multiprocessor (fewer

@@ -39,31 +39,6 @@ struct WgSmem {
     float red[2][WG_HB];
 };
 
-// A shared-memory matrix descriptor without swizzling: the leading byte offset is the step
-// between core matrices along K, the stride byte offset the step along M or N (for the K-major
-// operands and for the N-major V alike).
-__device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned along_k,
-                                                      unsigned along_mn) {
-    const unsigned a = smem_addr(p);
-    const unsigned lbo = along_k, sbo = along_mn;
-    return (unsigned long long)((a & 0x3ffffu) >> 4) |
-           ((unsigned long long)((lbo >> 4) & 0x3fffu) << 16) |
-           ((unsigned long long)((sbo >> 4) & 0x3fffu) << 32);
-}
-
-__device__ __forceinline__ void wg_fence() {
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wg_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wg_wait0() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-__device__ __forceinline__ void fence_async_smem() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // d (64×32 f32) = (acc ? d : 0) + A·B, A and B K-major from shared memory.
 __device__ __forceinline__ void wgmma_n32(float d[16], unsigned long long a, unsigned long long b,
                                           int acc) {
@@ -92,12 +67,6 @@ __device__ __forceinline__ void wgmma_n64_bt(float d[32], unsigned long long a,
           "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
           "+f"(d[31])
         : "l"(a), "l"(b));
-}
-
-// Byte offset of element (row, col) of a core-matrix tiled operand with `group` bytes per row
-// group.
-__device__ __forceinline__ unsigned cm_off(int row, int col, unsigned group) {
-    return (row >> 3) * group + (col >> 3) * 128 + (row & 7) * 16 + (col & 7) * 2;
 }
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)

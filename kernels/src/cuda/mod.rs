@@ -54,7 +54,18 @@ pub const SAMPLE_SOURCE: &str = include_str!("sample.cu");
 /// MLA decode in absorbed form over the paged latent cache (split context + combine).
 pub const MLA_DECODE_SOURCE: &str = include_str!("mla_decode.cu");
 /// The split kernel of MLA decode on warpgroup MMAs; Hopper only (compiled for `sm_90a`).
-pub const MLA_DECODE_SM90_SOURCE: &str = include_str!("mla_decode_sm90.cu");
+pub const MLA_DECODE_SM90_SOURCE: &str = concat!(
+    include_str!("wgmma.cuh"),
+    "\n",
+    include_str!("mla_decode_sm90.cu")
+);
+/// The KDA chunk scan on warpgroup MMAs; Hopper only (compiled for `sm_90a`, with the
+/// `kda.cu` defines).
+pub const KDA_SCAN_SM90_SOURCE: &str = concat!(
+    include_str!("wgmma.cuh"),
+    "\n",
+    include_str!("kda_scan_sm90.cu")
+);
 /// MoE decode for small batches: routing, plan, gate+up+SiTU, down, combine (bf16 and MXFP4).
 pub const MOE_SOURCE: &str = concat!(include_str!("moe.cu"), "\n", include_str!("moe_tc.cu"));
 

@@ -124,13 +124,13 @@ pub(crate) fn kda_smem_bytes(dk: usize, dv: usize, vt: usize, stages: usize) -> 
     let p_x = ch * gld * 4 + 2 * ch * old * 2 + 3 * ch * 4 + 16 + ch * ald * 4;
     let products = 2 * sub * old * 2 + ch * old * 2;
     let inverse = ch * ald * 4 + (ch / sub - 1) * sub * sub * 4;
-    let staged = dk * tld * 2;
+    let staged = ch * (dk + 8) * 2;
     debug_assert!(
-        dv * tld * 2 <= 2 * ch * old * 2,
-        "(beta v)^T must fit where q/k were"
+        ch * (dv + 8) * 2 <= 2 * ch * old * 2,
+        "beta v must fit where q/k were"
     );
     let prep = p_x + products.max(inverse).max(staged);
-    let stage = 2 * ch * old * 2 + dk * tld * 2 + ch * tld * 2 + ch * uld * 2 + dk * 4;
+    let stage = 3 * ch * old * 2 + ch * tld * 2 + ch * uld * 2 + dk * 4;
     let scan = stages * stage + vt * (dk + 8) * 2 + vt * tld * 2;
     (prep as u32, scan as u32)
 }

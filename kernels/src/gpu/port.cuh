@@ -38,6 +38,14 @@
 #define LANE_SHFL_XOR(v, mask) __shfl_xor_sync(0xffffffffu, (v), (mask), LANES)
 #endif
 
+// Orders one logical warp's shared-memory writes before its reads. HIP has no portable warp
+// barrier, so there it is a block barrier: callers must reach it with every thread of the block.
+#ifdef TESSERA_HIP
+#define LANE_SYNC() __syncthreads()
+#else
+#define LANE_SYNC() __syncwarp()
+#endif
+
 #define LANES 32
 #define LANE_BITS 5
 #define LANE_MASK 31

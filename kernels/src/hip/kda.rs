@@ -35,7 +35,7 @@ pub struct KdaPrefillWorkspace {
     w: HipBuffer<u16>,
     u: HipBuffer<u16>,
     qg: HipBuffer<u16>,
-    kgt: HipBuffer<u16>,
+    kg: HipBuffer<u16>,
     aqk: HipBuffer<u16>,
     egl: HipBuffer<f32>,
 }
@@ -48,7 +48,7 @@ impl KdaPrefillWorkspace {
             w: dev.alloc_zeros(n * CHUNK * shape.dk)?,
             u: dev.alloc_zeros(n * CHUNK * shape.dv)?,
             qg: dev.alloc_zeros(n * CHUNK * shape.dk)?,
-            kgt: dev.alloc_zeros(n * CHUNK * shape.dk)?,
+            kg: dev.alloc_zeros(n * CHUNK * shape.dk)?,
             aqk: dev.alloc_zeros(n * CHUNK * CHUNK)?,
             egl: dev.alloc_zeros(n * shape.dk)?,
         })
@@ -59,7 +59,7 @@ impl KdaPrefillWorkspace {
         self.w.bytes()
             + self.u.bytes()
             + self.qg.bytes()
-            + self.kgt.bytes()
+            + self.kg.bytes()
             + self.aqk.bytes()
             + self.egl.bytes()
     }
@@ -229,7 +229,7 @@ impl KdaKernels {
             .buffer(&ws.w)
             .buffer(&ws.u)
             .buffer(&ws.qg)
-            .buffer(&ws.kgt)
+            .buffer(&ws.kg)
             .buffer(&ws.aqk)
             .buffer(&ws.egl);
         // SAFETY: argument types and order match kda_chunk_prep; `prefill` checks the sizes.
@@ -260,7 +260,7 @@ impl KdaKernels {
         args.buffer(&ws.w)
             .buffer(&ws.u)
             .buffer(&ws.qg)
-            .buffer(&ws.kgt)
+            .buffer(&ws.kg)
             .buffer(&ws.aqk)
             .buffer(&ws.egl)
             .buffer_or_null(initial)

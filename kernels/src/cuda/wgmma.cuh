@@ -1,0 +1,39 @@
+// Warpgroup MMA (wgmma, sm_90a) helpers shared by the Hopper kernels: shared-memory matrix
+// descriptors in the no-swizzle core-matrix layout, the fence/commit/wait protocol, and the
+// byte offset of an element in that layout. A core matrix is 8 rows × 16 bytes (128 bytes,
+// contiguous); the core matrices of a row group lie next to each other along K.
+
+// A shared-memory matrix descriptor without swizzling: the leading byte offset is the step
+// between core matrices along K, the stride byte offset the step along M or N (for the K-major
+// operands and for the N-major V alike).
+__device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned along_k,
+                                                      unsigned along_mn) {
+    const unsigned a = smem_addr(p);
+    const unsigned lbo = along_k, sbo = along_mn;
+    return (unsigned long long)((a & 0x3ffffu) >> 4) |
+           ((unsigned long long)((lbo >> 4) & 0x3fffu) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3fffu) << 32);
+}
+
+__device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wg_wait0() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+__device__ __forceinline__ void fence_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Byte offset of element (row, col) of a core-matrix tiled operand with `group` bytes per row
+// group.
+__device__ __forceinline__ unsigned cm_off(int row, int col, unsigned group) {
+    return (row >> 3) * group + (col >> 3) * 128 + (row & 7) * 16 + (col & 7) * 2;
+}
+
+__device__ __forceinline__ void wg_wait1() {
+    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+}
