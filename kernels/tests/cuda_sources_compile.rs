@@ -4,9 +4,9 @@
 #![cfg(feature = "cuda")]
 
 use tessera_kernels::cuda::{
-    compile, kda_defines, CudaError, CONV_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE,
-    MLA_DECODE_SOURCE, MLA_FLASH_SOURCE, MODEL_KERNELS, MODEL_SOURCE, MOE_SOURCE, OPS_SOURCE,
-    SAMPLE_SOURCE,
+    compile, kda_defines, CudaError, CONV_SOURCE, KDA_SCAN_SM90_SOURCE, KDA_SOURCE,
+    MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE, MLA_FLASH_SOURCE, MODEL_KERNELS, MODEL_SOURCE,
+    MOE_SOURCE, OPS_SOURCE, SAMPLE_SOURCE,
 };
 
 fn nvrtc_required() -> bool {
@@ -199,6 +199,35 @@ fn mla_decode_warpgroup_kernel_compiles_for_sm90a_in_every_tuning() {
             Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
             Err(e) => panic!("{defines:?}: {e}"),
         }
+    }
+}
+
+#[test]
+fn kda_warpgroup_scan_compiles_for_hopper_at_both_depths() {
+    for stages in [2, 3] {
+        let mut defines = kda_defines(128, 128, 32).to_vec();
+        defines.push(("WG_SCAN_STAGES", stages.to_string()));
+        match compile("sm_90a", "kda_scan_sm90", KDA_SCAN_SM90_SOURCE, &defines) {
+            Ok(ptx) => {
+                let text = ptx.to_src();
+                assert!(text.contains(".entry kda_chunk_scan_wg"));
+                assert!(text.contains("wgmma.mma_async.sync.aligned.m64n64k16"));
+                assert!(text.contains("wgmma.mma_async.sync.aligned.m64n128k16"));
+            }
+            Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
+            Err(e) => panic!("{defines:?}: {e}"),
+        }
+    }
+    // The state is one m64n128 accumulator: other head dims are refused at compile time.
+    if let Err(CudaError::Compile { log, .. }) = compile(
+        "sm_90a",
+        "kda_scan_sm90",
+        KDA_SCAN_SM90_SOURCE,
+        &kda_defines(64, 128, 32),
+    ) {
+        assert!(log.contains("DK must be 128"), "{log}");
+    } else if nvrtc_required() {
+        panic!("dk = 64 compiled");
     }
 }
 
