@@ -359,19 +359,12 @@ fn run() -> Result<usize, CudaError> {
         return Ok(checks.failed);
     }
     let mut variants = Vec::new();
-    // The mma.sync scan at two V tiles, the warpgroup scan (Hopper) at two pipeline depths, and
-    // the prep with its block products staged through shared memory instead of registers.
-    let table: [(&str, usize, bool, &[(&str, &str)]); 5] = [
+    // The mma.sync scan at two V tiles and the warpgroup scan (Hopper) at two pipeline depths.
+    let table: [(&str, usize, bool, &[(&str, &str)]); 4] = [
         ("vt32.s2", 32, false, &[("SCAN_STAGES", "2")]),
         ("vt64.s2", 64, false, &[("SCAN_STAGES", "2")]),
         ("wg.s2", 32, true, &[("WG_SCAN_STAGES", "2")]),
         ("wg.s3", 32, true, &[("WG_SCAN_STAGES", "3")]),
-        (
-            "wg.s2.staged_products",
-            32,
-            true,
-            &[("PREP_REG_PRODUCTS", "0")],
-        ),
     ];
     for (label, vt, warpgroup, extra) in table {
         let mut defines = base.clone();

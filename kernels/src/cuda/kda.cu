@@ -39,17 +39,13 @@
 #ifndef PREP_SKIP
 #define PREP_SKIP 0
 #endif
-// 1: the block products of kda_chunk_prep from register-built fragments (the default); 0: from
-// operands staged in shared memory, one 16-row block at a time.
-#ifndef PREP_REG_PRODUCTS
-#define PREP_REG_PRODUCTS 1
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // Shared-memory layout of kda_chunk_prep (bytes). q/k rows are padded (OLD) so that walks down a
-// column are free of bank conflicts. Phase scratch X holds, in turn: the block-product operands
-// (lk, lq, rr); T in f32 with a per-warp 16x16 scratch; the beta k exp(gc) stage [CH][DK + 8]. Once
-// T is known, af's space holds T in bf16 (tb); once q/k are consumed, theirs holds (beta v)^T.
+// column are free of bank conflicts. Phase scratch X holds, in turn: T in f32 with a per-warp
+// 16x16 scratch; the beta k exp(gc) stage [CH][DK + 8]. Once T is known, af's space holds T in
+// bf16 (tb); once q/k are consumed, theirs holds beta v [CH][DV + 8]; once the decays are, theirs
+// stages the w and u tiles on their way out.
 #define P_GCS 0
 #define P_QS (P_GCS + CH * GLD * 4)
 #define P_KS (P_QS + CH * OLD * 2)
@@ -59,9 +55,6 @@
 #define P_FLAG (P_BS + CH * 4)
 #define P_AF (P_FLAG + 16)
 #define P_X (P_AF + CH * ALD * 4)
-#define X_LK 0
-#define X_LQ (X_LK + SUB * OLD * 2)
-#define X_RR (X_LQ + SUB * OLD * 2)
 #define X_TF 0
 #define X_XS (X_TF + CH * ALD * 4)
 #define X_BK 0
@@ -197,7 +190,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     //    f of block I: left factor exp(gc_i - gc_f) <= 1, right exp(gc_f - gc_j), which is <= 1
     //    for earlier blocks and at most exp(span) inside block I.
     bf16_t* aqk = aqk_out + chunk * CH * CH;
-#if PREP_REG_PRODUCTS
     if (!(PREP_SKIP & 1)) {
         // Operands built in registers, as mma fragments, straight from the staged chunk: warps
         // 2I and 2I+1 own row block I (its left operands, k and q, built once) and take the
@@ -281,83 +273,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
         }
         __syncthreads();
     }
-#else
-    if (!(PREP_SKIP & 1)) {
-        bf16_t* lk = (bf16_t*)(x + X_LK);
-        bf16_t* lq = (bf16_t*)(x + X_LQ);
-        bf16_t* rr = (bf16_t*)(x + X_RR);
-        for (int I = 0; I < NSUB; ++I) {
-            const int f = I * SUB, ncols = f + SUB, ntile = ncols / 8;
-            for (int e = tid; e < SUB * DK / 2; e += 256) {
-                const int r = e / (DK / 2), d = (e % (DK / 2)) * 2, i = f + r;
-                const float e0 = __expf(gcs[i * GLD + d] - gcs[f * GLD + d]);
-                const float e1 = __expf(gcs[i * GLD + d + 1] - gcs[f * GLD + d + 1]);
-                const unsigned kw = *(const unsigned*)(ks + i * OLD + d);
-                const unsigned qw = *(const unsigned*)(qs + i * OLD + d);
-                *(unsigned*)(lk + r * OLD + d) =
-                    pack_bf16x2(lo_bf(kw) * rk[i] * e0, hi_bf(kw) * rk[i] * e1);
-                *(unsigned*)(lq + r * OLD + d) =
-                    pack_bf16x2(lo_bf(qw) * rq[i] * e0, hi_bf(qw) * rq[i] * e1);
-            }
-#pragma unroll 4
-            for (int e = tid; e < ncols * DK / 2; e += 256) {
-                const int j = e / (DK / 2), d = (e % (DK / 2)) * 2;
-                const float e0 = __expf(gcs[f * GLD + d] - gcs[j * GLD + d]);
-                const float e1 = __expf(gcs[f * GLD + d + 1] - gcs[j * GLD + d + 1]);
-                const unsigned kw = *(const unsigned*)(ks + j * OLD + d);
-                *(unsigned*)(rr + j * OLD + d) =
-                    pack_bf16x2(lo_bf(kw) * rk[j] * e0, hi_bf(kw) * rk[j] * e1);
-            }
-            // Columns right of this block row's last tile are zero in Aqk.
-            for (int e = tid; e < SUB * (CH - ncols) / 2; e += 256) {
-                const int r = e / ((CH - ncols) / 2), j = ncols + (e % ((CH - ncols) / 2)) * 2;
-                *(unsigned*)(aqk + (f + r) * CH + j) = 0u;
-            }
-            __syncthreads();
-            for (int tile = warp; tile < 2 * ntile; tile += 8) {
-                const int mat = tile / ntile, n0 = (tile % ntile) * 8;
-                const bf16_t* left = mat ? lq : lk;
-                float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int k0 = 0; k0 < DK; k0 += 16) {
-                    unsigned a[4], bb[2];
-                    load_a_frag(a, left, OLD, 0, k0);
-                    load_b_frag(bb, rr, OLD, n0, k0);
-                    mma_bf16_16816(acc, a, bb);
-                }
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int i = f + g8 + 8 * hf, j = n0 + 2 * t4;
-                    const float v0 = acc[2 * hf], v1 = acc[2 * hf + 1];
-                    if (mat == 0) {
-                        af[i * ALD + j] = j < i ? v0 * bs[i] : 0.f;
-                        af[i * ALD + j + 1] = j + 1 < i ? v1 * bs[i] : 0.f;
-                    } else {
-                        *(unsigned*)(aqk + i * CH + j) =
-                            pack_bf16x2(j <= i ? v0 : 0.f, j + 1 <= i ? v1 : 0.f);
-                    }
-                }
-            }
-            if (exact_diag) __syncthreads();  // uniform: the exact path overwrites tile entries
-            if (exact_diag && tid < SUB * (SUB + 1) / 2) {
-                int ii = 0;
-                while ((ii + 1) * (ii + 2) / 2 <= tid) ++ii;
-                const int jj = tid - ii * (ii + 1) / 2, i = f + ii, j = f + jj;
-                float dk_ = 0.f, dq = 0.f;
-                for (int d = 0; d < DK; ++d) {
-                    const float e = __expf(gcs[i * GLD + d] - gcs[j * GLD + d]);
-                    const float kj = bf2f(ks[j * OLD + d]) * rk[j] * e;
-                    dk_ += bf2f(ks[i * OLD + d]) * rk[i] * kj;
-                    dq += bf2f(qs[i * OLD + d]) * rq[i] * kj;
-                }
-                af[i * ALD + j] = j < i ? dk_ * bs[i] : 0.f;
-                aqk[i * CH + j] = f2bf(dq);
-            }
-            __syncthreads();
-        }
-    }
-
-#endif
 
     // 4. T = (I + A)^-1 (unit lower triangular): 16x16 diagonal blocks by substitution (a lane per
     //    column), then off-diagonal blocks by distance: T_IJ = -T_II sum_{K=J..I-1} A_IK T_KJ.

@@ -39,12 +39,17 @@ fn wg_scan_smem(dk: usize, stages: usize) -> u32 {
     (stages * stage + ch * uld * 2) as u32
 }
 
-/// Whether the warpgroup scan is used: on Hopper (`sm_90`) with dk = 128, unless
-/// `TESSERA_KDA_SCAN=mma` asks for the mma.sync scan (any other value, or none, keeps the default).
-fn wg_scan_wanted(arch: &str, dk: usize, dv: usize, extra: &[(&str, String)]) -> bool {
+/// Whether the warpgroup scan can be built: on Hopper (`sm_90`) with dk = 128.
+fn wg_scan_available(arch: &str, dk: usize, dv: usize, extra: &[(&str, String)]) -> bool {
     let plain = extra.iter().any(|(k, _)| *k == "TESSERA_PLAIN_HELPERS");
-    let forced_off = std::env::var("TESSERA_KDA_SCAN").is_ok_and(|v| v == "mma");
-    arch == "sm_90" && dk == 128 && dv.is_multiple_of(WG_SCAN_COLUMNS) && !plain && !forced_off
+    arch == "sm_90" && dk == 128 && dv.is_multiple_of(WG_SCAN_COLUMNS) && !plain
+}
+
+/// Whether the warpgroup scan is the default: only when `TESSERA_KDA_SCAN=wg` asks for it (it
+/// matches the mma.sync scan at 64-column tiles when many sequences fill the GPU, and is slower
+/// than 32-column tiles when few do; see benches/RESULTS.md).
+fn wg_scan_requested() -> bool {
+    std::env::var("TESSERA_KDA_SCAN").is_ok_and(|v| v == "wg")
 }
 
 /// Scratch of the chunked prefill, sized for one shape (reuse it across calls of that shape).
@@ -128,7 +133,7 @@ impl KdaKernels {
             .and_then(|(_, v)| v.parse().ok())
             .unwrap_or(2);
         let scan_wg_smem = wg_scan_smem(dk, wg_stages);
-        let scan_wg = if wg_scan_wanted(dev.arch(), dk, dv, extra) {
+        let scan_wg = if wg_scan_available(dev.arch(), dk, dv, extra) {
             let f = dev
                 .module_for("sm_90a", "kda_scan_sm90", KDA_SCAN_SM90_SOURCE, &defines)?
                 .load_function("kda_chunk_scan_wg")?;
@@ -140,7 +145,7 @@ impl KdaKernels {
         Ok(KdaKernels {
             prep,
             scan,
-            use_scan_wg: scan_wg.is_some(),
+            use_scan_wg: scan_wg.is_some() && wg_scan_requested(),
             scan_wg,
             scan_wg_smem,
             decode,

@@ -150,10 +150,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) kda_chunk_scan_wg(
     }
     bf16_t* os = (bf16_t*)(smem + G_O);
     for (int c = 0; c < NC; ++c) {
-        const int ahead = c + WG_SCAN_STAGES - 1;
-        if (ahead < NC) load(ahead, ahead % WG_SCAN_STAGES);
-        else cp_async_commit();
-        cp_async_wait<WG_SCAN_STAGES - 1>();
+        // Stage c has landed once at most WG_SCAN_STAGES - 2 later groups are pending (the next
+        // chunk's copies are issued below, while this chunk's products run).
+        cp_async_wait<WG_SCAN_STAGES - 2>();
         fence_async_smem();
         __syncthreads();
         const unsigned char* base = smem + (c % WG_SCAN_STAGES) * G_STAGE;
@@ -179,10 +178,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) kda_chunk_scan_wg(
         for (int kk = 0; kk < DK / 16; ++kk)
             wgmma_ra_n64(O, sa[kk], wg_desc(base + G_Q + kk * 256, 128, GRP_DK));
         wg_commit();
-        wg_wait1();
 
-        unsigned va[CH / 16][4];
-        acc_to_a<CH / 16>(va, X);
+        // While the tensor cores run: the copies of a later chunk (into the stage chunk c - 1
+        // used, free since the barrier that ended its iteration) and the decay of S, which the
+        // products in flight do not read (they read its bf16 copy sa).
+        const int ahead = c + WG_SCAN_STAGES - 1;
+        if (ahead < NC) load(ahead, ahead % WG_SCAN_STAGES);
+        else cp_async_commit();
         const float* eg = (const float*)(base + G_E);
 #pragma unroll
         for (int j = 0; j < DK / 8; ++j) {
@@ -192,6 +194,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) kda_chunk_scan_wg(
             S[4 * j + 2] *= e2.x;
             S[4 * j + 3] *= e2.y;
         }
+        wg_wait1();
+
+        unsigned va[CH / 16][4];
+        acc_to_a<CH / 16>(va, X);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < CH / 16; ++kk)

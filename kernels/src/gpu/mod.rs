@@ -122,14 +122,17 @@ pub(crate) fn kda_smem_bytes(dk: usize, dv: usize, vt: usize, stages: usize) -> 
     let (ch, sub) = (CHUNK, 16);
     let (gld, old, tld, ald, uld) = (dk + 4, dk + 8, ch + 8, ch + 1, vt + 8);
     let p_x = ch * gld * 4 + 2 * ch * old * 2 + 3 * ch * 4 + 16 + ch * ald * 4;
-    let products = 2 * sub * old * 2 + ch * old * 2;
     let inverse = ch * ald * 4 + (ch / sub - 1) * sub * sub * 4;
     let staged = ch * (dk + 8) * 2;
     debug_assert!(
         ch * (dv + 8) * 2 <= 2 * ch * old * 2,
         "beta v must fit where q/k were"
     );
-    let prep = p_x + products.max(inverse).max(staged);
+    debug_assert!(
+        8 * 16 * (dk.max(dv) / 2 + 8) * 2 <= ch * gld * 4,
+        "the w/u output tiles must fit where the decays were"
+    );
+    let prep = p_x + inverse.max(staged);
     let stage = 3 * ch * old * 2 + ch * tld * 2 + ch * uld * 2 + dk * 4;
     let scan = stages * stage + vt * (dk + 8) * 2 + vt * tld * 2;
     (prep as u32, scan as u32)
