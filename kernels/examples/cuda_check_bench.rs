@@ -313,6 +313,14 @@ fn stage_costs(dev: &CudaDevice, s: KdaShape) -> Result<(), CudaError> {
     Ok(())
 }
 
+/// A prefill variant of the bench: label, V tile, warpgroup scan, extra `-D` macros.
+type ScanVariant = (
+    &'static str,
+    usize,
+    bool,
+    &'static [(&'static str, &'static str)],
+);
+
 fn run() -> Result<usize, CudaError> {
     let quick = std::env::args().any(|a| a == "--quick");
     let prefill_only = std::env::args().any(|a| a == "--prefill-only");
@@ -360,7 +368,7 @@ fn run() -> Result<usize, CudaError> {
     }
     let mut variants = Vec::new();
     // The mma.sync scan at two V tiles and the warpgroup scan (Hopper) at two pipeline depths.
-    let table: [(&str, usize, bool, &[(&str, &str)]); 4] = [
+    let table: [ScanVariant; 4] = [
         ("vt32.s2", 32, false, &[("SCAN_STAGES", "2")]),
         ("vt64.s2", 64, false, &[("SCAN_STAGES", "2")]),
         ("wg.s2", 32, true, &[("WG_SCAN_STAGES", "2")]),
