@@ -11,12 +11,7 @@
 // barrier (its staged operands have landed). Operands are staged by asynchronous copies into the
 // no-swizzle core-matrix layout (wgmma.cuh), WG_SCAN_STAGES chunks deep.
 
-#ifndef DK
-#define DK 128
-#endif
-#ifndef DV
-#define DV 128
-#endif
+// DK and DV come from the host (kda_defines), as for kda.cu.
 #if DK != 128
 #error "the warpgroup scan holds Sᵀ as one m64n128 accumulator: DK must be 128"
 #endif
@@ -40,24 +35,16 @@
 #define G_STAGE (G_E + DK * 4)
 #define G_O (WG_SCAN_STAGES * G_STAGE)
 
-// d (64×N f32) += (±A)·B with A (64×16 bf16) from registers in the mma.sync A-fragment layout of
-// each warp's 16 rows and B from shared memory, K-major (the _bt form: N-major).
+// d (64×N f32) += (SCALE_A·A)·B with A (64×16 bf16) from registers, in the mma.sync A-fragment
+// layout of each warp's 16 rows, and B from shared memory, K-major (the _bt form: N-major).
+template <int SCALE_A>
 __device__ __forceinline__ void wgmma_ra_n64(float d[32], const unsigned a[4], unsigned long long b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%32,%33,%34,%35}, %36, 1, 1, 1, 0;\n"
+        "{%32,%33,%34,%35}, %36, 1, %37, 1, 0;\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
-__device__ __forceinline__ void wgmma_ra_n64_neg(float d[32], const unsigned a[4], unsigned long long b) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%32,%33,%34,%35}, %36, 1, -1, 1, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(SCALE_A));
 }
 
 __device__ __forceinline__ void wgmma_ra_n128_bt(float d[64], const unsigned a[4], unsigned long long b) {
@@ -150,9 +137,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) kda_chunk_scan_wg(
     }
     bf16_t* os = (bf16_t*)(smem + G_O);
     for (int c = 0; c < NC; ++c) {
-        // Stage c has landed once at most WG_SCAN_STAGES - 2 later groups are pending (the next
-        // chunk's copies are issued below, while this chunk's products run).
-        cp_async_wait<WG_SCAN_STAGES - 2>();
+        const int ahead = c + WG_SCAN_STAGES - 1;
+        if (ahead < NC) load(ahead, ahead % WG_SCAN_STAGES);
+        else cp_async_commit();
+        cp_async_wait<WG_SCAN_STAGES - 1>();
         fence_async_smem();
         __syncthreads();
         const unsigned char* base = smem + (c % WG_SCAN_STAGES) * G_STAGE;
@@ -172,19 +160,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) kda_chunk_scan_wg(
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < DK / 16; ++kk)
-            wgmma_ra_n64_neg(X, sa[kk], wg_desc(base + G_W + kk * 256, 128, GRP_DK));
+            wgmma_ra_n64<-1>(X, sa[kk], wg_desc(base + G_W + kk * 256, 128, GRP_DK));
         wg_commit();
 #pragma unroll
         for (int kk = 0; kk < DK / 16; ++kk)
-            wgmma_ra_n64(O, sa[kk], wg_desc(base + G_Q + kk * 256, 128, GRP_DK));
+            wgmma_ra_n64<1>(O, sa[kk], wg_desc(base + G_Q + kk * 256, 128, GRP_DK));
         wg_commit();
+        wg_wait1();
 
-        // While the tensor cores run: the copies of a later chunk (into the stage chunk c - 1
-        // used, free since the barrier that ended its iteration) and the decay of S, which the
-        // products in flight do not read (they read its bf16 copy sa).
-        const int ahead = c + WG_SCAN_STAGES - 1;
-        if (ahead < NC) load(ahead, ahead % WG_SCAN_STAGES);
-        else cp_async_commit();
+        unsigned va[CH / 16][4];
+        acc_to_a<CH / 16>(va, X);
         const float* eg = (const float*)(base + G_E);
 #pragma unroll
         for (int j = 0; j < DK / 8; ++j) {
@@ -194,14 +179,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) kda_chunk_scan_wg(
             S[4 * j + 2] *= e2.x;
             S[4 * j + 3] *= e2.y;
         }
-        wg_wait1();
-
-        unsigned va[CH / 16][4];
-        acc_to_a<CH / 16>(va, X);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < CH / 16; ++kk)
-            wgmma_ra_n64(O, va[kk], wg_desc(base + G_A + kk * 256, 128, GRP_CH));
+            wgmma_ra_n64<1>(O, va[kk], wg_desc(base + G_A + kk * 256, 128, GRP_CH));
 #pragma unroll
         for (int kk = 0; kk < CH / 16; ++kk)
             wgmma_ra_n128_bt(S, va[kk], wg_desc(base + G_K + kk * 2 * GRP_DK, GRP_DK, 128));
