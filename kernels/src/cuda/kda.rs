@@ -123,16 +123,12 @@ impl KdaKernels {
         let decode = module.load_function("kda_decode")?;
         let decode_occ3 = module.load_function("kda_decode_occ3")?;
         let decode_split2 = module.load_function("kda_decode_split2")?;
-        let (prep_smem, scan_smem) = kda_smem_bytes(dk, dv, v_tile, kda_scan_stages(extra));
+        let (prep_smem, scan_smem) =
+            kda_smem_bytes(dk, dv, v_tile, kda_scan_stages(extra, "SCAN_STAGES"));
         let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         prep.set_attribute(attr, prep_smem as i32)?;
         scan.set_attribute(attr, scan_smem as i32)?;
-        let wg_stages = extra
-            .iter()
-            .find(|(k, _)| *k == "WG_SCAN_STAGES")
-            .and_then(|(_, v)| v.parse().ok())
-            .unwrap_or(2);
-        let scan_wg_smem = wg_scan_smem(dk, wg_stages);
+        let scan_wg_smem = wg_scan_smem(dk, kda_scan_stages(extra, "WG_SCAN_STAGES"));
         let scan_wg = if wg_scan_available(dev.arch(), dk, dv, extra) {
             let f = dev
                 .module_for("sm_90a", "kda_scan_sm90", KDA_SCAN_SM90_SOURCE, &defines)?

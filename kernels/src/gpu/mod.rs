@@ -138,11 +138,12 @@ pub(crate) fn kda_smem_bytes(dk: usize, dv: usize, vt: usize, stages: usize) -> 
     (prep as u32, scan as u32)
 }
 
-/// The scan pipeline depth a set of extra `-D` macros selects (`SCAN_STAGES`, default 2).
-pub(crate) fn kda_scan_stages(extra: &[(&str, String)]) -> usize {
+/// A scan pipeline depth from a set of extra `-D` macros: the value of `name` (`SCAN_STAGES` for
+/// kda.cu's scan, `WG_SCAN_STAGES` for the warpgroup scan), 2 when absent.
+pub(crate) fn kda_scan_stages(extra: &[(&str, String)], name: &str) -> usize {
     extra
         .iter()
-        .find(|(k, _)| *k == "SCAN_STAGES")
+        .find(|(k, _)| *k == name)
         .and_then(|(_, v)| v.parse().ok())
         .unwrap_or(2)
 }

@@ -97,7 +97,8 @@ impl KdaKernels {
         let mut defines = kda_defines(dk, dv, v_tile).to_vec();
         defines.extend(extra.iter().cloned());
         let module = dev.module("kda", KDA_SOURCE, &defines)?;
-        let (prep_smem, scan_smem) = kda_smem_bytes(dk, dv, v_tile, kda_scan_stages(extra));
+        let (prep_smem, scan_smem) =
+            kda_smem_bytes(dk, dv, v_tile, kda_scan_stages(extra, "SCAN_STAGES"));
         Ok(KdaKernels {
             prep: module.function("kda_chunk_prep")?,
             scan: module.function("kda_chunk_scan")?,
