@@ -331,8 +331,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     }
     __syncthreads();
 
-    // 5. Outputs that need no product: q exp(gc) (row-major), (k exp(gc_last - gc))^T (staged
-    //    transposed in shared memory, then copied out in 16-byte rows), exp(gc_last).
+    // 5. Outputs that need no product, row-major in 16-byte pieces straight from registers:
+    //    q exp(gc), k exp(gc_last - gc), and exp(gc_last).
     bf16_t* qg = qg_out + chunk * CH * DK;
     for (int e = tid; !(PREP_SKIP & 4) && e < CH * DK / 8; e += 256) {
         const int j = e / (DK / 8), n = (e % (DK / 8)) * 8;
