@@ -90,6 +90,17 @@ __device__ __forceinline__ void t_times(const bf16_t* tb, const bf16_t* rhs, int
     LANE_SYNC();
 }
 
+// One 16-byte piece of bf16 values times r·exp(e) elementwise (e: the piece's eight exponents),
+// rounded back to bf16.
+__device__ __forceinline__ uint4 scale_exp8(uint4 w, float r, float4 ea, float4 eb) {
+    uint4 o;
+    o.x = pack_bf16x2(lo_bf(w.x) * r * __expf(ea.x), hi_bf(w.x) * r * __expf(ea.y));
+    o.y = pack_bf16x2(lo_bf(w.y) * r * __expf(ea.z), hi_bf(w.y) * r * __expf(ea.w));
+    o.z = pack_bf16x2(lo_bf(w.z) * r * __expf(eb.x), hi_bf(w.z) * r * __expf(eb.y));
+    o.w = pack_bf16x2(lo_bf(w.w) * r * __expf(eb.z), hi_bf(w.w) * r * __expf(eb.w));
+    return o;
+}
+
 extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
     const float* __restrict__ g, const bf16_t* __restrict__ beta, int T, int H, float scale,
@@ -338,13 +349,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
         const int j = e / (DK / 8), n = (e % (DK / 8)) * 8;
         const uint4 qw = *(const uint4*)(qs + j * OLD + n);
         const float4 ga = *(const float4*)(gcs + j * GLD + n), gb = *(const float4*)(gcs + j * GLD + n + 4);
-        const float r = rq[j];
-        uint4 o4;
-        o4.x = pack_bf16x2(lo_bf(qw.x) * r * __expf(ga.x), hi_bf(qw.x) * r * __expf(ga.y));
-        o4.y = pack_bf16x2(lo_bf(qw.y) * r * __expf(ga.z), hi_bf(qw.y) * r * __expf(ga.w));
-        o4.z = pack_bf16x2(lo_bf(qw.z) * r * __expf(gb.x), hi_bf(qw.z) * r * __expf(gb.y));
-        o4.w = pack_bf16x2(lo_bf(qw.w) * r * __expf(gb.z), hi_bf(qw.w) * r * __expf(gb.w));
-        *(uint4*)(qg + j * DK + n) = o4;
+        *(uint4*)(qg + j * DK + n) = scale_exp8(qw, rq[j], ga, gb);
     }
     // k exp(gc_last - gc), row-major like k: 16-byte pieces straight to global memory.
     if (!(PREP_SKIP & 4)) {
@@ -355,13 +360,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
             const float4 ga = *(const float4*)(gcs + j * GLD + n), gb = *(const float4*)(gcs + j * GLD + n + 4);
             const float4 la = *(const float4*)(gcs + (CH - 1) * GLD + n);
             const float4 lb = *(const float4*)(gcs + (CH - 1) * GLD + n + 4);
-            const float r = rk[j];
-            uint4 o4;
-            o4.x = pack_bf16x2(lo_bf(kw.x) * r * __expf(la.x - ga.x), hi_bf(kw.x) * r * __expf(la.y - ga.y));
-            o4.y = pack_bf16x2(lo_bf(kw.y) * r * __expf(la.z - ga.z), hi_bf(kw.y) * r * __expf(la.w - ga.w));
-            o4.z = pack_bf16x2(lo_bf(kw.z) * r * __expf(lb.x - gb.x), hi_bf(kw.z) * r * __expf(lb.y - gb.y));
-            o4.w = pack_bf16x2(lo_bf(kw.w) * r * __expf(lb.z - gb.z), hi_bf(kw.w) * r * __expf(lb.w - gb.w));
-            *(uint4*)(kg + j * DK + n) = o4;
+            *(uint4*)(kg + j * DK + n) = scale_exp8(
+                kw, rk[j], make_float4(la.x - ga.x, la.y - ga.y, la.z - ga.z, la.w - ga.w),
+                make_float4(lb.x - gb.x, lb.y - gb.y, lb.z - gb.z, lb.w - gb.w));
         }
         if (tid < DK) egl_out[chunk * DK + tid] = __expf(gcs[(CH - 1) * GLD + tid]);
     }
@@ -375,13 +376,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
         const int j = e / (DK / 8), n = (e % (DK / 8)) * 8;
         const uint4 kw = *(const uint4*)(ks + j * OLD + n);
         const float4 ga = *(const float4*)(gcs + j * GLD + n), gb = *(const float4*)(gcs + j * GLD + n + 4);
-        const float r = rk[j] * bs[j];
-        uint4 o4;
-        o4.x = pack_bf16x2(lo_bf(kw.x) * r * __expf(ga.x), hi_bf(kw.x) * r * __expf(ga.y));
-        o4.y = pack_bf16x2(lo_bf(kw.y) * r * __expf(ga.z), hi_bf(kw.y) * r * __expf(ga.w));
-        o4.z = pack_bf16x2(lo_bf(kw.z) * r * __expf(gb.x), hi_bf(kw.z) * r * __expf(gb.y));
-        o4.w = pack_bf16x2(lo_bf(kw.w) * r * __expf(gb.z), hi_bf(kw.w) * r * __expf(gb.w));
-        *(uint4*)(bk + j * (DK + 8) + n) = o4;
+        *(uint4*)(bk + j * (DK + 8) + n) = scale_exp8(kw, rk[j] * bs[j], ga, gb);
     }
     __syncthreads();
     bf16_t* out_scratch = (bf16_t*)(smem + P_GCS);  // the decays are consumed

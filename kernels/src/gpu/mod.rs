@@ -123,7 +123,7 @@ pub(crate) fn kda_smem_bytes(dk: usize, dv: usize, vt: usize, stages: usize) -> 
     let (gld, old, tld, ald, uld) = (dk + 4, dk + 8, ch + 8, ch + 1, vt + 8);
     let p_x = ch * gld * 4 + 2 * ch * old * 2 + 3 * ch * 4 + 16 + ch * ald * 4;
     let inverse = ch * ald * 4 + (ch / sub - 1) * sub * sub * 4;
-    let staged = ch * (dk + 8) * 2;
+    let staged = ch * old * 2;
     debug_assert!(
         ch * (dv + 8) * 2 <= 2 * ch * old * 2,
         "beta v must fit where q/k were"
