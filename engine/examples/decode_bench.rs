@@ -69,7 +69,9 @@ fn serving(
         sched.step(model)?;
     }
     let prefill_s = t.elapsed().as_secs_f64();
-    let _ = model.take_device_profile();
+    if let Some(p) = model.take_device_profile() {
+        println!("prefill {p}");
+    }
     let t = Instant::now();
     while sched.has_work() {
         sched.step(model)?;
@@ -107,7 +109,9 @@ fn forward(
         .collect();
     let mut tokens: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
     let prefill_s = t.elapsed().as_secs_f64();
-    let _ = model.take_device_profile();
+    if let Some(p) = model.take_device_profile() {
+        println!("prefill {p}");
+    }
     let t = Instant::now();
     for _ in 0..steps {
         let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();

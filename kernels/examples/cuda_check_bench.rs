@@ -17,8 +17,8 @@ mod common;
 use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
 use tessera_kernels::cpu;
 use tessera_kernels::cuda::{
-    bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, CudaSlice, KdaInputs,
-    KdaKernels, KdaPrefillWorkspace, KdaShape,
+    base_ptr, bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, CudaSlice,
+    KdaInputs, KdaKernels, KdaPacked, KdaPrefillWorkspace, KdaSequenceTables, KdaShape, SegState,
 };
 
 /// Host copies of one random KDA problem: bf16 bits and their exact f32 values.
@@ -162,6 +162,144 @@ fn check_prefill(
     let (want_o, want_s) = p.reference(scale);
     checks.report(&format!("{name}.o"), rel_err(&got_o, &want_o), 2e-2);
     checks.report(&format!("{name}.state"), rel_err(&got_s, &want_s), 2e-2);
+    Ok(())
+}
+
+/// The packed form the model calls: sequences of unequal lengths (an empty one too) in one call,
+/// q|k|v interleaved in rows of 3·H·K as the model's projection writes them (q and k already
+/// L2-normalised, so the kernel's normalisation is off), o in rows padded past H·V, and the
+/// states in a shared buffer at scattered offsets: some sequences start from zeros (offset -1),
+/// one advances its state in place, the others copy on write.
+fn check_packed(
+    dev: &CudaDevice,
+    kernels: &KdaKernels,
+    checks: &mut Checks,
+    name: &str,
+    rng: &mut Rng,
+) -> Result<(), CudaError> {
+    const LENS: [usize; 7] = [1, 63, 64, 0, 65, 200, 130];
+    let (heads, dk) = (3usize, 128usize);
+    let p = heads * dk;
+    let (ld, ld_o) = (3 * p, p + 8);
+    let n: usize = LENS.iter().sum();
+    let scale = 1.0 / (dk as f32).sqrt();
+    let mut qkv: Vec<f32> = fill(n * ld, rng.next_u64(), |r| r.normal());
+    for row in qkv.chunks_mut(ld) {
+        cpu::l2_normalize(&mut row[..2 * p], dk, 1e-6);
+    }
+    let qkv: Vec<u16> = qkv.into_iter().map(bf16_bits).collect();
+    let g = fill(n * p, rng.next_u64(), |r| -r.uniform() * 0.8);
+    let beta: Vec<u16> = fill(n * heads, rng.next_u64(), |r| {
+        bf16_bits(1.0 / (1.0 + (-r.normal()).exp()))
+    });
+    let per = heads * dk * dk;
+    // State slots: sequence s reads slot src[s] (or zeros) and writes slot dst[s].
+    let src: Vec<i64> = vec![2, -1, 0, 5, -1, 4, 6];
+    let dst: Vec<i64> = vec![3, 1, 0, 7, 8, 9, 10];
+    let slots = 11;
+    let states = fill(slots * per, rng.next_u64(), |r| r.normal() * 0.5);
+    let tables = KdaSequenceTables::new(LENS);
+    let at = |v: &[i64]| -> Vec<i64> {
+        v.iter()
+            .map(|&i| if i < 0 { -1 } else { i * per as i64 })
+            .collect()
+    };
+
+    // The reference: each sequence alone, from its slot, on the same bf16 values.
+    let f = |x: u16| bf16_value(x);
+    let mut want_o = vec![0.0f32; n * ld_o];
+    let mut want_states = states.clone();
+    for (s, w) in tables.seq_start.windows(2).enumerate() {
+        let (t0, t1) = (w[0] as usize, w[1] as usize);
+        let rows = t0..t1;
+        let col = |c0: usize| -> Vec<f32> {
+            rows.clone()
+                .flat_map(|t| qkv[t * ld + c0..t * ld + c0 + p].iter().map(|&x| f(x)))
+                .collect()
+        };
+        let (q, k, v) = (col(0), col(p), col(2 * p));
+        let b: Vec<f32> = beta[t0 * heads..t1 * heads].iter().map(|&x| f(x)).collect();
+        let mut st = if src[s] < 0 {
+            vec![0.0; per]
+        } else {
+            states[src[s] as usize * per..][..per].to_vec()
+        };
+        let mut o = vec![0.0f32; (t1 - t0) * p];
+        cpu::kda_recurrent(
+            &q,
+            &k,
+            &v,
+            &g[t0 * p..t1 * p],
+            &b,
+            heads,
+            dk,
+            dk,
+            scale,
+            &mut st,
+            &mut o,
+        );
+        want_states[dst[s] as usize * per..][..per].copy_from_slice(&st);
+        for (i, t) in rows.enumerate() {
+            want_o[t * ld_o..t * ld_o + p].copy_from_slice(&o[i * p..(i + 1) * p]);
+        }
+    }
+
+    let d_qkv = dev.upload(&qkv)?;
+    let d_g = dev.upload(&g)?;
+    let d_beta = dev.upload(&beta)?;
+    let d_states = dev.upload(&states)?;
+    let d_src = dev.upload(&at(&src))?;
+    let d_dst = dev.upload(&at(&dst))?;
+    let d_seq = dev.upload(&tables.seq_start)?;
+    let d_chunks = dev.upload(&tables.chunk_start)?;
+    let out = Device { dev }.poisoned_u16(n * ld_o)?;
+    let ws = KdaPrefillWorkspace::packed(dev, tables.chunks(), heads, dk, dk)?;
+    let st = dev.stream();
+    let base = base_ptr(st, &d_qkv);
+    let call = KdaPacked {
+        q: base,
+        k: base + 2 * p as u64,
+        ld_qk: ld,
+        v: base + 4 * p as u64,
+        ld_v: ld,
+        g: base_ptr(st, &d_g),
+        beta: base_ptr(st, &d_beta),
+        out: base_ptr(st, &out),
+        ld_o,
+        seq_start: base_ptr(st, &d_seq),
+        chunk_start: base_ptr(st, &d_chunks),
+        sequences: LENS.len(),
+        chunks: tables.chunks(),
+        heads,
+        state: SegState {
+            src: base_ptr(st, &d_states),
+            dst: base_ptr(st, &d_states),
+            src_off: base_ptr(st, &d_src),
+            dst_off: base_ptr(st, &d_dst),
+        },
+        scale,
+        l2norm: false,
+    };
+    kernels.prefill_packed(dev, &call, &ws)?;
+    // Only the rows' first H·V columns are written; the padding keeps its poison.
+    let got: Vec<f32> = dev.download(&out)?.into_iter().map(bf16_value).collect();
+    let (mut got_o, mut ref_o) = (Vec::new(), Vec::new());
+    for t in 0..n {
+        got_o.extend_from_slice(&got[t * ld_o..t * ld_o + p]);
+        ref_o.extend_from_slice(&want_o[t * ld_o..t * ld_o + p]);
+    }
+    let pad_poisoned = (0..n).all(|t| got[t * ld_o + p..(t + 1) * ld_o].iter().all(|x| x.is_nan()));
+    checks.report(&format!("{name}.o"), rel_err(&got_o, &ref_o), 2e-2);
+    checks.report(
+        &format!("{name}.state"),
+        rel_err(&dev.download(&d_states)?, &want_states),
+        2e-2,
+    );
+    checks.report(
+        &format!("{name}.row_padding_untouched"),
+        if pad_poisoned { 0.0 } else { 1.0 },
+        0.5,
+    );
     Ok(())
 }
 
@@ -359,6 +497,7 @@ fn run() -> Result<usize, CudaError> {
         let p = Problem::random(s, &mut rng, decay, st);
         check_prefill(&dev, &kernels, &mut checks, name, &p)?;
     }
+    check_packed(&dev, &kernels, &mut checks, "kda_prefill.packed", &mut rng)?;
     for batch in [1, 5, 64] {
         let p = Problem::random(shape(batch, 1, 4), &mut rng, 0.5, true);
         check_decode(&dev, &mut kernels, &mut checks, &p)?;
@@ -379,7 +518,7 @@ fn run() -> Result<usize, CudaError> {
         defines.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
         match KdaKernels::load_with(&dev, 128, 128, vt, &defines) {
             Ok(mut k) => {
-                if k.set_scan_warpgroup(warpgroup) == warpgroup {
+                if k.set_scan_warpgroup(&dev, warpgroup)? == warpgroup {
                     variants.push((label.to_string(), k));
                 } else {
                     println!("variant {label} unavailable: no warpgroup scan on this device");
@@ -407,6 +546,13 @@ fn run() -> Result<usize, CudaError> {
                 &p,
             )?;
         }
+        check_packed(
+            &dev,
+            &kv,
+            &mut checks,
+            &format!("kda_prefill.{label}.packed"),
+            &mut rng,
+        )?;
         if checks.failed == before {
             checked.push((label, kv));
         } else {

@@ -95,6 +95,23 @@ FIXTURES = {
         ),
         save=dict(max_shard_size=None, f32_correction_bias=False),
     ),
+    # KDA heads of 128 (the width the GPU's chunked prefill is built for), one MLA layer, dense
+    # MLPs; prompts from under one chunk of 64 tokens to several.
+    "kl_kda128": dict(
+        seed=5005,
+        prompt_lens=[1, 40, 150, 300],
+        cfg=dict(
+            vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+            num_hidden_layers=3, full_attn_layers=[2], first_k_dense_replace=3,
+            linear_num_heads=2, linear_head_dim=128,
+            num_attention_heads=2, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            kv_lora_rank=32, q_lora_rank=None,
+            num_experts=4, num_experts_per_token=2, n_group=1, topk_group=1, n_shared_experts=1,
+            routed_scaling_factor=2.446, moe_renormalize=True,
+            initializer_range=0.06, rms_norm_eps=1e-5,
+        ),
+        save=dict(max_shard_size=None, f32_correction_bias=False),
+    ),
 }
 
 

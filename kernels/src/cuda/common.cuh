@@ -212,3 +212,41 @@ __device__ __forceinline__ void scale_acc_rows(float (&o)[N][4], float a0, float
         o[n][3] *= a1;
     }
 }
+
+// Sequence tables of the chunked KDA kernels: sequence s holds token rows
+// [seq_start[s], seq_start[s+1]) and chunks [chunk_start[s], chunk_start[s+1]) of CH tokens.
+struct SeqSpan {
+    int tok0, len, c0, chunks;
+};
+__device__ __forceinline__ SeqSpan seq_span(const int* seq_start, const int* chunk_start, int s) {
+    SeqSpan r;
+    r.tok0 = seq_start[s];
+    r.len = seq_start[s + 1] - r.tok0;
+    r.c0 = chunk_start[s];
+    r.chunks = chunk_start[s + 1] - r.c0;
+    return r;
+}
+// The sequence that chunk c belongs to (chunk_start ascending, nseq + 1 entries; a sequence with
+// no chunks is never returned).
+__device__ __forceinline__ int seq_of_chunk(const int* chunk_start, int nseq, int c) {
+    int lo = 0, hi = nseq - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (chunk_start[mid] <= c) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+// A sequence's state in the chunked KDA scans: `base + off[s] + at` floats, or none (zeros) when
+// there is no base or off[s] < 0.
+__device__ __forceinline__ const float* kda_seq_state_in(const float* base, const long long* off,
+                                                         int s, size_t at) {
+    return base && off[s] >= 0 ? base + off[s] + at : nullptr;
+}
+// The parameters both chunked KDA scans take after the prep's products: the state before each
+// sequence (`s0`, may be null) and after it, o [tokens][ld_o], the sequence tables, and the
+// total chunk count (the products are laid out [head][chunk]).
+#define KDA_SCAN_STATE_ARGS                                                                        \
+    const float *__restrict__ s0, const long long *__restrict__ s0_off, float *__restrict__ s_out, \
+        const long long *__restrict__ s_out_off, bf16_t *__restrict__ o, int ld_o,                 \
+        const int *__restrict__ seq_start, const int *__restrict__ chunk_start, int nchunks

@@ -2,15 +2,21 @@
 //
 // Per head, with state S [DK, DV] (f32) and per-channel log decay g (<= 0):
 //   S <- diag(exp(g_t)) S;  delta = beta_t (v_t - S^T k_t);  S <- S + k_t delta^T;  o_t = S^T q_t
-// with q, k L2-normalised (optional) and q scaled. Layouts: q, k, g [B, T, H, DK]; v, o [B, T, H, DV];
-// beta [B, T, H]; state [B, H, DK, DV]. q, k, v, beta, o are bf16; g and the state are f32.
+// with q, k L2-normalised (optional) and q scaled. The prefill takes packed sequences of any
+// lengths: token rows of every sequence one after another, sequence s at rows
+// [seq_start[s], seq_start[s+1]) and its chunks at [chunk_start[s], chunk_start[s+1]) (see
+// SeqSpan). Per token row: q, k at h·DK of a row of ld_qk elements, v at h·DV of ld_v, o at h·DV
+// of ld_o; g [rows, H, DK]; beta [rows, H]. A sequence's state [H, DK, DV] lies at s0 + s0_off[s]
+// before (zeros without s0 or when the offset is negative) and s_out + s_out_off[s] after. The
+// decode step takes q, k, g [B, H, DK], v, o [B, H, DV], beta [B, H], state [B, H, DK, DV]. q, k,
+// v, beta, o are bf16; g and the state are f32.
 //
 // Prefill (chunks of CH = 64 tokens, WY form):
-//   kda_chunk_prep  — one block per (chunk, head, batch), fully parallel. Everything that does not
+//   kda_chunk_prep  — one block per (chunk of any sequence, head), fully parallel. Everything that does not
 //                     depend on the incoming state: the 64x64 decayed products, the inverse
 //                     T = (I + A)^-1, u = T (beta v), w = T (beta k exp(gc)), q exp(gc), and
 //                     k exp(gc_last - gc).
-//   kda_chunk_scan  — one block per (V tile, head, batch), walking the chunks in order with its
+//   kda_chunk_scan  — one block per (V tile, head, sequence), walking the chunks in order with its
 //                     slice of the state resident in registers; all products on the tensor cores.
 // Decay products exp(gc_i - gc_j) are factored per 16-token sub-chunk into two factors that are
 // each <= 1 (or bounded by the sub-chunk's own decay span); chunks whose span is too large for
@@ -103,14 +109,16 @@ __device__ __forceinline__ uint4 scale_exp8(uint4 w, float r, float4 ea, float4 
 
 extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
-    const float* __restrict__ g, const bf16_t* __restrict__ beta, int T, int H, float scale,
-    int l2norm, bf16_t* __restrict__ w_out, bf16_t* __restrict__ u_out,
+    const float* __restrict__ g, const bf16_t* __restrict__ beta, int ld_qk, int ld_v,
+    const int* __restrict__ seq_start, const int* __restrict__ chunk_start, int nseq, int H,
+    float scale, int l2norm, bf16_t* __restrict__ w_out, bf16_t* __restrict__ u_out,
     bf16_t* __restrict__ qg_out, bf16_t* __restrict__ kg_out, bf16_t* __restrict__ aqk_out,
     float* __restrict__ egl_out) {
-    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, NC = gridDim.x;
+    const int c = blockIdx.x, h = blockIdx.y, NC = gridDim.x;
     const int tid = threadIdx.x, warp = tid >> LANE_BITS, lane = tid & LANE_MASK, g8 = lane >> 2, t4 = lane & 3;
-    const int t0 = c * CH, len = min(CH, T - t0);
-    const size_t chunk = ((size_t)b * H + h) * NC + c;
+    const SeqSpan sp = seq_span(seq_start, chunk_start, seq_of_chunk(chunk_start, nseq, c));
+    const int t0 = sp.tok0 + (c - sp.c0) * CH, len = min(CH, sp.tok0 + sp.len - t0);
+    const size_t chunk = (size_t)h * NC + c;
 
     extern __shared__ __align__(16) unsigned char smem[];
     float* gcs = (float*)(smem + P_GCS);
@@ -128,17 +136,17 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     for (int e = tid; e < CH * DK / 8; e += 256) {
         const int i = e / (DK / 8), d = (e % (DK / 8)) * 8;
         const bool ok = i < len;
-        const size_t off = ok ? (((size_t)b * T + t0 + i) * H + h) * DK + d : 0;
+        const size_t off = ok ? (size_t)(t0 + i) * ld_qk + h * DK + d : 0;
         cp_async16_zfill(qs + i * OLD + d, q + off, ok);
         cp_async16_zfill(ks + i * OLD + d, k + off, ok);
     }
     for (int e = tid; e < CH * DK / 4; e += 256) {
         const int i = e / (DK / 4), d = (e % (DK / 4)) * 4;
         const bool ok = i < len;
-        cp_async16_zfill(gcs + i * GLD + d, g + (ok ? (((size_t)b * T + t0 + i) * H + h) * DK + d : 0), ok);
+        cp_async16_zfill(gcs + i * GLD + d, g + (ok ? ((size_t)(t0 + i) * H + h) * DK + d : 0), ok);
     }
     cp_async_commit();
-    if (tid < CH) bs[tid] = tid < len ? bf2f(beta[((size_t)b * T + t0 + tid) * H + h]) : 0.f;
+    if (tid < CH) bs[tid] = tid < len ? bf2f(beta[(size_t)(t0 + tid) * H + h]) : 0.f;
     if (tid == 0) unsafe_span[0] = 0;
     cp_async_wait<0>();
     __syncthreads();
@@ -386,7 +394,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     for (int rep = 0; rep < CH * DV / 8 / 256; ++rep) {
         const int e = tid + rep * 256, j = e / (DV / 8), n = (e % (DV / 8)) * 8;
         uint4 vw = make_uint4(0, 0, 0, 0);
-        if (j < len) vw = *(const uint4*)(v + (((size_t)b * T + t0 + j) * H + h) * DV + n);
+        if (j < len) vw = *(const uint4*)(v + (size_t)(t0 + j) * ld_v + h * DV + n);
         const float r = bs[j];
         uint4 o4;
         o4.x = pack_bf16x2(lo_bf(vw.x) * r, hi_bf(vw.x) * r);
@@ -400,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
 }
 
 // ---------------------------------------------------------------------------------------------
-// kda_chunk_scan: the sequential pass. Block = (V tile of VT columns, head, batch): one warp
+// kda_chunk_scan: the sequential pass. Block = (V tile of VT columns, head, sequence): one warp
 // group (4 warps) per 32 columns, so the chunk data each block stages feeds VT/32 groups. Warp
 // (group g, quarter w) owns state rows [w*DK/4, (w+1)*DK/4) and chunk rows [16w, 16w+16) of
 // columns [32g, 32g+32).
@@ -461,19 +469,20 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS) kda_chunk_scan(
     const bf16_t* __restrict__ w_in, const bf16_t* __restrict__ u_in,
     const bf16_t* __restrict__ qg_in, const bf16_t* __restrict__ kg_in,
     const bf16_t* __restrict__ aqk_in, const float* __restrict__ egl_in,
-    const float* __restrict__ s0, float* __restrict__ s_out, bf16_t* __restrict__ o, int T,
-    int H) {
-    const int vt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int NC = (T + CH - 1) / CH;
+    KDA_SCAN_STATE_ARGS) {
+    const int vt = blockIdx.x, h = blockIdx.y;
+    const SeqSpan sp = seq_span(seq_start, chunk_start, blockIdx.z);
+    const int NC = sp.chunks;
     const int tid = threadIdx.x, lane = tid & LANE_MASK, g8 = lane >> 2, t4 = lane & 3;
     const int warp = (tid >> LANE_BITS) & 3, cb = (tid >> 7) * 32;  // row quarter, column base
-    const size_t bh = (size_t)b * H + h;
+    const float* st0 = kda_seq_state_in(s0, s0_off, blockIdx.z, (size_t)h * DK * DV);
+    float* st1 = s_out + s_out_off[blockIdx.z] + (size_t)h * DK * DV;
     extern __shared__ __align__(16) unsigned char smem[];
     bf16_t* sb = (bf16_t*)(smem + S_SB);
     bf16_t* vn = (bf16_t*)(smem + S_VN);
 
     auto load_stage = [&](int cidx, int st) {
-        scan_load_stage(smem + st * STAGE_BYTES, bh * NC + cidx, vt, tid, SCAN_THREADS, w_in, u_in,
+        scan_load_stage(smem + st * STAGE_BYTES, (size_t)h * nchunks + sp.c0 + cidx, vt, tid, SCAN_THREADS, w_in, u_in,
                         qg_in, kg_in, aqk_in, egl_in);
     };
 
@@ -486,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS) kda_chunk_scan(
             for (int e = 0; e < 4; ++e) {
                 const int row = warp * (DK / 4) + mt * 16 + g8 + (e >= 2 ? 8 : 0);
                 const int col = vt * VT + cb + nt * 8 + 2 * t4 + (e & 1);
-                S[mt][nt][e] = s0 ? s0[(bh * DK + row) * DV + col] : 0.f;
+                S[mt][nt][e] = st0 ? st0[row * DV + col] : 0.f;
             }
 
     // SCAN_STAGES-deep pipeline: chunk c's copy group is group c (empty groups pad the tail).
@@ -564,8 +573,8 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS) kda_chunk_scan(
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int i = warp * 16 + g8 + 8 * half, t = c * CH + i;
-                if (t < T) {
-                    bf16_t* dst = o + (((size_t)b * T + t) * H + h) * DV + vt * VT + cb + nt * 8 + 2 * t4;
+                if (t < sp.len) {
+                    bf16_t* dst = o + (size_t)(sp.tok0 + t) * ld_o + h * DV + vt * VT + cb + nt * 8 + 2 * t4;
                     *(unsigned*)dst = pack_bf16x2(oacc[nt][2 * half], oacc[nt][2 * half + 1]);
                 }
             }
@@ -603,7 +612,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS) kda_chunk_scan(
             for (int e = 0; e < 4; ++e) {
                 const int row = warp * (DK / 4) + mt * 16 + g8 + (e >= 2 ? 8 : 0);
                 const int col = vt * VT + cb + nt * 8 + 2 * t4 + (e & 1);
-                s_out[(bh * DK + row) * DV + col] = S[mt][nt][e];
+                st1[row * DV + col] = S[mt][nt][e];
             }
 }
 

@@ -1,9 +1,14 @@
 //! KDA on CUDA: chunked prefill (`kda_chunk_prep` + `kda_chunk_scan`) and the decode step.
 //! Semantics are those of [`crate::cpu::kda_recurrent`], with the L2 normalisation of q and k
 //! done in the kernel (`l2norm`), bf16 q/k/v/β/o, f32 g and f32 state; see `kda.cu`.
+//!
+//! The prefill takes packed sequences of any lengths ([`KdaPacked`], the model's form: device
+//! addresses, row strides and [`KdaSequenceTables`] on the device); [`KdaKernels::prefill`] is
+//! the same call for a uniform batch in slices.
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::model_ops::{base_ptr, launch_fn, Arg, DevPtr, SegState};
 use super::{CudaDevice, CudaError, KDA_SCAN_SM90_SOURCE};
 use crate::gpu::{
     kda_check_config, kda_defines, kda_scan_stages, kda_smem_bytes, KdaShape, CHUNK, KDA_SOURCE,
@@ -13,9 +18,11 @@ use crate::gpu::{
 pub struct KdaKernels {
     prep: CudaFunction,
     scan: CudaFunction,
-    /// The scan on warpgroup MMAs (`kda_scan_sm90.cu`), where the device and head dims allow it.
+    /// The scan on warpgroup MMAs (`kda_scan_sm90.cu`), compiled when first chosen.
     scan_wg: Option<CudaFunction>,
     use_scan_wg: bool,
+    /// The `-D` macros the kernels were built with (the warpgroup scan takes the same).
+    defines: Vec<(String, String)>,
     decode: CudaFunction,
     decode_occ3: CudaFunction,
     decode_split2: CudaFunction,
@@ -52,30 +59,77 @@ fn wg_scan_requested() -> bool {
     std::env::var("TESSERA_KDA_SCAN").is_ok_and(|v| v == "wg")
 }
 
-/// Scratch of the chunked prefill, sized for one shape (reuse it across calls of that shape).
+/// Scratch of the chunked prefill: the prep's per-chunk products, `[head][chunk]`, for a number
+/// of chunks and heads (reuse it across calls that fit).
 pub struct KdaPrefillWorkspace {
-    shape: KdaShape,
+    chunks: usize,
+    heads: usize,
+    dk: usize,
+    dv: usize,
     w: CudaSlice<u16>,
     u: CudaSlice<u16>,
     qg: CudaSlice<u16>,
     kg: CudaSlice<u16>,
     aqk: CudaSlice<u16>,
     egl: CudaSlice<f32>,
+    /// For a uniform batch ([`Self::new`]): its shape and sequence tables on the device.
+    batch: Option<(KdaShape, BatchTables)>,
+}
+
+/// A uniform batch's [`crate::gpu::KdaSequenceTables`] on the device.
+struct BatchTables {
+    seq_start: CudaSlice<i32>,
+    chunk_start: CudaSlice<i32>,
+    state_off: CudaSlice<i64>,
 }
 
 impl KdaPrefillWorkspace {
+    /// A workspace for calls of one uniform batch shape ([`KdaKernels::prefill`]).
     pub fn new(dev: &CudaDevice, shape: KdaShape) -> Result<Self, CudaError> {
-        let n = shape.batch * shape.heads * shape.chunks();
+        let t = shape.tables();
+        let mut ws = Self::packed(
+            dev,
+            shape.batch * shape.chunks(),
+            shape.heads,
+            shape.dk,
+            shape.dv,
+        )?;
+        let tables = BatchTables {
+            seq_start: dev.upload(&t.seq_start)?,
+            chunk_start: dev.upload(&t.chunk_start)?,
+            state_off: dev.upload(&t.state_off)?,
+        };
+        ws.batch = Some((shape, tables));
+        Ok(ws)
+    }
+
+    /// A workspace for packed calls ([`KdaKernels::prefill_packed`]) of up to `chunks` chunks
+    /// over `heads` heads. Uninitialised: the prep writes every product before the scan reads it.
+    pub fn packed(
+        dev: &CudaDevice,
+        chunks: usize,
+        heads: usize,
+        dk: usize,
+        dv: usize,
+    ) -> Result<Self, CudaError> {
+        let n = (chunks * heads).max(1);
         let s = dev.stream();
-        Ok(KdaPrefillWorkspace {
-            shape,
-            w: s.alloc_zeros(n * CHUNK * shape.dk)?,
-            u: s.alloc_zeros(n * CHUNK * shape.dv)?,
-            qg: s.alloc_zeros(n * CHUNK * shape.dk)?,
-            kg: s.alloc_zeros(n * CHUNK * shape.dk)?,
-            aqk: s.alloc_zeros(n * CHUNK * CHUNK)?,
-            egl: s.alloc_zeros(n * shape.dk)?,
-        })
+        // SAFETY: plain numbers; every element the scan reads was written by the prep first.
+        unsafe {
+            Ok(KdaPrefillWorkspace {
+                chunks,
+                heads,
+                dk,
+                dv,
+                w: s.alloc(n * CHUNK * dk)?,
+                u: s.alloc(n * CHUNK * dv)?,
+                qg: s.alloc(n * CHUNK * dk)?,
+                kg: s.alloc(n * CHUNK * dk)?,
+                aqk: s.alloc(n * CHUNK * CHUNK)?,
+                egl: s.alloc(n * dk)?,
+                batch: None,
+            })
+        }
     }
 
     /// Device bytes this workspace holds.
@@ -83,6 +137,47 @@ impl KdaPrefillWorkspace {
         2 * (self.w.len() + self.u.len() + self.qg.len() + self.kg.len() + self.aqk.len())
             + 4 * self.egl.len()
     }
+
+    /// The uniform batch's shape and tables, checked against a call's shape.
+    fn batch_for(&self, shape: &KdaShape) -> Result<&BatchTables, CudaError> {
+        match &self.batch {
+            Some((s, t)) if s == shape => Ok(t),
+            Some((s, _)) => Err(shape_err(format!(
+                "workspace is for {s:?}, call is {shape:?}"
+            ))),
+            None => Err(shape_err(
+                "a packed workspace was passed to a batch call".into(),
+            )),
+        }
+    }
+}
+
+/// One chunked prefill over packed sequences, by device address (the caller owns the extents).
+/// Token row `t` of the call holds q at `q + t·ld_qk + h·dk`, k at `k + t·ld_qk + h·dk`, v at
+/// `v + t·ld_v + h·dv` (bf16; rows of ld elements, multiples of 8), g at `g + (t·heads + h)·dk`
+/// (f32), β at `beta + t·heads + h` (bf16), and receives o at `out + t·ld_o + h·dv` (bf16).
+/// `seq_start` and `chunk_start` are the [`crate::gpu::KdaSequenceTables`] (i32, `sequences + 1`
+/// each); sequence `s`'s state is read from and written to where `state` says (its `src` may
+/// be 0: zeros).
+#[derive(Clone, Copy, Debug)]
+pub struct KdaPacked {
+    pub q: DevPtr,
+    pub k: DevPtr,
+    pub ld_qk: usize,
+    pub v: DevPtr,
+    pub ld_v: usize,
+    pub g: DevPtr,
+    pub beta: DevPtr,
+    pub out: DevPtr,
+    pub ld_o: usize,
+    pub seq_start: DevPtr,
+    pub chunk_start: DevPtr,
+    pub sequences: usize,
+    pub chunks: usize,
+    pub heads: usize,
+    pub state: SegState,
+    pub scale: f32,
+    pub l2norm: bool,
 }
 
 /// Inputs of one KDA call (device slices in the layouts of `kda.cu`).
@@ -128,22 +223,16 @@ impl KdaKernels {
         let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         prep.set_attribute(attr, prep_smem as i32)?;
         scan.set_attribute(attr, scan_smem as i32)?;
-        let scan_wg_smem = wg_scan_smem(dk, kda_scan_stages(extra, "WG_SCAN_STAGES"));
-        let scan_wg = if wg_scan_available(dev.arch(), dk, dv, extra) {
-            let f = dev
-                .module_for("sm_90a", "kda_scan_sm90", KDA_SCAN_SM90_SOURCE, &defines)?
-                .load_function("kda_chunk_scan_wg")?;
-            f.set_attribute(attr, scan_wg_smem as i32)?;
-            Some(f)
-        } else {
-            None
-        };
-        Ok(KdaKernels {
+        let mut k = KdaKernels {
             prep,
             scan,
-            use_scan_wg: scan_wg.is_some() && wg_scan_requested(),
-            scan_wg,
-            scan_wg_smem,
+            use_scan_wg: false,
+            scan_wg: None,
+            scan_wg_smem: wg_scan_smem(dk, kda_scan_stages(extra, "WG_SCAN_STAGES")),
+            defines: defines
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
             decode,
             decode_occ3,
             decode_split2,
@@ -154,7 +243,11 @@ impl KdaKernels {
             v_tile,
             prep_smem,
             scan_smem,
-        })
+        };
+        if wg_scan_requested() {
+            k.set_scan_warpgroup(dev, true)?;
+        }
+        Ok(k)
     }
 
     fn check(&self, shape: &KdaShape, x: &KdaInputs) -> Result<(), CudaError> {
@@ -198,12 +291,7 @@ impl KdaKernels {
         ws: &mut KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
         self.check(&shape, x)?;
-        if ws.shape != shape {
-            return Err(shape_err(format!(
-                "workspace is for {:?}, call is {shape:?}",
-                ws.shape
-            )));
-        }
+        ws.batch_for(&shape)?;
         if final_state.len() != shape.state_len() || out.len() != shape.v_len() {
             return Err(shape_err("output sizes do not match the shape".into()));
         }
@@ -217,8 +305,12 @@ impl KdaKernels {
         if shape.seq_len == 0 {
             return Ok(());
         }
-        self.prep(dev, shape, x, scale, l2norm, ws)?;
-        self.scan(dev, shape, initial, final_state, out, ws)
+        let s = dev.stream();
+        let src = initial.map_or(0, |i| base_ptr(s, i));
+        let (dst, o) = (base_ptr(s, final_state), base_ptr(s, out));
+        let p = self.batch_call(dev, shape, Some(x), scale, l2norm, (src, dst, o), ws)?;
+        self.launch_prep(dev, &p, ws)?;
+        self.launch_scan(dev, &p, ws)
     }
 
     /// The parallel half of [`Self::prefill`]: per-chunk products into `ws` (arguments unchecked;
@@ -232,39 +324,8 @@ impl KdaKernels {
         l2norm: bool,
         ws: &mut KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
-        let (t, h) = (shape.seq_len as i32, shape.heads as i32);
-        let prep_cfg = LaunchConfig {
-            grid_dim: (
-                shape.chunks() as u32,
-                shape.heads as u32,
-                shape.batch as u32,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: self.prep_smem,
-        };
-        let l2 = l2norm as i32;
-        // SAFETY: argument types and order match kda_chunk_prep; `prefill` checks the sizes.
-        unsafe {
-            dev.stream()
-                .launch_builder(&self.prep)
-                .arg(x.q)
-                .arg(x.k)
-                .arg(x.v)
-                .arg(x.g)
-                .arg(x.beta)
-                .arg(&t)
-                .arg(&h)
-                .arg(&scale)
-                .arg(&l2)
-                .arg(&mut ws.w)
-                .arg(&mut ws.u)
-                .arg(&mut ws.qg)
-                .arg(&mut ws.kg)
-                .arg(&mut ws.aqk)
-                .arg(&mut ws.egl)
-                .launch(prep_cfg)?;
-        }
-        Ok(())
+        let p = self.batch_call(dev, shape, Some(x), scale, l2norm, (0, 0, 0), ws)?;
+        self.launch_prep(dev, &p, ws)
     }
 
     /// The sequential half of [`Self::prefill`]: the state walks the chunks prepared in `ws`.
@@ -277,7 +338,127 @@ impl KdaKernels {
         out: &mut CudaSlice<u16>,
         ws: &KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
-        let (t, h) = (shape.seq_len as i32, shape.heads as i32);
+        let s = dev.stream();
+        let src = initial.map_or(0, |i| base_ptr(s, i));
+        let (dst, o) = (base_ptr(s, final_state), base_ptr(s, out));
+        let p = self.batch_call(dev, shape, None, 0.0, false, (src, dst, o), ws)?;
+        self.launch_scan(dev, &p, ws)
+    }
+
+    /// A uniform batch as a packed call (the workspace holds its tables); `(src, dst, out)`:
+    /// the initial state (0: zeros), the final state and o.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_call(
+        &self,
+        dev: &CudaDevice,
+        shape: KdaShape,
+        x: Option<&KdaInputs>,
+        scale: f32,
+        l2norm: bool,
+        (src, dst, out): (DevPtr, DevPtr, DevPtr),
+        ws: &KdaPrefillWorkspace,
+    ) -> Result<KdaPacked, CudaError> {
+        let t = ws.batch_for(&shape)?;
+        let s = dev.stream();
+        let off = base_ptr(s, &t.state_off);
+        let p = |b: Option<DevPtr>| b.unwrap_or(0);
+        Ok(KdaPacked {
+            q: p(x.map(|x| base_ptr(s, x.q))),
+            k: p(x.map(|x| base_ptr(s, x.k))),
+            ld_qk: shape.heads * shape.dk,
+            v: p(x.map(|x| base_ptr(s, x.v))),
+            ld_v: shape.heads * shape.dv,
+            g: p(x.map(|x| base_ptr(s, x.g))),
+            beta: p(x.map(|x| base_ptr(s, x.beta))),
+            out,
+            ld_o: shape.heads * shape.dv,
+            seq_start: base_ptr(s, &t.seq_start),
+            chunk_start: base_ptr(s, &t.chunk_start),
+            sequences: shape.batch,
+            chunks: ws.chunks,
+            heads: shape.heads,
+            state: SegState {
+                src,
+                dst,
+                src_off: off,
+                dst_off: off,
+            },
+            scale,
+            l2norm,
+        })
+    }
+
+    /// Chunked prefill over packed sequences (see [`KdaPacked`]); `ws` must hold at least
+    /// `p.chunks` chunks of `p.heads` heads.
+    pub fn prefill_packed(
+        &self,
+        dev: &CudaDevice,
+        p: &KdaPacked,
+        ws: &KdaPrefillWorkspace,
+    ) -> Result<(), CudaError> {
+        if p.chunks > ws.chunks || p.heads != ws.heads || ws.dk != self.dk || ws.dv != self.dv {
+            return Err(shape_err(format!(
+                "workspace of {} chunks x {} heads (dk {}, dv {}) for a call of {} x {} (dk {}, dv {})",
+                ws.chunks, ws.heads, ws.dk, ws.dv, p.chunks, p.heads, self.dk, self.dv
+            )));
+        }
+        if [p.ld_qk, p.ld_v, p.ld_o].iter().any(|l| l % 8 != 0) {
+            return Err(shape_err(format!(
+                "row strides {} / {} / {} are not multiples of 8 elements",
+                p.ld_qk, p.ld_v, p.ld_o
+            )));
+        }
+        if p.sequences == 0 || p.chunks == 0 {
+            return Ok(());
+        }
+        self.launch_prep(dev, p, ws)?;
+        self.launch_scan(dev, p, ws)
+    }
+
+    fn launch_prep(
+        &self,
+        dev: &CudaDevice,
+        p: &KdaPacked,
+        ws: &KdaPrefillWorkspace,
+    ) -> Result<(), CudaError> {
+        let cfg = LaunchConfig {
+            grid_dim: (p.chunks as u32, p.heads as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: self.prep_smem,
+        };
+        let s = dev.stream();
+        let args = [
+            Arg::P(p.q),
+            Arg::P(p.k),
+            Arg::P(p.v),
+            Arg::P(p.g),
+            Arg::P(p.beta),
+            Arg::I(p.ld_qk as i32),
+            Arg::I(p.ld_v as i32),
+            Arg::P(p.seq_start),
+            Arg::P(p.chunk_start),
+            Arg::I(p.sequences as i32),
+            Arg::I(p.heads as i32),
+            Arg::F(p.scale),
+            Arg::I(p.l2norm as i32),
+            Arg::P(base_ptr(s, &ws.w)),
+            Arg::P(base_ptr(s, &ws.u)),
+            Arg::P(base_ptr(s, &ws.qg)),
+            Arg::P(base_ptr(s, &ws.kg)),
+            Arg::P(base_ptr(s, &ws.aqk)),
+            Arg::P(base_ptr(s, &ws.egl)),
+        ];
+        // SAFETY: kda_chunk_prep's parameters in order; the workspace holds p.chunks x p.heads
+        // chunks (checked by the callers) and the caller owns the input extents.
+        unsafe { launch_fn(dev, &self.prep, cfg, &args) }
+    }
+
+    fn launch_scan(
+        &self,
+        dev: &CudaDevice,
+        p: &KdaPacked,
+        ws: &KdaPrefillWorkspace,
+    ) -> Result<(), CudaError> {
         let (f, columns, threads, smem) = match (&self.scan_wg, self.use_scan_wg) {
             (Some(f), true) => (f, WG_SCAN_COLUMNS, 128, self.scan_wg_smem),
             _ => (
@@ -287,46 +468,57 @@ impl KdaKernels {
                 self.scan_smem,
             ),
         };
-        let scan_cfg = LaunchConfig {
+        let cfg = LaunchConfig {
             grid_dim: (
-                (shape.dv / columns) as u32,
-                shape.heads as u32,
-                shape.batch as u32,
+                (self.dv / columns) as u32,
+                p.heads as u32,
+                p.sequences as u32,
             ),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
-        let null: u64 = 0;
-        // SAFETY: argument types and order match kda_chunk_scan and kda_chunk_scan_wg (the
-        // same parameters); `prefill` checks the sizes.
-        unsafe {
-            let mut launch = dev.stream().launch_builder(f);
-            launch
-                .arg(&ws.w)
-                .arg(&ws.u)
-                .arg(&ws.qg)
-                .arg(&ws.kg)
-                .arg(&ws.aqk)
-                .arg(&ws.egl);
-            match initial {
-                Some(s) => launch.arg(s),
-                None => launch.arg(&null),
-            };
-            launch
-                .arg(final_state)
-                .arg(out)
-                .arg(&t)
-                .arg(&h)
-                .launch(scan_cfg)?;
-        }
-        Ok(())
+        let s = dev.stream();
+        let args = [
+            Arg::P(base_ptr(s, &ws.w)),
+            Arg::P(base_ptr(s, &ws.u)),
+            Arg::P(base_ptr(s, &ws.qg)),
+            Arg::P(base_ptr(s, &ws.kg)),
+            Arg::P(base_ptr(s, &ws.aqk)),
+            Arg::P(base_ptr(s, &ws.egl)),
+            Arg::P(p.state.src),
+            Arg::P(p.state.src_off),
+            Arg::P(p.state.dst),
+            Arg::P(p.state.dst_off),
+            Arg::P(p.out),
+            Arg::I(p.ld_o as i32),
+            Arg::P(p.seq_start),
+            Arg::P(p.chunk_start),
+            Arg::I(p.chunks as i32),
+        ];
+        // SAFETY: the parameters of kda_chunk_scan and kda_chunk_scan_wg (the same) in order;
+        // the workspace was filled by the prep of the same call.
+        unsafe { launch_fn(dev, f, cfg, &args) }
     }
 
-    /// Chooses the scan on warpgroup MMAs (when it was built: Hopper, dk = 128) or the
-    /// mma.sync scan; returns whether the warpgroup scan is now in use.
-    pub fn set_scan_warpgroup(&mut self, on: bool) -> bool {
+    /// Chooses the scan on warpgroup MMAs (where it can be built: Hopper, dk = 128; compiled on
+    /// first use) or the mma.sync scan; returns whether the warpgroup scan is now in use.
+    pub fn set_scan_warpgroup(&mut self, dev: &CudaDevice, on: bool) -> Result<bool, CudaError> {
+        let defines: Vec<(&str, String)> = self
+            .defines
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        if on && self.scan_wg.is_none() && wg_scan_available(dev.arch(), self.dk, self.dv, &defines)
+        {
+            let f = dev
+                .module_for("sm_90a", "kda_scan_sm90", KDA_SCAN_SM90_SOURCE, &defines)?
+                .load_function("kda_chunk_scan_wg")?;
+            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(attr, self.scan_wg_smem as i32)?;
+            self.scan_wg = Some(f);
+        }
         self.use_scan_wg = on && self.scan_wg.is_some();
-        self.use_scan_wg
+        Ok(self.use_scan_wg)
     }
 
     /// Chooses the decode kernel built for three resident blocks per multiprocessor (fewer

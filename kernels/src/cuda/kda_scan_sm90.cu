@@ -107,12 +107,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) kda_chunk_scan_wg(
     const bf16_t* __restrict__ w_in, const bf16_t* __restrict__ u_in,
     const bf16_t* __restrict__ qg_in, const bf16_t* __restrict__ kg_in,
     const bf16_t* __restrict__ aqk_in, const float* __restrict__ egl_in,
-    const float* __restrict__ s0, float* __restrict__ s_out, bf16_t* __restrict__ o, int T,
-    int H) {
-    const int v0 = blockIdx.x * WV, h = blockIdx.y, b = blockIdx.z;
-    const int NC = (T + CH - 1) / CH;
+    KDA_SCAN_STATE_ARGS) {
+    const int v0 = blockIdx.x * WV, h = blockIdx.y;
+    const SeqSpan sp = seq_span(seq_start, chunk_start, blockIdx.z);
+    const int NC = sp.chunks;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-    const size_t bh = (size_t)b * H + h;
+    const float* st0 = kda_seq_state_in(s0, s0_off, blockIdx.z, (size_t)h * DK * DV);
+    float* st1 = s_out + s_out_off[blockIdx.z] + (size_t)h * DK * DV;
     extern __shared__ __align__(128) unsigned char smem[];
     // This thread's accumulator rows: value columns v0 + ra and v0 + rb.
     const int ra = 16 * warp + g, rb = ra + 8;
@@ -124,11 +125,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) kda_chunk_scan_wg(
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int d = 8 * j + 2 * t4 + (e & 1), v = e >= 2 ? rb : ra;
-            S[4 * j + e] = s0 ? s0[(bh * DK + d) * DV + v0 + v] : 0.f;
+            S[4 * j + e] = st0 ? st0[d * DV + v0 + v] : 0.f;
         }
 
     auto load = [&](int cidx, int stg) {
-        wg_scan_load(smem + stg * G_STAGE, bh * NC + cidx, v0, tid, w_in, u_in, qg_in, kg_in,
+        wg_scan_load(smem + stg * G_STAGE, (size_t)h * nchunks + sp.c0 + cidx, v0, tid, w_in, u_in, qg_in, kg_in,
                      aqk_in, egl_in);
     };
     for (int c = 0; c < WG_SCAN_STAGES - 1; ++c) {
@@ -201,8 +202,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) kda_chunk_scan_wg(
 #pragma unroll
         for (int it = 0; it < CH * WV / 8 / 128; ++it) {
             const int e = tid + 128 * it, i = e / (WV / 8), n = (e % (WV / 8)) * 8, t = c * CH + i;
-            if (t < T)
-                *(uint4*)(o + (((size_t)b * T + t) * H + h) * DV + v0 + n) =
+            if (t < sp.len)
+                *(uint4*)(o + (size_t)(sp.tok0 + t) * ld_o + h * DV + v0 + n) =
                     *(const uint4*)(os + i * ULD2 + n);
         }
     }
@@ -212,6 +213,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) kda_chunk_scan_wg(
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int d = 8 * j + 2 * t4 + (e & 1), v = e >= 2 ? rb : ra;
-            s_out[(bh * DK + d) * DV + v0 + v] = S[4 * j + e];
+            st1[d * DV + v0 + v] = S[4 * j + e];
         }
 }

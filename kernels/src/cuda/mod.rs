@@ -26,10 +26,11 @@ pub use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAs
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 pub use crate::gpu::{
-    bf16_bits, bf16_value, kda_defines, KdaShape, CHUNK as KDA_CHUNK, KDA_SOURCE, OPS_SOURCE,
+    bf16_bits, bf16_value, kda_defines, KdaSequenceTables, KdaShape, CHUNK as KDA_CHUNK,
+    KDA_SOURCE, OPS_SOURCE,
 };
 pub use conv::ShortConv;
-pub use kda::{KdaInputs, KdaKernels, KdaPrefillWorkspace};
+pub use kda::{KdaInputs, KdaKernels, KdaPacked, KdaPrefillWorkspace};
 pub use mla::{
     MlaDecode, MlaDecodeShape, MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MLA_RANK,
     MLA_ROPE,

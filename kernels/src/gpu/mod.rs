@@ -93,6 +93,48 @@ impl KdaShape {
     pub(crate) fn state_len(&self) -> usize {
         self.batch * self.heads * self.dk * self.dv
     }
+    /// The sequence tables of this uniform batch (see [`KdaSequenceTables`]), each sequence's
+    /// state at `b · heads · dk · dv` floats.
+    pub(crate) fn tables(&self) -> KdaSequenceTables {
+        let mut t = KdaSequenceTables::new(std::iter::repeat_n(self.seq_len, self.batch));
+        let per = (self.heads * self.dk * self.dv) as i64;
+        t.state_off = (0..self.batch as i64).map(|b| b * per).collect();
+        t
+    }
+}
+
+/// How the chunked KDA prefill finds packed sequences (`kda.cu`, `SeqSpan`): sequence `s` holds
+/// token rows `seq_start[s]..seq_start[s+1]` and chunks `chunk_start[s]..chunk_start[s+1]` of
+/// [`CHUNK`] tokens; `state_off[s]` is where its state lies in a buffer of states (floats).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KdaSequenceTables {
+    pub seq_start: Vec<i32>,
+    pub chunk_start: Vec<i32>,
+    pub state_off: Vec<i64>,
+}
+
+impl KdaSequenceTables {
+    /// Tables of sequences of `lens` tokens packed in order (no state offsets).
+    pub fn new(lens: impl IntoIterator<Item = usize>) -> Self {
+        let (mut seq_start, mut chunk_start) = (vec![0i32], vec![0i32]);
+        let (mut rows, mut chunks) = (0usize, 0usize);
+        for len in lens {
+            rows += len;
+            chunks += len.div_ceil(CHUNK);
+            seq_start.push(rows as i32);
+            chunk_start.push(chunks as i32);
+        }
+        KdaSequenceTables {
+            seq_start,
+            chunk_start,
+            state_off: Vec::new(),
+        }
+    }
+
+    /// Chunks over every sequence.
+    pub fn chunks(&self) -> usize {
+        self.chunk_start.last().map_or(0, |&c| c as usize)
+    }
 }
 
 /// The `-D` macros of one KDA configuration.

@@ -38,13 +38,21 @@ pub struct KdaPrefillWorkspace {
     kg: HipBuffer<u16>,
     aqk: HipBuffer<u16>,
     egl: HipBuffer<f32>,
+    /// The batch's sequence tables (`kda.cu` takes packed sequences; a batch is one case).
+    seq_start: HipBuffer<i32>,
+    chunk_start: HipBuffer<i32>,
+    state_off: HipBuffer<i64>,
 }
 
 impl KdaPrefillWorkspace {
     pub fn new(dev: &HipDevice, shape: KdaShape) -> Result<Self, HipError> {
         let n = shape.batch * shape.heads * shape.chunks();
+        let tables = shape.tables();
         Ok(KdaPrefillWorkspace {
             shape,
+            seq_start: dev.upload(&tables.seq_start)?,
+            chunk_start: dev.upload(&tables.chunk_start)?,
+            state_off: dev.upload(&tables.state_off)?,
             w: dev.alloc_zeros(n * CHUNK * shape.dk)?,
             u: dev.alloc_zeros(n * CHUNK * shape.dv)?,
             qg: dev.alloc_zeros(n * CHUNK * shape.dk)?,
@@ -209,11 +217,7 @@ impl KdaKernels {
     ) -> Result<(), HipError> {
         self.check_prefill_fits()?;
         let cfg = LaunchConfig {
-            grid_dim: (
-                shape.chunks() as u32,
-                shape.heads as u32,
-                shape.batch as u32,
-            ),
+            grid_dim: ((shape.batch * shape.chunks()) as u32, shape.heads as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: self.prep_smem,
         };
@@ -223,7 +227,11 @@ impl KdaKernels {
             .buffer(x.v)
             .buffer(x.g)
             .buffer(x.beta)
-            .i32(shape.seq_len as i32)
+            .i32((shape.heads * shape.dk) as i32)
+            .i32((shape.heads * shape.dv) as i32)
+            .buffer(&ws.seq_start)
+            .buffer(&ws.chunk_start)
+            .i32(shape.batch as i32)
             .i32(shape.heads as i32)
             .f32(scale)
             .i32(l2norm as i32)
@@ -265,10 +273,14 @@ impl KdaKernels {
             .buffer(&ws.aqk)
             .buffer(&ws.egl)
             .buffer_or_null(initial)
+            .buffer(&ws.state_off)
             .buffer(final_state)
+            .buffer(&ws.state_off)
             .buffer(out)
-            .i32(shape.seq_len as i32)
-            .i32(shape.heads as i32);
+            .i32((shape.heads * shape.dv) as i32)
+            .buffer(&ws.seq_start)
+            .buffer(&ws.chunk_start)
+            .i32((shape.batch * shape.chunks()) as i32);
         // SAFETY: argument types and order match kda_chunk_scan; `prefill` checks the sizes.
         unsafe { dev.stream().launch(&self.scan, cfg, &args) }
     }

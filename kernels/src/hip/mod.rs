@@ -23,7 +23,8 @@ use hip_runtime_sys as sys;
 use sys::hipError_t;
 
 pub use crate::gpu::{
-    bf16_bits, bf16_value, kda_defines, KdaShape, CHUNK as KDA_CHUNK, KDA_SOURCE, OPS_SOURCE,
+    bf16_bits, bf16_value, kda_defines, KdaSequenceTables, KdaShape, CHUNK as KDA_CHUNK,
+    KDA_SOURCE, OPS_SOURCE,
 };
 pub use kda::{KdaInputs, KdaKernels, KdaPrefillWorkspace};
 pub use rtc::{hiprtc_info, hiprtc_targets};

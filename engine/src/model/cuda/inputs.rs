@@ -3,7 +3,7 @@
 //! A replayed decode graph ([`super::graphs`]) reads them from a buffer of its own at fixed
 //! addresses, so every region has a capacity fixed by the graph's shape, not by the step.
 
-use tessera_kernels::cuda::{CudaSlice, DevPtr};
+use tessera_kernels::cuda::{CudaSlice, DevPtr, KdaSequenceTables};
 
 use super::super::{LogitsWanted, Rows};
 use super::Gpu;
@@ -95,6 +95,12 @@ pub(super) struct Step {
     pub layout: Rows,
     pub ids: DevPtr,
     pub seg_start: DevPtr,
+    /// Per segment, its first chunk of the chunked KDA prefill (i32, `segments + 1`), and the
+    /// chunks over all segments.
+    pub chunk_start: DevPtr,
+    pub chunks: usize,
+    /// Rows of the longest segment.
+    pub longest: usize,
     /// The rows whose logits the call returns, in order, and how many of them per segment.
     pub logit_rows: DevPtr,
     pub logit_counts: Vec<usize>,
@@ -105,6 +111,8 @@ pub(super) struct StepPlan {
     layout: Rows,
     ids: Region,
     seg_start: Region,
+    chunk_start: Region,
+    chunks: usize,
     logit_rows: Region,
     logit_counts: Vec<usize>,
 }
@@ -119,6 +127,9 @@ impl StepPlan {
             .collect();
         let ids = pk.i32s(&ids, n);
         let seg_start = pk.i32s(&layout.starts, tokens.len() + 1);
+        let tables = KdaSequenceTables::new(tokens.iter().map(|t| t.len()));
+        let chunk_start: Vec<usize> = tables.chunk_start.iter().map(|&c| c as usize).collect();
+        let chunk_start_region = pk.i32s(&chunk_start, tokens.len() + 1);
         let mut rows = Vec::new();
         let mut logit_counts = Vec::with_capacity(wanted.len());
         for (w, range) in wanted.iter().zip(layout.ranges()) {
@@ -131,6 +142,8 @@ impl StepPlan {
             layout,
             ids,
             seg_start,
+            chunk_start: chunk_start_region,
+            chunks: tables.chunks(),
             logit_rows,
             logit_counts,
         }
@@ -142,11 +155,15 @@ impl StepPlan {
 
     /// The step, its inputs uploaded to a buffer at `base`.
     pub fn at(self, base: DevPtr) -> Step {
+        let longest = self.layout.ranges().map(|r| r.len()).max().unwrap_or(0);
         Step {
             rows: self.layout.total(),
             layout: self.layout,
             ids: Packed::at(base, self.ids),
             seg_start: Packed::at(base, self.seg_start),
+            chunk_start: Packed::at(base, self.chunk_start),
+            chunks: self.chunks,
+            longest,
             logit_rows: Packed::at(base, self.logit_rows),
             logit_counts: self.logit_counts,
         }

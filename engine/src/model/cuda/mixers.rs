@@ -1,11 +1,16 @@
 //! The token mixers on the device. Each reads and advances its sequences' state where
 //! [`super::state_io`] says it lives (the device page arena when serving).
 //!
-//! MLA always runs the absorbed form (as the CPU path does under batch invariance); KDA always the
-//! recurrence, token by token. Both are the same maths as the CPU path's chunked and expanded
-//! forms, in a different summation order.
+//! MLA always runs the absorbed form (as the CPU path does under batch invariance). KDA runs the
+//! recurrence token by token, or — for calls with a segment of at least [`ChunkedKda`]'s
+//! threshold, outside the exact mode — the chunked form on the tensor cores (`kda.cu`: bf16
+//! q/k/v/β, f32 decays and state). All are the same maths as the CPU path's chunked and
+//! expanded forms, in a different summation order.
 
-use tessera_kernels::cuda::{KdaRecurrent, MlaAbsorbed, NormRows};
+use tessera_kernels::cuda::{
+    CudaDevice, CudaSlice, KdaKernels, KdaPacked, KdaPrefillWorkspace, KdaRecurrent, MlaAbsorbed,
+    NormRows,
+};
 
 use super::super::kda::{KdaLayer, OutGate};
 use super::super::mla::{MlaLayer, QueryProj};
@@ -13,9 +18,48 @@ use super::inputs::Step;
 use super::state_io::{KdaIo, MlaIo};
 use super::weights::{DLinear, DVec};
 use super::Gpu;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 
 const QK_L2_EPS: f32 = 1e-6;
+
+/// The chunked KDA prefill, where it applies: outside the exact mode, for a KDA head dim the
+/// kernels are built for (128), unless `TESSERA_KDA_PREFILL=recurrent`. A call takes it when its
+/// longest segment has at least `min_tokens` rows (`TESSERA_KDA_CHUNKED_MIN`, default
+/// [`CHUNKED_MIN_TOKENS`]); decode steps (one row per segment) always take the recurrence.
+pub(super) struct ChunkedKda {
+    kernels: KdaKernels,
+    min_tokens: usize,
+}
+
+/// Default shortest segment that takes the chunked prefill.
+const CHUNKED_MIN_TOKENS: usize = 32;
+/// Head dim of the chunked kernels (`kda_check_config`: dk = dv = 128 here).
+const CHUNKED_HEAD_DIM: usize = 128;
+/// Value columns per scan block: 32 puts the most blocks on the GPU when few sequences prefill.
+const CHUNKED_V_TILE: usize = 32;
+
+impl ChunkedKda {
+    /// The kernels for a model whose KDA layers have `head_dim` (None: no KDA layer).
+    pub fn load(dev: &CudaDevice, head_dim: Option<usize>, exact: bool) -> Result<Option<Self>> {
+        let wanted = std::env::var("TESSERA_KDA_PREFILL").map_or(true, |v| v != "recurrent");
+        if exact || !wanted || head_dim != Some(CHUNKED_HEAD_DIM) {
+            return Ok(None);
+        }
+        let min_tokens = match std::env::var("TESSERA_KDA_CHUNKED_MIN") {
+            Ok(v) => v.parse().map_err(|_| {
+                EngineError::InvalidInput(format!(
+                    "TESSERA_KDA_CHUNKED_MIN={v:?} is not a number of tokens"
+                ))
+            })?,
+            Err(_) => CHUNKED_MIN_TOKENS,
+        };
+        let kernels = KdaKernels::load(dev, CHUNKED_HEAD_DIM, CHUNKED_HEAD_DIM, CHUNKED_V_TILE)?;
+        Ok(Some(ChunkedKda {
+            kernels,
+            min_tokens: min_tokens.max(1),
+        }))
+    }
+}
 
 enum DOutGate {
     LowRank { a: DLinear, b: DLinear },
@@ -75,13 +119,7 @@ impl DKda {
     }
 
     /// `x`: the normed input as a GEMM input `[n, hidden]`; returns the mixer output f32 `[n, hidden]`.
-    pub fn forward(
-        &self,
-        gpu: &Gpu,
-        step: &Step,
-        x: u64,
-        io: &KdaIo,
-    ) -> Result<tessera_kernels::cuda::CudaSlice<f32>> {
+    pub fn forward(&self, gpu: &Gpu, step: &Step, x: u64, io: &KdaIo) -> Result<CudaSlice<f32>> {
         let (n, s) = (step.rows, step.segments());
         let (h, dk) = (self.heads, self.head_dim);
         let p = h * dk;
@@ -124,23 +162,33 @@ impl DKda {
         gpu.k.sigmoid(dev, gpu.p(&beta), n * h)?;
 
         let core = gpu.scratch::<f32>(n * p)?;
-        gpu.timed("kda:recurrence", || {
-            Ok(gpu.k.kda_recurrent(
-                dev,
-                &KdaRecurrent {
-                    qkv: gpu.p(&conv_out),
-                    g: gpu.p(&g),
-                    beta: gpu.p(&beta),
-                    state: io.recurrent,
-                    seg_start: step.seg_start,
-                    out: gpu.p(&core),
-                    segments: s,
-                    heads: h,
-                    head_dim: dk,
-                    scale: 1.0 / (dk as f32).sqrt(),
-                },
-            )?)
-        })?;
+        let scale = 1.0 / (dk as f32).sqrt();
+        match gpu
+            .kda
+            .as_ref()
+            .filter(|c| step.longest >= c.min_tokens && dk == CHUNKED_HEAD_DIM)
+        {
+            Some(chunked) => gpu.timed("kda:chunked", || {
+                self.chunked(gpu, chunked, step, (&conv_out, &g, &beta), io, &core)
+            })?,
+            None => gpu.timed("kda:recurrence", || {
+                Ok(gpu.k.kda_recurrent(
+                    dev,
+                    &KdaRecurrent {
+                        qkv: gpu.p(&conv_out),
+                        g: gpu.p(&g),
+                        beta: gpu.p(&beta),
+                        state: io.recurrent,
+                        seg_start: step.seg_start,
+                        out: gpu.p(&core),
+                        segments: s,
+                        heads: h,
+                        head_dim: dk,
+                        scale,
+                    },
+                )?)
+            })?,
+        }
         let gate = gpu.scratch::<f32>(n * p)?;
         match &self.gate {
             DOutGate::LowRank { a, b } => {
@@ -165,6 +213,48 @@ impl DKda {
         let out = gpu.scratch::<f32>(n * self.o.out_dim)?;
         self.o.forward(gpu, gpu.p(&normed), n, gpu.p(&out))?;
         Ok(out)
+    }
+
+    /// The delta rule in chunks: `qkv [n, 3p]` (q, k normalised), `g [n, p]` and `beta [n, h]`
+    /// (f32) go to bf16, o comes back into `core [n, p]` f32.
+    fn chunked(
+        &self,
+        gpu: &Gpu,
+        c: &ChunkedKda,
+        step: &Step,
+        (qkv, g, beta): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+        io: &KdaIo,
+        core: &CudaSlice<f32>,
+    ) -> Result<()> {
+        let (n, h, dk) = (step.rows, self.heads, self.head_dim);
+        let p = h * dk;
+        let qkv_b = gpu.to_act(qkv)?;
+        let beta_b = gpu.to_act(beta)?;
+        let o = gpu.scratch::<u16>(n * p)?;
+        let ws = KdaPrefillWorkspace::packed(&gpu.dev, step.chunks, h, dk, dk)?;
+        let base = gpu.p(&qkv_b);
+        let call = KdaPacked {
+            q: base,
+            k: base + 2 * p as u64,
+            ld_qk: 3 * p,
+            v: base + 4 * p as u64,
+            ld_v: 3 * p,
+            g: gpu.p(g),
+            beta: gpu.p(&beta_b),
+            out: gpu.p(&o),
+            ld_o: p,
+            seq_start: step.seg_start,
+            chunk_start: step.chunk_start,
+            sequences: step.segments(),
+            chunks: step.chunks,
+            heads: h,
+            state: io.recurrent,
+            scale: 1.0 / (dk as f32).sqrt(),
+            l2norm: false,
+        };
+        c.kernels.prefill_packed(&gpu.dev, &call, &ws)?;
+        gpu.k.from_bf16(&gpu.dev, gpu.p(&o), gpu.p(core), n * p)?;
+        Ok(())
     }
 }
 
@@ -221,13 +311,7 @@ impl DMla {
     }
 
     /// `x`: the normed input as a GEMM input `[n, hidden]`; returns the mixer output f32 `[n, hidden]`.
-    pub fn forward(
-        &self,
-        gpu: &Gpu,
-        step: &Step,
-        x: u64,
-        io: &MlaIo,
-    ) -> Result<tessera_kernels::cuda::CudaSlice<f32>> {
+    pub fn forward(&self, gpu: &Gpu, step: &Step, x: u64, io: &MlaIo) -> Result<CudaSlice<f32>> {
         let n = step.rows;
         let (h, dn, dr, dv, r) = (self.heads, self.nope, self.rope, self.v_dim, self.rank);
         let dev = &gpu.dev;

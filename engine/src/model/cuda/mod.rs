@@ -31,7 +31,7 @@ use crate::error::{EngineError, Result};
 use crate::sampler::SampleDraw;
 use graphs::Graphs;
 use inputs::{DrawPlan, Draws, Packed, Step, StepPlan};
-use mixers::{DKda, DMla};
+use mixers::{ChunkedKda, DKda, DMla};
 use moe::DMoe;
 use state_io::{PagedPlan, States};
 use weights::{upload_weights, DLinear, DMlp, DVec};
@@ -52,6 +52,8 @@ impl From<DriverError> for EngineError {
 pub(super) struct Gpu {
     dev: CudaDevice,
     k: ModelKernels,
+    /// The chunked KDA prefill, where the model and mode allow it.
+    kda: Option<ChunkedKda>,
     blas: Blas,
     profile: Option<Profile>,
 }
@@ -183,6 +185,11 @@ impl CudaModel {
     pub(crate) fn upload(model: &Model, ordinal: usize, exact: bool) -> Result<Self> {
         let dev = CudaDevice::open(ordinal, tessera_kernels::cuda::default_cache_dir())?;
         let k = ModelKernels::load(&dev, exact)?;
+        let kda_head_dim = model.layers.iter().find_map(|l| match &l.mixer {
+            Mixer::Kda(m) => Some(m.head_dim),
+            Mixer::Mla(_) => None,
+        });
+        let kda = ChunkedKda::load(&dev, kda_head_dim, exact)?;
         let blas = Blas::new(&dev)?;
         let profile = std::env::var("TESSERA_CUDA_PROFILE")
             .is_ok_and(|v| v == "1")
@@ -190,6 +197,7 @@ impl CudaModel {
         let gpu = Gpu {
             dev,
             k,
+            kda,
             blas,
             profile,
         };
