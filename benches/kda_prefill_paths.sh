@@ -2,8 +2,8 @@
 # Whole-model prefill on a CUDA GPU with the KDA layers on the chunked kernels (`kda.cu`, the
 # default outside the exact mode) against the token recurrence (`TESSERA_KDA_PREFILL=recurrent`),
 # on the `medium` random Kimi Linear model: prefill time per prompt length and batch (each shape
-# run twice, the second warm), then one profiled run per path (`TESSERA_CUDA_PROFILE=1`: every part
-# of the forward bracketed by synchronisations) that splits out the KDA mixer's time.
+# run twice, the second warm), then a profiled prefill per path (`TESSERA_CUDA_PROFILE=1`: every
+# part of the forward bracketed by synchronisations) that splits out the KDA recurrence's time.
 #
 # Build here with `cargo build --release --features cuda` and
 # `cargo build --release -p tessera-engine --features cuda --example decode_bench`, then run with
@@ -21,10 +21,7 @@ for prompt in $PROMPTS; do
         echo "== KDA prefill $path, prompt $prompt"
         TESSERA_KDA_PREFILL=$path "$BENCH" "$MODEL" cuda "${BATCH:-1,1,8}" "$prompt" 8 serving |
             grep -E '^batch'
+        TESSERA_KDA_PREFILL=$path TESSERA_CUDA_PROFILE=1 "$BENCH" "$MODEL" cuda 1 "$prompt" 1 serving |
+            sed -n '/^prefill forward profile/,/^forward profile/p' | grep -v '^forward profile'
     done
-done
-last=${PROMPTS##* }
-for path in chunked recurrent; do
-    echo "== profile: KDA prefill $path, prompt $last"
-    TESSERA_KDA_PREFILL=$path TESSERA_CUDA_PROFILE=1 "$BENCH" "$MODEL" cuda 1 "$last" 1 serving
 done

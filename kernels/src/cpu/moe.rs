@@ -1,6 +1,8 @@
 //! MoE routing: sigmoid scores + grouped top-k with a score-correction bias
 //! (DeepSeek-V3 / Kimi style), exactly transformers' `KimiLinearTopkRouter`.
 
+use rayon::prelude::*;
+
 use super::simd::sigmoid;
 
 /// Router configuration (from the model config).
@@ -60,6 +62,33 @@ pub fn route_sigmoid_grouped(
     let t = logits.len() / experts;
     assert_eq!(idx.len(), t * cfg.top_k, "route: idx shape");
     assert_eq!(weight.len(), t * cfg.top_k, "route: weight shape");
+    let k = cfg.top_k;
+    if t <= ROUTE_ROWS_PER_TASK {
+        route_rows(logits, experts, bias, cfg, idx, weight);
+    } else {
+        // Rows are independent: spread them over the thread pool (the same per-row code, so
+        // the same choices and weights as one thread).
+        logits
+            .par_chunks(ROUTE_ROWS_PER_TASK * experts)
+            .zip(idx.par_chunks_mut(ROUTE_ROWS_PER_TASK * k))
+            .zip(weight.par_chunks_mut(ROUTE_ROWS_PER_TASK * k))
+            .for_each(|((lg, oi), ow)| route_rows(lg, experts, bias, cfg, oi, ow));
+    }
+}
+
+/// Rows per task when routing spreads over threads.
+const ROUTE_ROWS_PER_TASK: usize = 256;
+
+/// [`route_sigmoid_grouped`] for the rows of `logits`, one after another (shapes checked).
+fn route_rows(
+    logits: &[f32],
+    experts: usize,
+    bias: &[f32],
+    cfg: &MoeRouting,
+    idx: &mut [u32],
+    weight: &mut [f32],
+) {
+    let n_group = cfg.n_group.max(1);
     let gsize = experts / n_group;
     let grouped = n_group > 1 && cfg.topk_group < n_group;
 
@@ -141,6 +170,32 @@ mod tests {
         };
         route_sigmoid_grouped(&logits, 8, &bias, &flat, &mut idx, &mut w);
         assert_eq!(idx, [0, 6]);
+    }
+
+    #[test]
+    fn many_rows_route_as_each_row_alone() {
+        // Enough rows to take the threaded path; whole-number logits so many experts tie.
+        let (experts, rows) = (16, 3 * ROUTE_ROWS_PER_TASK + 7);
+        let logits: Vec<f32> = (0..rows * experts)
+            .map(|i| ((i * 7919 + i / 13) % 5) as f32 - 2.0)
+            .collect();
+        let bias: Vec<f32> = (0..experts).map(|e| (e % 3) as f32 * 0.25).collect();
+        let cfg = MoeRouting {
+            n_group: 4,
+            topk_group: 2,
+            top_k: 3,
+            renormalize: true,
+            scaling: 1.5,
+        };
+        let (mut idx, mut w) = (vec![0u32; rows * 3], vec![0f32; rows * 3]);
+        route_sigmoid_grouped(&logits, experts, &bias, &cfg, &mut idx, &mut w);
+        for r in 0..rows {
+            let (mut i1, mut w1) = ([0u32; 3], [0f32; 3]);
+            let row = &logits[r * experts..(r + 1) * experts];
+            route_sigmoid_grouped(row, experts, &bias, &cfg, &mut i1, &mut w1);
+            assert_eq!(idx[r * 3..r * 3 + 3], i1, "row {r}");
+            assert_eq!(w[r * 3..r * 3 + 3], w1, "row {r}");
+        }
     }
 
     #[test]

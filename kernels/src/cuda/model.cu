@@ -99,25 +99,50 @@ rmsnorm_rows(const float* __restrict__ x, const int* __restrict__ in_rows, int i
 
 // Causal depthwise conv + SiLU per sequence: segment s owns rows seg_start[s]..seg_start[s+1] of
 // x [N, C]; its state [C, K-1] holds each channel's previous K-1 inputs, oldest first. One thread
-// per (segment, channel).
+// per (channel, segment, tile of CONV_TILE tokens), so a long prompt spreads over the GPU; the
+// advanced state is written afterwards by short_conv_state (the state may be read and written
+// in place, and every tile of a segment reads the old one).
+#define CONV_TILE 64
+// Input `t` (an absolute row) of channel c of a segment starting at row a: x, or the old state
+// for rows before the segment (zeros without one).
+__device__ __forceinline__ float conv_input(const float* __restrict__ x, const float* src, long long so,
+                                            int a, int t, int c, int C, int K) {
+    if (t >= a) return x[(size_t)t * C + c];
+    return so >= 0 ? src[so + (long long)c * (K - 1) + (K - 1) + (t - a)] : 0.0f;
+}
 extern "C" __global__ void __launch_bounds__(MT)
-short_conv_silu_seg(const float* __restrict__ x, const float* __restrict__ w, const float* src, float* dst,
-                    const long long* __restrict__ src_off, const long long* __restrict__ dst_off,
-                    const int* __restrict__ seg_start, float* __restrict__ out, int C, int K) {
+short_conv_silu_seg(const float* __restrict__ x, const float* __restrict__ w, const float* src,
+                    const long long* __restrict__ src_off, const int* __restrict__ seg_start,
+                    float* __restrict__ out, int C, int K) {
     const int c = blockIdx.x * MT + threadIdx.x, s = blockIdx.y;
-    if (c >= C) return;
-    float win[16];  // the last K-1 inputs, oldest first (K ≤ 17)
+    const int a = seg_start[s], e = seg_start[s + 1], t0 = a + blockIdx.z * CONV_TILE;
+    if (c >= C || t0 >= e) return;
+    float win[16], wk[17];  // the K-1 inputs before the current one, oldest first (K ≤ 17)
     const long long so = src_off[s];
-    for (int j = 0; j < K - 1; ++j) win[j] = so >= 0 ? src[so + (long long)c * (K - 1) + j] : 0.0f;
-    for (int t = seg_start[s]; t < seg_start[s + 1]; ++t) {
+    for (int j = 0; j < K; ++j) wk[j] = w[(size_t)c * K + j];
+    for (int j = 0; j < K - 1; ++j) win[j] = conv_input(x, src, so, a, t0 - (K - 1) + j, c, C, K);
+    const int t1 = min(e, t0 + CONV_TILE);
+    for (int t = t0; t < t1; ++t) {
         const float xt = x[(size_t)t * C + c];
         float acc = 0.0f;
-        for (int j = 0; j < K - 1; ++j) acc += w[(size_t)c * K + j] * win[j];
-        acc += w[(size_t)c * K + K - 1] * xt;
+        for (int j = 0; j < K - 1; ++j) acc += wk[j] * win[j];
+        acc += wk[K - 1] * xt;
         out[(size_t)t * C + c] = acc * sigmoidf_(acc);
         for (int j = 0; j + 1 < K - 1; ++j) win[j] = win[j + 1];
         if (K > 1) win[K - 2] = xt;
     }
+}
+// The state after each segment: its channel's last K-1 inputs (old state included). One thread
+// per (channel, segment) reads all of its values before writing any, so src may equal dst.
+extern "C" __global__ void __launch_bounds__(MT)
+short_conv_state(const float* __restrict__ x, const float* src, float* dst,
+                 const long long* __restrict__ src_off, const long long* __restrict__ dst_off,
+                 const int* __restrict__ seg_start, int C, int K) {
+    const int c = blockIdx.x * MT + threadIdx.x, s = blockIdx.y;
+    if (c >= C) return;
+    const int a = seg_start[s], e = seg_start[s + 1];
+    float win[16];
+    for (int j = 0; j < K - 1; ++j) win[j] = conv_input(x, src, src_off[s], a, e - (K - 1) + j, c, C, K);
     float* st = dst + dst_off[s] + (long long)c * (K - 1);
     for (int j = 0; j < K - 1; ++j) st[j] = win[j];
 }
@@ -331,11 +356,13 @@ extern "C" __global__ void glu_act(const float* __restrict__ gu, void* __restric
     }
 }
 
-// out[i, :] = src[rows[i], :] as a GEMM input.
+// out[i, :] = src[rows[i], :] as a GEMM input (zeros where rows[i] < 0).
 extern "C" __global__ void __launch_bounds__(MT)
 gather_act(const float* __restrict__ src, const int* __restrict__ rows, void* __restrict__ out, int dim, int exact) {
-    const float* s = src + (size_t)rows[blockIdx.x] * dim;
-    for (int c = threadIdx.x; c < dim; c += MT) store_act(out, (size_t)blockIdx.x * dim + c, s[c], exact);
+    const int r = rows[blockIdx.x];
+    const float* s = src + (size_t)max(r, 0) * dim;
+    for (int c = threadIdx.x; c < dim; c += MT)
+        store_act(out, (size_t)blockIdx.x * dim + c, r >= 0 ? s[c] : 0.0f, exact);
 }
 
 // acc[rows[i], :] += w[i]·y[i, :] (rows distinct within one launch).

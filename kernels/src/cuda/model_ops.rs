@@ -30,6 +30,8 @@ pub fn dptr<T, S: DevicePtr<T>>(dev: &CudaDevice, s: &S, offset: usize) -> DevPt
 pub(super) const MT: u32 = 128;
 /// Widest short-conv kernel `short_conv_silu_seg` keeps in registers.
 pub const MAX_CONV_KERNEL: usize = 17;
+/// Tokens per thread of `short_conv_silu_seg` (`CONV_TILE`).
+const CONV_TILE: usize = 64;
 /// Widest KDA head `kda_recurrent_seg` keeps in registers (`KDA_MAX_DK`).
 pub const KDA_MAX_HEAD_DIM: usize = 128;
 /// Value columns and row parts of one `kda_recurrent_seg` block (`KDA_COLS`, `KDA_PARTS`).
@@ -97,6 +99,7 @@ pub const MODEL_KERNELS: &[&str] = &[
     "sigmoid_inplace",
     "rmsnorm_rows",
     "short_conv_silu_seg",
+    "short_conv_state",
     "kda_gate",
     "l2norm_heads",
     "kda_recurrent_seg",
@@ -266,9 +269,9 @@ impl ModelKernels {
     }
 
     /// Causal depthwise conv + SiLU for `segments` sequences: `x, out [N, channels]` f32, rows of
-    /// segment `s` at `seg_start[s]..seg_start[s+1]` (i32 device array of `segments + 1`),
-    /// `weight [channels, kernel]` f32, each segment's state `[channels, kernel-1]` f32 where
-    /// `state` says (read, advanced, written).
+    /// segment `s` at `seg_start[s]..seg_start[s+1]` (i32 device array of `segments + 1`; the
+    /// longest segment has `longest` rows), `weight [channels, kernel]` f32, each segment's state
+    /// `[channels, kernel-1]` f32 where `state` says (read, advanced, written; in place too).
     #[allow(clippy::too_many_arguments)]
     pub fn short_conv_silu(
         &self,
@@ -278,7 +281,7 @@ impl ModelKernels {
         state: &SegState,
         seg_start: DevPtr,
         out: DevPtr,
-        segments: usize,
+        (segments, longest): (usize, usize),
         channels: usize,
         kernel: usize,
     ) -> Result<(), CudaError> {
@@ -291,16 +294,27 @@ impl ModelKernels {
             Arg::P(x),
             Arg::P(weight),
             Arg::P(state.src),
-            Arg::P(state.dst),
             Arg::P(state.src_off),
-            Arg::P(state.dst_off),
             Arg::P(seg_start),
             Arg::P(out),
             i(channels),
             i(kernel),
         ];
+        let tiles = longest.div_ceil(CONV_TILE).max(1);
+        let cfg = grid3(channels.div_ceil(MT as usize), segments, tiles, MT);
+        self.launch(dev, "short_conv_silu_seg", cfg, &a)?;
+        let a = [
+            Arg::P(x),
+            Arg::P(state.src),
+            Arg::P(state.dst),
+            Arg::P(state.src_off),
+            Arg::P(state.dst_off),
+            Arg::P(seg_start),
+            i(channels),
+            i(kernel),
+        ];
         let cfg = grid(channels.div_ceil(MT as usize), segments, MT, 0);
-        self.launch(dev, "short_conv_silu_seg", cfg, &a)
+        self.launch(dev, "short_conv_state", cfg, &a)
     }
 
     /// KDA forget gate in place over `g [n / proj, proj]`: `dt_bias [proj]`, `rate [heads]`
@@ -434,7 +448,8 @@ impl ModelKernels {
         self.launch(dev, "glu_act", flat(n), &a)
     }
 
-    /// `out[i, :]` (a GEMM input) ← `src[rows[i], :]` f32 for `n` indices (i32 device array).
+    /// `out[i, :]` (a GEMM input) ← `src[rows[i], :]` f32 for `n` indices (i32 device array; a
+    /// negative index gives a row of zeros).
     pub fn gather_act(
         &self,
         dev: &CudaDevice,

@@ -134,7 +134,7 @@ impl DKda {
             &io.conv,
             step.seg_start,
             gpu.p(&conv_out),
-            s,
+            (s, step.longest),
             3 * p,
             self.kernel,
         )?;

@@ -8,7 +8,7 @@ use tessera_kernels::cuda::{CudaSlice, GemmType, NormRows};
 
 use super::super::moe::Moe;
 use super::experts::DExperts;
-use super::weights::{upload_i32, DLinear, DMlp, DVec};
+use super::weights::{DLinear, DMlp, DVec};
 use super::Gpu;
 use crate::error::Result;
 
@@ -127,49 +127,64 @@ impl DMoe {
     ) -> Result<CudaSlice<f32>> {
         let dev = &gpu.dev;
         let e = self.correction_bias.len();
-        let logits = dev.download(logits)?;
         let k = self.routing.top_k;
         let (mut idx, mut weight) = (vec![0u32; rows * k], vec![0f32; rows * k]);
-        cpu::route_sigmoid_grouped(
-            &logits,
-            e,
-            &self.correction_bias,
-            &self.routing,
-            &mut idx,
-            &mut weight,
-        );
-        // Rows grouped by expert, all experts' lists in one upload.
+        gpu.timed("moe:host routing", || {
+            let logits = dev.download(logits)?;
+            cpu::route_sigmoid_grouped(
+                &logits,
+                e,
+                &self.correction_bias,
+                &self.routing,
+                &mut idx,
+                &mut weight,
+            );
+            Ok(())
+        })?;
+        // Rows grouped by expert, all experts' lists in one upload. Each expert's GEMMs run on
+        // its rows padded with zero rows to a multiple of `pad` (fewer distinct GEMM shapes, so
+        // cuBLAS picks each kernel once and not per call); only the real rows are added back.
+        let pad = moe_pad_rows();
         let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
         for r in 0..rows {
             for j in 0..k {
                 by_expert[idx[r * k + j] as usize].push((r, weight[r * k + j]));
             }
         }
-        let (mut all_rows, mut all_w, mut starts) = (Vec::new(), Vec::new(), vec![0]);
+        let (mut gather, mut all_rows, mut all_w) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut gstarts, mut starts) = (vec![0], vec![0]);
         for list in &by_expert {
-            all_rows.extend(list.iter().map(|&(r, _)| r));
+            all_rows.extend(list.iter().map(|&(r, _)| r as i32));
             all_w.extend(list.iter().map(|&(_, w)| w));
+            gather.extend(list.iter().map(|&(r, _)| r as i32));
+            gather.resize(
+                gather.len() + list.len().next_multiple_of(pad) - list.len(),
+                -1,
+            );
             starts.push(all_rows.len());
+            gstarts.push(gather.len());
         }
         let routed = gpu.zeros::<f32>(rows * ed)?;
         if all_rows.is_empty() {
             return Ok(routed);
         }
-        let rows_dev = upload_i32(dev, &all_rows)?;
+        let gather_dev = dev.upload(&gather)?;
+        let rows_dev = dev.upload(&all_rows)?;
         let w_dev = dev.upload(&all_w)?;
-        let most = starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        let most = gstarts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
         let xs = gpu.act(most * ed)?;
         let ys = gpu.scratch::<f32>(most * ed)?;
         let scratch = self.experts.scratch(gpu, most)?;
-        for (ex, w) in starts.windows(2).enumerate() {
-            let (a, m) = (w[0], w[1] - w[0]);
+        for (ex, (w, g)) in starts.windows(2).zip(gstarts.windows(2)).enumerate() {
+            let (a, m, mp) = (w[0], w[1] - w[0], g[1] - g[0]);
             if m == 0 {
                 continue;
             }
             let (r_at, w_at) = (gpu.p_at(&rows_dev, a), gpu.p_at(&w_dev, a));
-            gpu.k.gather_act(dev, src, r_at, gpu.p(&xs), m, ed)?;
+            let g_at = gpu.p_at(&gather_dev, g[0]);
+            gpu.k.gather_act(dev, src, g_at, gpu.p(&xs), mp, ed)?;
             self.experts
-                .forward_expert(gpu, ex, gpu.p(&xs), m, gpu.p(&ys), &scratch)?;
+                .forward_expert(gpu, ex, gpu.p(&xs), mp, gpu.p(&ys), &scratch)?;
             gpu.k
                 .scatter_add_weighted(dev, gpu.p(&routed), gpu.p(&ys), r_at, w_at, m, ed)?;
         }
@@ -184,4 +199,13 @@ impl DMoe {
     pub fn routes_on_device(&self, rows: usize) -> bool {
         self.experts.takes_fast_path(rows)
     }
+}
+
+/// Row multiple the per-expert GEMMs pad to (`TESSERA_MOE_PAD_ROWS`, default 64; 1 pads nothing).
+fn moe_pad_rows() -> usize {
+    std::env::var("TESSERA_MOE_PAD_ROWS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(64)
+        .max(1)
 }

@@ -3,7 +3,7 @@
 //! ones still packed, are in [`super::experts`]). Built from the loaded CPU model, so both
 //! backends read the same checkpoint through one loader.
 
-use tessera_kernels::cuda::{bf16_bits, dptr, CudaDevice, CudaSlice, DevPtr};
+use tessera_kernels::cuda::{bf16_bits, dptr, CudaSlice, DevPtr};
 
 use super::super::linear::{Linear, Norm};
 use super::super::mlp::{Mlp, Proj};
@@ -144,10 +144,4 @@ fn dense(p: &Proj) -> Result<&Linear> {
             "MXFP4 weights outside the routed experts are not supported".into(),
         )),
     }
-}
-
-/// Uploads host data that is only needed for one forward call (indices, offsets).
-pub(super) fn upload_i32(dev: &CudaDevice, v: &[usize]) -> Result<CudaSlice<i32>> {
-    let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
-    Ok(dev.upload(&v)?)
 }
