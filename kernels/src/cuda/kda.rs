@@ -138,6 +138,19 @@ impl KdaPrefillWorkspace {
             + 4 * self.egl.len()
     }
 
+    /// The prep's outputs and the scan's inputs, in the kernels' parameter order.
+    fn products(&self, dev: &CudaDevice) -> [Arg; 6] {
+        let s = dev.stream();
+        [
+            Arg::P(base_ptr(s, &self.w)),
+            Arg::P(base_ptr(s, &self.u)),
+            Arg::P(base_ptr(s, &self.qg)),
+            Arg::P(base_ptr(s, &self.kg)),
+            Arg::P(base_ptr(s, &self.aqk)),
+            Arg::P(base_ptr(s, &self.egl)),
+        ]
+    }
+
     /// The uniform batch's shape and tables, checked against a call's shape.
     fn batch_for(&self, shape: &KdaShape) -> Result<&BatchTables, CudaError> {
         match &self.batch {
@@ -426,8 +439,7 @@ impl KdaKernels {
             block_dim: (256, 1, 1),
             shared_mem_bytes: self.prep_smem,
         };
-        let s = dev.stream();
-        let args = [
+        let mut args = vec![
             Arg::P(p.q),
             Arg::P(p.k),
             Arg::P(p.v),
@@ -441,13 +453,8 @@ impl KdaKernels {
             Arg::I(p.heads as i32),
             Arg::F(p.scale),
             Arg::I(p.l2norm as i32),
-            Arg::P(base_ptr(s, &ws.w)),
-            Arg::P(base_ptr(s, &ws.u)),
-            Arg::P(base_ptr(s, &ws.qg)),
-            Arg::P(base_ptr(s, &ws.kg)),
-            Arg::P(base_ptr(s, &ws.aqk)),
-            Arg::P(base_ptr(s, &ws.egl)),
         ];
+        args.extend(ws.products(dev));
         // SAFETY: kda_chunk_prep's parameters in order; the workspace holds p.chunks x p.heads
         // chunks (checked by the callers) and the caller owns the input extents.
         unsafe { launch_fn(dev, &self.prep, cfg, &args) }
@@ -477,14 +484,8 @@ impl KdaKernels {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
-        let s = dev.stream();
-        let args = [
-            Arg::P(base_ptr(s, &ws.w)),
-            Arg::P(base_ptr(s, &ws.u)),
-            Arg::P(base_ptr(s, &ws.qg)),
-            Arg::P(base_ptr(s, &ws.kg)),
-            Arg::P(base_ptr(s, &ws.aqk)),
-            Arg::P(base_ptr(s, &ws.egl)),
+        let mut args = Vec::from(ws.products(dev));
+        args.extend([
             Arg::P(p.state.src),
             Arg::P(p.state.src_off),
             Arg::P(p.state.dst),
@@ -494,7 +495,7 @@ impl KdaKernels {
             Arg::P(p.seq_start),
             Arg::P(p.chunk_start),
             Arg::I(p.chunks as i32),
-        ];
+        ]);
         // SAFETY: the parameters of kda_chunk_scan and kda_chunk_scan_wg (the same) in order;
         // the workspace was filled by the prep of the same call.
         unsafe { launch_fn(dev, f, cfg, &args) }
