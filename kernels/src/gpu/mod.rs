@@ -210,6 +210,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn sequence_tables_count_tokens_and_chunks() {
+        let t = KdaSequenceTables::new([1, 63, 64, 0, 65, 200]);
+        assert_eq!(t.seq_start, [0, 1, 64, 128, 128, 193, 393]);
+        assert_eq!(t.chunk_start, [0, 1, 2, 3, 3, 5, 9]);
+        assert_eq!(t.chunks(), 9);
+        assert!(t.state_off.is_empty());
+        assert_eq!(KdaSequenceTables::new([]).chunks(), 0);
+        let shape = KdaShape {
+            batch: 3,
+            seq_len: 130,
+            heads: 2,
+            dk: 64,
+            dv: 128,
+        };
+        let b = shape.tables();
+        assert_eq!(b.seq_start, [0, 130, 260, 390]);
+        assert_eq!(b.chunk_start, [0, 3, 6, 9]);
+        assert_eq!(b.state_off, [0, 2 * 64 * 128, 2 * 2 * 64 * 128]);
+        assert_eq!(b.chunks(), 3 * shape.chunks());
+    }
+
+    #[test]
     fn bf16_round_trip_and_rounding() {
         for x in [0.0f32, 1.0, -2.5, 3.0e38, 1.0e-38, 0.1] {
             let r = bf16_value(bf16_bits(x));
