@@ -119,9 +119,9 @@ pub struct WorkerArgs {
     /// KV page-pool budget in bytes (suffixes K, M, G accepted).
     #[arg(long, env = "TESSERA_KV_MEMORY", default_value = "64M", value_parser = parse_bytes)]
     pub kv_memory: usize,
-    /// Tokens per batch step (prefill chunk budget).
-    #[arg(long, env = "TESSERA_MAX_BATCH_TOKENS", default_value_t = 256)]
-    pub max_batch_tokens: usize,
+    /// Tokens per batch step (prefill chunk budget). Default: 256 on the CPU, 4096 on a GPU.
+    #[arg(long, env = "TESSERA_MAX_BATCH_TOKENS")]
+    pub max_batch_tokens: Option<usize>,
     /// Requests running at once.
     #[arg(long, env = "TESSERA_MAX_RUNNING", default_value_t = 32)]
     pub max_running: usize,
@@ -141,6 +141,19 @@ pub struct WorkerArgs {
 fn parse_device(s: &str) -> Result<Device, String> {
     tessera_kernels::parse_device(s).map_err(|e| e.to_string())
 }
+
+/// The step token budget when none is given: `cpu_default` on the CPU; on a GPU
+/// [`GPU_MAX_BATCH_TOKENS`], since there a long prompt prefills several times faster in few
+/// large steps than in many small ones (benches/RESULTS.md, "Long-prompt prefill").
+pub fn default_max_batch_tokens(device: Device, cpu_default: usize) -> usize {
+    match device {
+        Device::Cpu => cpu_default,
+        Device::Cuda(_) | Device::Hip(_) => GPU_MAX_BATCH_TOKENS,
+    }
+}
+
+/// Default step token budget on a GPU.
+pub const GPU_MAX_BATCH_TOKENS: usize = 4096;
 
 /// Fails with the reason when a model cannot run on `device`: a GPU that is absent, whose
 /// backend this build lacks, or whose backend has no whole-model forward (HIP: its kernels are
@@ -217,7 +230,9 @@ impl WorkerArgs {
             page_tokens: self.page_tokens,
             snapshot_interval: self.snapshot_interval,
             kv_memory_bytes: self.kv_memory,
-            max_batch_tokens: self.max_batch_tokens,
+            max_batch_tokens: self
+                .max_batch_tokens
+                .unwrap_or(default_max_batch_tokens(self.device, 256)),
             max_running: self.max_running,
             prefix_cache: !self.no_prefix_cache,
         }
@@ -236,5 +251,34 @@ impl DaemonArgs {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| self.model.display().to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        worker: WorkerArgs,
+    }
+
+    fn config(args: &[&str]) -> SchedulerConfig {
+        use clap::Parser;
+        let mut argv = vec!["worker", "--model", "/m"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).unwrap().worker.scheduler_config()
+    }
+
+    #[test]
+    fn the_step_token_budget_follows_the_device_unless_given() {
+        assert_eq!(default_max_batch_tokens(Device::Cpu, 256), 256);
+        assert_eq!(
+            default_max_batch_tokens(Device::Cuda(1), 256),
+            GPU_MAX_BATCH_TOKENS
+        );
+        assert_eq!(config(&[]).max_batch_tokens, 256);
+        assert_eq!(config(&["--max-batch-tokens", "96"]).max_batch_tokens, 96);
     }
 }

@@ -39,7 +39,8 @@ mod auth;
 mod metrics;
 
 pub use args::{
-    check_model_device, DaemonArgs, TestHooks, TransportKind, Withhold, WorkerArgs, DEV_SECRET,
+    check_model_device, default_max_batch_tokens, DaemonArgs, TestHooks, TransportKind, Withhold,
+    WorkerArgs, DEV_SECRET,
 };
 pub use auth::{ClusterToken, RequireToken};
 pub use metrics::{
