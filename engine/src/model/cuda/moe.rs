@@ -26,6 +26,8 @@ pub(super) struct DMoe {
     experts: DExperts,
     shared: Option<DMlp>,
     latent: Option<DLatent>,
+    /// Row multiple the per-expert GEMMs pad to ([`moe_pad_rows`]).
+    pad_rows: usize,
 }
 
 impl DMoe {
@@ -36,6 +38,7 @@ impl DMoe {
             correction_bias: m.correction_bias.clone(),
             routing: m.routing,
             experts: DExperts::upload(gpu, &m.experts, &m.routing, &m.correction_bias)?,
+            pad_rows: moe_pad_rows(),
             shared: match &m.shared {
                 Some(s) => Some(DMlp::upload(gpu, s)?),
                 None => None,
@@ -144,7 +147,7 @@ impl DMoe {
         // Rows grouped by expert, all experts' lists in one upload. Each expert's GEMMs run on
         // its rows padded with zero rows to a multiple of `pad` (fewer distinct GEMM shapes, so
         // cuBLAS picks each kernel once and not per call); only the real rows are added back.
-        let pad = moe_pad_rows();
+        let pad = self.pad_rows;
         let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
         for r in 0..rows {
             for j in 0..k {
