@@ -44,6 +44,9 @@ struct Fault {
     culprit: Option<(Role, String)>,
     /// Whether another worker may succeed where this one failed.
     retry: bool,
+    /// The culprit refused because it restarted after the pick: the next attempt may take it
+    /// again (its new life), so it is not avoided.
+    restarted: bool,
 }
 
 impl From<Stop> for Fault {
@@ -51,6 +54,7 @@ impl From<Stop> for Fault {
         Fault {
             stop,
             culprit: None,
+            restarted: false,
             retry: false,
         }
     }
@@ -176,10 +180,11 @@ impl Flow {
                 tracing::info!(request_id = %self.req.request_id, role = role.name(), worker = %addr, streamed = progress.tokens.len(), "migrating the request to other workers");
                 self.pool.count_migration();
             }
-            match role {
-                Role::Prefill => avoid.prefill.push(addr),
-                Role::Decode => avoid.decode.push(addr),
-                Role::Encoder => avoid.encoder.push(addr),
+            match (role, fault.restarted) {
+                (_, true) => {}
+                (Role::Prefill, false) => avoid.prefill.push(addr),
+                (Role::Decode, false) => avoid.decode.push(addr),
+                (Role::Encoder, false) => avoid.encoder.push(addr),
             }
             first_error.get_or_insert(e);
         }
@@ -342,8 +347,12 @@ impl Flow {
             prefill.record_success();
         }
         result.map(|r| r.into_inner()).map_err(|s| {
-            let decode_side = v1::ErrorDetail::from_status(&s)
-                .is_some_and(|d| DECODE_SIDE_CODES.iter().any(|&c| c as i32 == d.code));
+            // A stale incarnation naming the prefill worker is its own; otherwise the decode
+            // worker's it forwarded to.
+            let restarted = prefill.refused_as_restarted(&s);
+            let decode_side = !restarted
+                && v1::ErrorDetail::from_status(&s)
+                    .is_some_and(|d| DECODE_SIDE_CODES.iter().any(|&c| c as i32 == d.code));
             let culprit: &Worker = if decode_side {
                 &placed.decode
             } else {
@@ -353,6 +362,7 @@ impl Flow {
                 stop: Stop::Failed(self.worker_failed(culprit, "prefill", &s)),
                 culprit: Some((culprit.role, culprit.addr.clone())),
                 retry: retryable(&s),
+                restarted,
             }
         })
     }
@@ -560,10 +570,12 @@ impl Flow {
 
     /// A decode worker's failure: the next attempt migrates the request elsewhere.
     fn decode_fault(&self, decode: &Worker, what: &str, s: &Status) -> Fault {
+        let restarted = decode.refused_as_restarted(s);
         Fault {
             stop: Stop::Failed(self.worker_failed(decode, what, s)),
             culprit: Some((Role::Decode, decode.addr.clone())),
             retry: retryable(s),
+            restarted,
         }
     }
 
@@ -575,6 +587,7 @@ impl Flow {
             stop: Stop::Failed(BackendError::Internal(format!("the decode stream {what}"))),
             culprit: Some((Role::Decode, decode.addr.clone())),
             retry: true,
+            restarted: false,
         }
     }
 

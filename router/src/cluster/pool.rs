@@ -87,6 +87,8 @@ pub struct Worker {
     restarts: AtomicU64,
     /// The page transport (`v1::TransferBackend`) its last `Stats` advertised; -1 unknown.
     transport: AtomicI32,
+    /// The stable name its last `Stats` gave (empty before the first); error details carry it.
+    worker_id: Mutex<String>,
 }
 
 impl Worker {
@@ -129,6 +131,7 @@ impl Worker {
             incarnation: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
             transport: AtomicI32::new(-1),
+            worker_id: Mutex::new(String::new()),
         })
     }
 
@@ -219,6 +222,23 @@ impl Worker {
         b.cooldown = BREAKER_COOLDOWN;
     }
 
+    /// Whether `status` is this worker refusing a request aimed at an earlier life of it (it
+    /// restarted after the pick: `StaleIncarnation` naming this worker); records the new life,
+    /// so the next request targets it. Such a refusal can also come from a worker this one
+    /// forwarded to (its destination), which names itself instead.
+    pub fn refused_as_restarted(&self, status: &tonic::Status) -> bool {
+        let Some(d) = v1::ErrorDetail::from_status(status) else {
+            return false;
+        };
+        let own = d.code == v1::ErrorCode::StaleIncarnation as i32
+            && !d.worker_id.is_empty()
+            && *self.worker_id.lock().unwrap_or_else(|e| e.into_inner()) == d.worker_id;
+        if own {
+            self.observe_incarnation(d.incarnation_id);
+        }
+        own
+    }
+
     /// The incarnation the worker last reported (0 before its first `Stats`).
     pub fn incarnation(&self) -> u64 {
         self.incarnation.load(Ordering::Acquire)
@@ -275,6 +295,10 @@ impl Worker {
             if let Some(info) = &s.info {
                 self.observe_incarnation(info.incarnation_id);
                 self.observe_transport(info.transfer_backend);
+                let mut id = self.worker_id.lock().unwrap_or_else(|e| e.into_inner());
+                if *id != info.worker_id {
+                    id.clone_from(&info.worker_id);
+                }
             }
             if let Some(l) = s.load {
                 self.remote_load
@@ -673,6 +697,27 @@ mod tests {
         let second = w.breaker.lock().unwrap().open_until.unwrap();
         assert!(second > Instant::now() + BREAKER_COOLDOWN + Duration::from_millis(500));
         assert!(!w.is_routable());
+    }
+
+    #[tokio::test]
+    async fn a_refusal_from_a_restarted_worker_is_told_from_its_destinations() {
+        let w = worker();
+        w.observe_incarnation(5);
+        let own = tessera_proto::check_incarnation(5, 9, "encoder-0").unwrap_err();
+        assert!(
+            !w.refused_as_restarted(&own),
+            "its name is unknown before Stats"
+        );
+        w.worker_id.lock().unwrap().push_str("encoder-0");
+        let forwarded = tessera_proto::check_incarnation(3, 4, "prefill-0").unwrap_err();
+        assert!(
+            !w.refused_as_restarted(&forwarded),
+            "a destination's refusal"
+        );
+        assert_eq!(w.incarnation(), 5);
+        assert!(w.refused_as_restarted(&own));
+        assert_eq!(w.incarnation(), 9, "the next request targets the new life");
+        assert!(!w.refused_as_restarted(&tonic::Status::unavailable("gone")));
     }
 
     #[tokio::test]

@@ -94,6 +94,7 @@ impl Flow {
     ) -> Step<Vec<v1::EmbeddingHandle>> {
         let key = self.req.images[0].affinity_key();
         let mut tried: Vec<String> = avoid.to_vec();
+        let mut restarted_once: Vec<String> = Vec::new();
         let mut last = None;
         loop {
             let Some(encoder) = self.pool.pick_encoder_for(key, &tried, prefill) else {
@@ -150,21 +151,31 @@ impl Flow {
                 }
                 Err(s) => s,
             };
-            let prefill_side = v1::ErrorDetail::from_status(&s)
-                .is_some_and(|d| PREFILL_SIDE_CODES.iter().any(|&c| c as i32 == d.code));
+            // A stale incarnation naming the encoder is its own: it restarted after the pick and
+            // may take the images once more (its new life), then another encoder does.
+            // Otherwise the refusal is the destination's.
+            let restarted = encoder.refused_as_restarted(&s);
+            let prefill_side = !restarted
+                && v1::ErrorDetail::from_status(&s)
+                    .is_some_and(|d| PREFILL_SIDE_CODES.iter().any(|&c| c as i32 == d.code));
             if prefill_side {
                 let e = self.worker_failed(prefill, "encode into prefill", &s);
                 return Err(Fault {
                     stop: Stop::Failed(e),
                     culprit: Some((Role::Prefill, prefill.addr.clone())),
                     retry: true,
+                    restarted: false,
                 });
             }
             let e = self.worker_failed(&encoder, "encode", &s);
             if !retryable(&s) {
                 return Err(Stop::Failed(e).into());
             }
-            tried.push(encoder.addr.clone());
+            if restarted && !restarted_once.contains(&encoder.addr) {
+                restarted_once.push(encoder.addr.clone());
+            } else {
+                tried.push(encoder.addr.clone());
+            }
             last = Some(e);
         }
     }
