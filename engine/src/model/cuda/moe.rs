@@ -154,25 +154,25 @@ impl DMoe {
                 by_expert[idx[r * k + j] as usize].push((r, weight[r * k + j]));
             }
         }
-        let (mut gather, mut all_rows, mut all_w) = (Vec::new(), Vec::new(), Vec::new());
+        // Expert e's rows sit at gather[gstarts[e]..], its real ones first (also the rows its
+        // outputs are added back to), and their weights at all_w[starts[e]..].
+        let (mut gather, mut all_w) = (Vec::new(), Vec::new());
         let (mut gstarts, mut starts) = (vec![0], vec![0]);
         for list in &by_expert {
-            all_rows.extend(list.iter().map(|&(r, _)| r as i32));
             all_w.extend(list.iter().map(|&(_, w)| w));
             gather.extend(list.iter().map(|&(r, _)| r as i32));
             gather.resize(
                 gather.len() + list.len().next_multiple_of(pad) - list.len(),
                 -1,
             );
-            starts.push(all_rows.len());
+            starts.push(all_w.len());
             gstarts.push(gather.len());
         }
         let routed = gpu.zeros::<f32>(rows * ed)?;
-        if all_rows.is_empty() {
+        if all_w.is_empty() {
             return Ok(routed);
         }
         let gather_dev = dev.upload(&gather)?;
-        let rows_dev = dev.upload(&all_rows)?;
         let w_dev = dev.upload(&all_w)?;
         let most = gstarts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
         let xs = gpu.act(most * ed)?;
@@ -183,13 +183,12 @@ impl DMoe {
             if m == 0 {
                 continue;
             }
-            let (r_at, w_at) = (gpu.p_at(&rows_dev, a), gpu.p_at(&w_dev, a));
-            let g_at = gpu.p_at(&gather_dev, g[0]);
+            let (g_at, w_at) = (gpu.p_at(&gather_dev, g[0]), gpu.p_at(&w_dev, a));
             gpu.k.gather_act(dev, src, g_at, gpu.p(&xs), mp, ed)?;
             self.experts
                 .forward_expert(gpu, ex, gpu.p(&xs), mp, gpu.p(&ys), &scratch)?;
             gpu.k
-                .scatter_add_weighted(dev, gpu.p(&routed), gpu.p(&ys), r_at, w_at, m, ed)?;
+                .scatter_add_weighted(dev, gpu.p(&routed), gpu.p(&ys), g_at, w_at, m, ed)?;
         }
         Ok(routed)
     }
