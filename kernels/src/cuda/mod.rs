@@ -93,6 +93,8 @@ pub enum CudaError {
     },
     #[error("{0}")]
     Shape(String),
+    #[error("{0}")]
+    Setting(String),
     #[error("kernel cache {path}: {source}")]
     Cache {
         path: PathBuf,
@@ -131,14 +133,39 @@ impl CudaDevice {
         // A stream of its own rather than the legacy default stream, which cannot be captured
         // into a graph ([`CudaDevice::capture`]).
         let stream = ctx.new_stream()?;
-        Ok(CudaDevice {
+        let dev = CudaDevice {
             ctx,
             stream,
             arch: format!("sm_{major}{minor}"),
             name,
             cache_dir,
             staging: Default::default(),
-        })
+        };
+        dev.keep_freed_memory(pool_keep_bytes()?)?;
+        Ok(dev)
+    }
+
+    /// How much freed memory the device's stream-ordered allocator keeps for reuse instead of
+    /// handing it back to the driver at the next synchronisation (the driver's default keeps
+    /// none, so every step's workspaces are mapped anew). No-op without memory pools.
+    pub fn keep_freed_memory(&self, bytes: u64) -> Result<(), CudaError> {
+        use cudarc::driver::sys;
+        if !self.ctx.has_async_alloc() {
+            return Ok(());
+        }
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let mut value = bytes;
+        // SAFETY: the device handle is this context's; the attribute takes a u64 by pointer.
+        unsafe {
+            sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()).result()?;
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut value as *mut u64).cast(),
+            )
+            .result()?;
+        }
+        Ok(())
     }
 
     /// The device's marketing name, e.g. "NVIDIA H200".
@@ -259,6 +286,23 @@ impl Graph {
     /// Queues one replay on the stream it was captured from.
     pub fn launch(&mut self) -> Result<(), CudaError> {
         Ok(self.0.launch()?)
+    }
+}
+
+/// Freed device memory kept for reuse by default: `TESSERA_CUDA_POOL_KEEP_MIB`, else 8 GiB.
+fn pool_keep_bytes() -> Result<u64, CudaError> {
+    const DEFAULT_MIB: u64 = 8 << 10;
+    match std::env::var("TESSERA_CUDA_POOL_KEEP_MIB") {
+        Err(_) => Ok(DEFAULT_MIB << 20),
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .map(|mib| mib.saturating_mul(1 << 20))
+            .map_err(|_| {
+                CudaError::Setting(format!(
+                    "TESSERA_CUDA_POOL_KEEP_MIB must be a whole number of MiB, got {v:?}"
+                ))
+            }),
     }
 }
 
