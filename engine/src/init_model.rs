@@ -10,6 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
+use rayon::prelude::*;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::json;
@@ -529,23 +530,39 @@ fn stored_as_f32(name: &str) -> bool {
     .any(|suffix| name.ends_with(suffix))
 }
 
-fn fill(init: Init, n: usize, rng: &mut Rng) -> Vec<f32> {
-    (0..n)
-        .map(|i| match init {
-            Init::Normal(std) => (rng.normal() * std) as f32,
-            Init::Ones => 1.0,
-            Init::Zeros => 0.0,
-            Init::Uniform(lo, hi) => (lo + (hi - lo) * rng.uniform()) as f32,
-            Init::ALog => (1.0 + 15.0 * rng.uniform()).ln() as f32,
-            Init::ALogPadded(heads) if i < heads => (1.0 + 15.0 * rng.uniform()).ln() as f32,
-            Init::ALogPadded(_) => 0.0,
-            Init::DtBias => {
-                let (lo, hi) = (1e-3f64.ln(), 1e-1f64.ln());
-                let dt = (lo + (hi - lo) * rng.uniform()).exp().max(1e-4);
-                (dt + (-(-dt).exp_m1()).ln()) as f32
-            }
-        })
-        .collect()
+/// Elements drawn from one generator: every run of a tensor has its own, seeded from the model
+/// seed and the positions of the tensor and the run, so that runs fill in parallel and a model
+/// is the same bytes whatever the thread count.
+const RUN: usize = 1 << 18;
+
+fn fill(init: Init, n: usize, seed: u64, tensor: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    out.par_chunks_mut(RUN).enumerate().for_each(|(run, xs)| {
+        let stream = (tensor as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            ^ (run as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+        let mut rng = Rng::new(seed ^ stream);
+        for (k, x) in xs.iter_mut().enumerate() {
+            *x = draw(init, run * RUN + k, &mut rng);
+        }
+    });
+    out
+}
+
+fn draw(init: Init, i: usize, rng: &mut Rng) -> f32 {
+    match init {
+        Init::Normal(std) => (rng.normal() * std) as f32,
+        Init::Ones => 1.0,
+        Init::Zeros => 0.0,
+        Init::Uniform(lo, hi) => (lo + (hi - lo) * rng.uniform()) as f32,
+        Init::ALog => (1.0 + 15.0 * rng.uniform()).ln() as f32,
+        Init::ALogPadded(heads) if i < heads => (1.0 + 15.0 * rng.uniform()).ln() as f32,
+        Init::ALogPadded(_) => 0.0,
+        Init::DtBias => {
+            let (lo, hi) = (1e-3f64.ln(), 1e-1f64.ln());
+            let dt = (lo + (hi - lo) * rng.uniform()).exp().max(1e-4);
+            (dt + (-(-dt).exp_m1()).ln()) as f32
+        }
+    }
 }
 
 /// Writes a random-weight Kimi Linear model of `preset` into `out` (created if missing).
@@ -572,12 +589,11 @@ pub fn write_model_arch(out: &Path, arch: Arch, preset: Preset, seed: u64) -> Re
     let cfg_text = serde_json::to_string_pretty(&cfg_json).expect("config serialises");
     let cfg = ModelConfig::from_json_str(&cfg_text, &out.join("config.json"))?;
 
-    let mut rng = Rng::new(seed);
     let specs = tensor_specs(&cfg);
     // (name, dtype, shape, bytes) as stored; an MXFP4 expert becomes `weight_packed` + `weight_scale`.
     let mut stored: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(specs.len());
-    for s in &specs {
-        let values = fill(s.init, s.shape.iter().product(), &mut rng);
+    for (i, s) in specs.iter().enumerate() {
+        let values = fill(s.init, s.shape.iter().product(), seed, i);
         if mxfp4 && s.name.contains(".experts.") {
             let (out_dim, in_dim) = (s.shape[0], s.shape[1]);
             let (packed, scale) = mxfp4::quantize(&values, out_dim, in_dim);
@@ -599,8 +615,8 @@ pub fn write_model_arch(out: &Path, arch: Arch, preset: Preset, seed: u64) -> Re
             stored.push((s.name.clone(), Dtype::F32, s.shape.clone(), bytes));
         } else {
             let bytes = values
-                .into_iter()
-                .flat_map(|x| half::bf16::from_f32(x).to_le_bytes())
+                .par_iter()
+                .flat_map_iter(|&x| half::bf16::from_f32(x).to_le_bytes())
                 .collect();
             stored.push((s.name.clone(), Dtype::BF16, s.shape.clone(), bytes));
         }
