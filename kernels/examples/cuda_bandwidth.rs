@@ -1,0 +1,209 @@
+//! What the memory system of this GPU gives a kernel that only moves bytes, as the ceiling the
+//! bandwidth-bound kernels are measured against: an in-place read-modify-write of the bytes of
+//! the KDA decode step's state (B=256, H=32, 128×128 f32: 512 MiB read and written), a copy,
+//! the driver's device-to-device copy, and read-only passes over the bytes of the MoE expert pass
+//! at batch 1 (K3 shapes, MXFP4: 16 experts), in one launch and as the pass's two launches.
+//!
+//!   cargo build --release -p tessera-kernels --features cuda --example cuda_bandwidth
+//!   target/release/examples/cuda_bandwidth
+//!
+//! Output: `time <name> bytes=<moved> us=<median> TBps=<achieved> pct_4800=<% of 4.8 TB/s>`.
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{time_us, HBM_BYTES_PER_S};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use tessera_kernels::cuda::{default_cache_dir, CudaDevice, CudaError, CudaSlice};
+
+const SOURCE: &str = r#"
+// Each thread moves U float4 of one block-contiguous span: float4 i*T + t of the block's
+// U*T, loaded all before any is stored (as the decode step holds its state in registers).
+template <int U>
+__device__ __forceinline__ void rmw_body(float4* __restrict__ p, float a) {
+    float4* q = p + (size_t)blockIdx.x * U * blockDim.x + threadIdx.x;
+    float4 r[U];
+#pragma unroll
+    for (int i = 0; i < U; ++i) r[i] = q[i * blockDim.x];
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+        r[i].x *= a; r[i].y *= a; r[i].z *= a; r[i].w *= a;
+        q[i * blockDim.x] = r[i];
+    }
+}
+extern "C" __global__ void rmw4(float4* p, float a) { rmw_body<4>(p, a); }
+extern "C" __global__ void rmw8(float4* p, float a) { rmw_body<8>(p, a); }
+extern "C" __global__ void rmw16(float4* p, float a) { rmw_body<16>(p, a); }
+
+template <int U>
+__device__ __forceinline__ void copy_body(const float4* __restrict__ s, float4* __restrict__ d) {
+    const size_t at = (size_t)blockIdx.x * U * blockDim.x + threadIdx.x;
+    float4 r[U];
+#pragma unroll
+    for (int i = 0; i < U; ++i) r[i] = s[at + i * blockDim.x];
+#pragma unroll
+    for (int i = 0; i < U; ++i) d[at + i * blockDim.x] = r[i];
+}
+extern "C" __global__ void copy4(const float4* s, float4* d) { copy_body<4>(s, d); }
+extern "C" __global__ void copy16(const float4* s, float4* d) { copy_body<16>(s, d); }
+
+// Read-only: each block sums its U*T uint4 into one word (written so the loads stay).
+template <int U>
+__device__ __forceinline__ void read_body(const uint4* __restrict__ s, unsigned* __restrict__ out) {
+    const uint4* q = s + (size_t)blockIdx.x * U * blockDim.x + threadIdx.x;
+    unsigned acc = 0u;
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+        const uint4 v = __ldg(q + i * blockDim.x);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) out[blockIdx.x] = acc;
+}
+extern "C" __global__ void read8(const uint4* s, unsigned* out) { read_body<8>(s, out); }
+extern "C" __global__ void read16(const uint4* s, unsigned* out) { read_body<16>(s, out); }
+"#;
+
+fn report(name: &str, bytes: f64, us: f64) {
+    let bps = bytes / (us * 1e-6);
+    println!(
+        "time {name} bytes={bytes:.0} us={us:.2} TBps={:.3} pct_4800={:.1}",
+        bps / 1e12,
+        100.0 * bps / HBM_BYTES_PER_S
+    );
+}
+
+fn run() -> Result<(), CudaError> {
+    let dev = CudaDevice::open(0, default_cache_dir())?;
+    println!("device {} ({})", dev.name(), dev.arch());
+    let module = dev.module("bandwidth_probe", SOURCE, &[])?;
+    let stream = dev.stream().clone();
+
+    // The KDA decode state at B=256, H=32, 128×128 f32.
+    let state_floats = 256usize * 32 * 128 * 128;
+    let mut state: CudaSlice<f32> = stream.alloc_zeros(state_floats)?;
+    let mut other: CudaSlice<f32> = stream.alloc_zeros(state_floats)?;
+    let moved = 2.0 * (state_floats * 4) as f64;
+    let n4 = state_floats / 4;
+    for (name, u) in [("rmw4", 4usize), ("rmw8", 8), ("rmw16", 16)] {
+        let f = module.load_function(name)?;
+        for threads in [128usize, 256, 512] {
+            let cfg = LaunchConfig {
+                grid_dim: ((n4 / (u * threads)) as u32, 1, 1),
+                block_dim: (threads as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let a = 1.0f32;
+            let us = time_us(&dev, 3, 20, || {
+                // SAFETY: the grid covers exactly n4 float4 of `state`.
+                unsafe {
+                    stream
+                        .launch_builder(&f)
+                        .arg(&mut state)
+                        .arg(&a)
+                        .launch(cfg)?
+                };
+                Ok(())
+            })?;
+            report(
+                &format!("{name}_t{threads} (in-place, state of B=256)"),
+                moved,
+                us,
+            );
+        }
+    }
+    for (name, u) in [("copy4", 4usize), ("copy16", 16)] {
+        let f = module.load_function(name)?;
+        for threads in [128usize, 256] {
+            let cfg = LaunchConfig {
+                grid_dim: ((n4 / (u * threads)) as u32, 1, 1),
+                block_dim: (threads as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let us = time_us(&dev, 3, 20, || {
+                // SAFETY: the grid covers exactly n4 float4 of both buffers.
+                unsafe {
+                    stream
+                        .launch_builder(&f)
+                        .arg(&state)
+                        .arg(&mut other)
+                        .launch(cfg)?
+                };
+                Ok(())
+            })?;
+            report(&format!("{name}_t{threads} (copy, same bytes)"), moved, us);
+        }
+    }
+    let us = time_us(&dev, 3, 20, || {
+        stream.memcpy_dtod(&state, &mut other)?;
+        Ok(())
+    })?;
+    report("driver_dtod (copy, same bytes)", moved, us);
+    drop(other);
+
+    // Read-only passes over the MXFP4 expert bytes of batch 1 at K3 shapes: 16 experts of
+    // gate and up (2 × 3072 × 3584 codes) and down (3584 × 3072), 4.25 bits a weight.
+    let per_matrix = 3072usize * 3584 / 2 + 3072 * 3584 / 32;
+    let gate_up = 16 * 2 * per_matrix;
+    let down = 16 * per_matrix;
+    // u32 words of `bytes` rounded up to whole 64 KiB blocks (the widest read's block).
+    let words = |bytes: usize| bytes.div_ceil(1 << 16) * (1 << 14);
+    let buf: CudaSlice<u32> = stream.alloc_zeros(words(gate_up) + words(down))?;
+    let mut sink: CudaSlice<u32> = stream.alloc_zeros(1 << 20)?;
+    let read16 = module.load_function("read16")?;
+    let read8 = module.load_function("read8")?;
+    let cfg_for = |bytes: usize, u: usize| LaunchConfig {
+        grid_dim: ((bytes.div_ceil(16 * u * 256)) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    for (label, f, u) in [("read16", &read16, 16usize), ("read8", &read8, 8)] {
+        let all = cfg_for(gate_up + down, u);
+        let us = time_us(&dev, 3, 20, || {
+            // SAFETY: the grid reads whole blocks inside `buf` (sized in whole blocks).
+            unsafe {
+                stream
+                    .launch_builder(f)
+                    .arg(&buf)
+                    .arg(&mut sink)
+                    .launch(all)?
+            };
+            Ok(())
+        })?;
+        report(
+            &format!("{label} one launch (MXFP4 experts of B=1)"),
+            (gate_up + down) as f64,
+            us,
+        );
+        let (first, second) = (cfg_for(gate_up, u), cfg_for(down, u));
+        let tail = buf.slice(words(gate_up)..);
+        let us = time_us(&dev, 3, 20, || {
+            // SAFETY: as above; the second launch reads the bytes after the first one's.
+            unsafe {
+                stream
+                    .launch_builder(f)
+                    .arg(&buf)
+                    .arg(&mut sink)
+                    .launch(first)?;
+                stream
+                    .launch_builder(f)
+                    .arg(&tail)
+                    .arg(&mut sink)
+                    .launch(second)?;
+            }
+            Ok(())
+        })?;
+        report(
+            &format!("{label} two launches (gate/up, down of B=1)"),
+            (gate_up + down) as f64,
+            us,
+        );
+    }
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("cuda_bandwidth: {e}");
+        std::process::exit(2);
+    }
+}
