@@ -1,7 +1,8 @@
 //! What the memory system of this GPU gives a kernel that only moves bytes, as the ceiling the
 //! bandwidth-bound kernels are measured against: an in-place read-modify-write of the bytes of
-//! the KDA decode step's state (B=256, H=32, 128×128 f32: 512 MiB read and written), a copy,
-//! the driver's device-to-device copy, and read-only passes over the bytes of the MoE expert pass
+//! the KDA decode step's state (B=256, H=32, 128×128 f32: 512 MiB read and written) from
+//! registers and, on sm_90, by bulk copies through shared memory, a copy, the driver's
+//! device-to-device copy, and read-only passes over the bytes of the MoE expert pass
 //! at batch 1 (K3 shapes, MXFP4: 16 experts), in one launch and as the pass's two launches.
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_bandwidth
@@ -59,6 +60,47 @@ __device__ __forceinline__ void read_body(const uint4* __restrict__ s, unsigned*
     }
     if (acc == 0x12345678u) out[blockIdx.x] = acc;
 }
+// In place through shared memory by the copy engine (sm_90): each block brings its TILE bytes in
+// with one bulk copy, scales them there and writes them back with one bulk copy.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+template <int TILE>
+__device__ __forceinline__ void rmw_bulk_body(float* __restrict__ p, float a) {
+    extern __shared__ __align__(128) float tile[];
+    __shared__ __align__(8) unsigned long long bar;
+    const unsigned sbar = (unsigned)__cvta_generic_to_shared(&bar);
+    const unsigned stile = (unsigned)__cvta_generic_to_shared(tile);
+    float* src = p + (size_t)blockIdx.x * (TILE / 4);
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(sbar) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sbar), "r"(TILE) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(stile), "l"(src), "r"(TILE), "r"(sbar) : "memory");
+    }
+    __syncthreads();
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred q; mbarrier.try_wait.parity.shared::cta.b64 q, [%1], 0; selp.u32 %0, 1, 0, q; }"
+                     : "=r"(done) : "r"(sbar) : "memory");
+    float4* t4 = reinterpret_cast<float4*>(tile);
+    for (int i = threadIdx.x; i < TILE / 16; i += blockDim.x) {
+        float4 r = t4[i];
+        r.x *= a; r.y *= a; r.z *= a; r.w *= a;
+        t4[i] = r;
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(src), "r"(stile), "r"(TILE) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    }
+}
+extern "C" __global__ void rmw_bulk16k(float* p, float a) { rmw_bulk_body<16384>(p, a); }
+extern "C" __global__ void rmw_bulk32k(float* p, float a) { rmw_bulk_body<32768>(p, a); }
+extern "C" __global__ void rmw_bulk64k(float* p, float a) { rmw_bulk_body<65536>(p, a); }
+#endif
+
 extern "C" __global__ void read8(const uint4* s, unsigned* out) { read_body<8>(s, out); }
 extern "C" __global__ void read16(const uint4* s, unsigned* out) { read_body<16>(s, out); }
 "#;
@@ -106,6 +148,39 @@ fn run() -> Result<(), CudaError> {
             })?;
             report(
                 &format!("{name}_t{threads} (in-place, state of B=256)"),
+                moved,
+                us,
+            );
+        }
+    }
+    if dev.arch() >= "sm_90" {
+        for (name, tile) in [
+            ("rmw_bulk16k", 16384usize),
+            ("rmw_bulk32k", 32768),
+            ("rmw_bulk64k", 65536),
+        ] {
+            let f = module.load_function(name)?;
+            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(attr, tile as i32)?;
+            let cfg = LaunchConfig {
+                grid_dim: ((state_floats * 4 / tile) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: tile as u32,
+            };
+            let a = 1.0f32;
+            let us = time_us(&dev, 3, 20, || {
+                // SAFETY: the grid covers exactly the state's bytes in tiles.
+                unsafe {
+                    stream
+                        .launch_builder(&f)
+                        .arg(&mut state)
+                        .arg(&a)
+                        .launch(cfg)?
+                };
+                Ok(())
+            })?;
+            report(
+                &format!("{name} (in-place by bulk copies, state of B=256)"),
                 moved,
                 us,
             );
