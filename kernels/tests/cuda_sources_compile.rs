@@ -244,6 +244,7 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
                 ("MOE_TC_MIN_BLOCKS", "2".to_string()),
             ],
             vec![("MOE_TC_SPAN_MXFP4", "1".to_string())],
+            vec![("MOE_TC_ROLL", "0".to_string())],
         ],
         &[
             "moe_plan",

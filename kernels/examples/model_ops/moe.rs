@@ -45,6 +45,9 @@ pub(crate) fn variants(
         ));
     }
     if tuned || keep.is_some() {
+        // Each pass's MXFP4 weight vectors loaded only once the previous pass is over.
+        let whole = set(&[("MOE_TC_ROLL", 0)]);
+        specs.push(("_tc_noroll".into(), MoePath::TensorCores, None, whole));
         // The copy-engine ring for MXFP4: (vectors per row and stage, stages, blocks per SM).
         for (chunk, stages, blocks) in [(8, 2, 4), (8, 3, 3), (8, 4, 2), (16, 2, 2)] {
             let tuning = set(&[

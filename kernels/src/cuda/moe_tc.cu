@@ -143,13 +143,27 @@ struct Mxfp4Tc {
     }
 };
 
+// Whether a warp loads each MXFP4 weight vector of its next pass as soon as it has decoded the
+// vector that held those registers in this pass (the next pass's bytes are then in flight while
+// this one's decode and products run, in no more registers), or only when the pass is over (as
+// bf16 weights always are: their passes are short of instructions, not of bytes in flight).
+#ifndef MOE_TC_ROLL
+#define MOE_TC_ROLL 1
+#endif
+
+struct NoReload {
+    __device__ __forceinline__ void operator()(int, int) const {}
+};
+
 // One pass's products: c[m] += (vectors wl/wh of rows lo/hi) · (the inputs at xv[u]), u < SPAN;
-// an input vector that is not `in` is zero (only the last pass of a range has such).
-template <typename W, int M, bool FULL>
-__device__ __forceinline__ void tc_mma_pass(const typename W::Vec (&wl)[M][W::SPAN],
-                                            const typename W::Vec (&wh)[M][W::SPAN],
+// an input vector that is not `in` is zero (only the last pass of a range has such). `reload(m,
+// u)` runs once the vectors wl/wh[m][u] are decoded and may refill them.
+template <typename W, int M, bool FULL, typename Reload = NoReload>
+__device__ __forceinline__ void tc_mma_pass(typename W::Vec (&wl)[M][W::SPAN],
+                                            typename W::Vec (&wh)[M][W::SPAN],
                                             const uint4* const (&xv)[W::SPAN],
-                                            const bool (&in)[W::SPAN], float (&c)[M][4]) {
+                                            const bool (&in)[W::SPAN], float (&c)[M][4],
+                                            Reload reload = Reload()) {
     bool wide = false;
     if (W::SCALED) {
         unsigned bits = 0u;
@@ -177,6 +191,7 @@ __device__ __forceinline__ void tc_mma_pass(const typename W::Vec (&wl)[M][W::SP
             unsigned al[W::REGS], ah[W::REGS];
             W::decode(wl[m][u], al, wide);
             W::decode(wh[m][u], ah, wide);
+            reload(m, u);
 #pragma unroll
             for (int s = 0; s < W::REGS / 2; ++s) {
                 const unsigned a[4] = {al[2 * s], ah[2 * s], al[2 * s + 1], ah[2 * s + 1]};
@@ -209,25 +224,42 @@ __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
             rh[m] = w[m].row(hi, in_dim, v0 + t * W::SPAN);
         }
         const uint4* xp = reinterpret_cast<const uint4*>(xt) + (size_t)(v0 + t * W::SPAN) * XV;
-#pragma unroll 1
-        for (; v0 + STEP <= vend; v0 += STEP) {
+        auto load_pass = [&]() {
 #pragma unroll
-            for (int u = 0; u < W::SPAN; ++u) {
+            for (int u = 0; u < W::SPAN; ++u)
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
                     wl[m][u] = W::load(rl[m], u);
                     wh[m][u] = W::load(rh[m], u);
                 }
-                xv[u] = xp + u * XV;
-                in[u] = true;
-            }
-            tc_mma_pass<W, M, true>(wl, wh, xv, in, c);
+        };
+        load_pass();
+#pragma unroll
+        for (int u = 0; u < W::SPAN; ++u) in[u] = true;
+#pragma unroll 1
+        for (;;) {
+#pragma unroll
+            for (int u = 0; u < W::SPAN; ++u) xv[u] = xp + u * XV;
+            const bool more = v0 + 2 * STEP <= vend;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 W::advance(rl[m], STEP);
                 W::advance(rh[m], STEP);
             }
+            if constexpr (W::SCALED && MOE_TC_ROLL) {
+                tc_mma_pass<W, M, true>(wl, wh, xv, in, c, [&](int m, int u) {
+                    if (more) {
+                        wl[m][u] = W::load(rl[m], u);
+                        wh[m][u] = W::load(rh[m], u);
+                    }
+                });
+            } else {
+                tc_mma_pass<W, M, true>(wl, wh, xv, in, c);
+                if (more) load_pass();
+            }
             xp += STEP * XV;
+            v0 += STEP;
+            if (!more) break;
         }
     }
     if (v0 < vend) {
