@@ -126,6 +126,26 @@ fn run() -> Result<(), CudaError> {
     let mut other: CudaSlice<f32> = stream.alloc_zeros(state_floats)?;
     let moved = 2.0 * (state_floats * 4) as f64;
     let n4 = state_floats / 4;
+    // Times one in-place kernel (p, a) over the whole state with `cfg`.
+    let mut in_place = |f: &cudarc::driver::CudaFunction,
+                        cfg: LaunchConfig,
+                        label: String|
+     -> Result<(), CudaError> {
+        let a = 1.0f32;
+        let us = time_us(&dev, 3, 20, || {
+            // SAFETY: every caller's grid covers exactly the state's bytes.
+            unsafe {
+                stream
+                    .launch_builder(f)
+                    .arg(&mut state)
+                    .arg(&a)
+                    .launch(cfg)?
+            };
+            Ok(())
+        })?;
+        report(&label, moved, us);
+        Ok(())
+    };
     for (name, u) in [("rmw4", 4usize), ("rmw8", 8), ("rmw16", 16)] {
         let f = module.load_function(name)?;
         for threads in [128usize, 256, 512] {
@@ -134,23 +154,11 @@ fn run() -> Result<(), CudaError> {
                 block_dim: (threads as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let a = 1.0f32;
-            let us = time_us(&dev, 3, 20, || {
-                // SAFETY: the grid covers exactly n4 float4 of `state`.
-                unsafe {
-                    stream
-                        .launch_builder(&f)
-                        .arg(&mut state)
-                        .arg(&a)
-                        .launch(cfg)?
-                };
-                Ok(())
-            })?;
-            report(
-                &format!("{name}_t{threads} (in-place, state of B=256)"),
-                moved,
-                us,
-            );
+            in_place(
+                &f,
+                cfg,
+                format!("{name}_t{threads} (in-place, state of B=256)"),
+            )?;
         }
     }
     if dev.arch() >= "sm_90" {
@@ -167,23 +175,11 @@ fn run() -> Result<(), CudaError> {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: tile as u32,
             };
-            let a = 1.0f32;
-            let us = time_us(&dev, 3, 20, || {
-                // SAFETY: the grid covers exactly the state's bytes in tiles.
-                unsafe {
-                    stream
-                        .launch_builder(&f)
-                        .arg(&mut state)
-                        .arg(&a)
-                        .launch(cfg)?
-                };
-                Ok(())
-            })?;
-            report(
-                &format!("{name} (in-place by bulk copies, state of B=256)"),
-                moved,
-                us,
-            );
+            in_place(
+                &f,
+                cfg,
+                format!("{name} (in-place by bulk copies, state of B=256)"),
+            )?;
         }
     }
     for (name, u) in [("copy4", 4usize), ("copy16", 16)] {
