@@ -10,22 +10,23 @@
 //! `snapshot_interval` tokens, so that the state at each chunk end can be published as a snapshot:
 //! a prefix hit needs the MLA pages *and* a KDA snapshot exactly at the hit boundary.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv::{
-    page_hashes_marked, BlockHash, Field, GroupKind, KvError, KvLayout, PageId, PageMark, PagePool,
-    PrefixIndex, StateDtypes,
+    page_hashes_marked, BlockHash, KvError, KvLayout, PageMark, PagePool, PrefixIndex, StateDtypes,
 };
 use crate::model::{LogitsWanted, Model, Segment};
 use crate::sampler::Sampler;
 use crate::vision;
 
+mod inspect;
+mod transfers;
+
 use super::paged::{LayerSlots, PagedSeq, Reserved, StepPages};
 use super::request::{
-    EngineEvent, EngineRequest, EventSink, FinishReason, Handoff, Reservation, SchedulerConfig,
-    SchedulerStats,
+    EngineEvent, EngineRequest, EventSink, FinishReason, Handoff, SchedulerConfig,
 };
 
 struct Seq {
@@ -217,242 +218,6 @@ impl Scheduler {
             &req.images,
         )
         .map_err(|e| e.to_string())
-    }
-
-    /// Reserves destination pages for a `prompt_len`-token prompt arriving from a prefill
-    /// worker: the MLA pages covering it and one state page per KDA group, all zeroed.
-    pub fn reserve(&mut self, prompt_len: usize) -> Result<Reservation> {
-        if prompt_len == 0 {
-            return Err(EngineError::InvalidInput(
-                "cannot reserve pages for an empty prompt".into(),
-            ));
-        }
-        let mut seq = PagedSeq::new(&self.slots);
-        let reserved = loop {
-            match seq.reserve(&self.slots, &mut self.pool, prompt_len) {
-                Ok(r) => break r,
-                Err(KvError::OutOfPages(_)) => {
-                    let need = seq.pages_needed(&self.slots, &self.pool, prompt_len).max(1);
-                    if self.index.evict(&mut self.pool, need)? == 0 {
-                        seq.release_all(&mut self.pool)?;
-                        return Err(KvError::OutOfPages(
-                            self.pool.layout().group_ids().next().expect("a group"),
-                        )
-                        .into());
-                    }
-                }
-                Err(e) => return Err(e.into()),
-            }
-        };
-        seq.adopt(reserved);
-        seq.len = prompt_len;
-        let id = self.next_id;
-        self.next_id += 1;
-        let r = Reservation {
-            id,
-            prompt_len,
-            mla_pages: seq.mla_pages.clone(),
-            kda_pages: seq.kda_pages.clone(),
-        };
-        self.reservations.insert(id, seq);
-        Ok(r)
-    }
-
-    /// Frees a reservation whose transfer was abandoned.
-    pub fn cancel_reservation(&mut self, id: u64) -> Result<bool> {
-        match self.reservations.remove(&id) {
-            Some(mut seq) => {
-                seq.release_all(&mut self.pool)?;
-                Ok(true)
-            }
-            None => Ok(false),
-        }
-    }
-
-    /// Continues a request whose prompt state was written into reservation `id`, after the
-    /// prefill worker sampled `first_token` (already delivered to the client).
-    pub fn submit_resumed(
-        &mut self,
-        id: u64,
-        req: EngineRequest,
-        first_token: u32,
-        cached_tokens: usize,
-        mut sink: Box<dyn EventSink>,
-    ) -> Result<()> {
-        let paged = self
-            .reservations
-            .remove(&id)
-            .ok_or_else(|| EngineError::InvalidInput(format!("no reservation {id}")))?;
-        if paged.len != req.prompt.len() {
-            let mut paged = paged;
-            paged.release_all(&mut self.pool)?;
-            return Err(EngineError::InvalidInput(
-                "the reservation was made for another prompt length".into(),
-            ));
-        }
-        if let Err(e) = self.check_images(&req) {
-            let mut paged = paged;
-            paged.release_all(&mut self.pool)?;
-            return Err(EngineError::InvalidInput(e));
-        }
-        let mut sampler = Sampler::new(req.sampling.clone())?;
-        // The first token (and any resumed ones) were drawn elsewhere.
-        sampler.skip(1 + req.resumed_tokens);
-        let mut tokens = req.prompt.clone();
-        tokens.push(first_token);
-        let done = req.stop_ids.contains(&first_token) || req.max_new_tokens <= 1;
-        let marks = self.marks(id, &req);
-        let mut seq = Seq {
-            id,
-            tokens,
-            recomputable: !req.images.is_empty() || marks.is_empty(),
-            marks,
-            req,
-            paged,
-            sampler,
-            cached_tokens,
-            indexed_pages: 0,
-            sink: Box::new(|_: EngineEvent| true),
-        };
-        if done {
-            sink.send(EngineEvent::Finished {
-                reason: if seq.req.stop_ids.contains(&first_token) {
-                    FinishReason::Stop
-                } else {
-                    FinishReason::Length
-                },
-                prompt_tokens: seq.req.prompt.len(),
-                completion_tokens: 1,
-                cached_tokens,
-            });
-            seq.paged.release_all(&mut self.pool)?;
-            return Ok(());
-        }
-        seq.sink = sink;
-        self.running.push(seq);
-        Ok(())
-    }
-
-    /// Releases the pages of a finished handoff (after the transfer, or when it was abandoned).
-    pub fn release_handoff(&mut self, id: u64) -> Result<bool> {
-        match self.handoffs.remove(&id) {
-            Some(mut seq) => {
-                seq.release_all(&mut self.pool)?;
-                Ok(true)
-            }
-            None => Ok(false),
-        }
-    }
-
-    /// The pool, for transfers in and out of it.
-    pub fn pool(&self) -> &PagePool {
-        &self.pool
-    }
-
-    pub fn pool_mut(&mut self) -> &mut PagePool {
-        &mut self.pool
-    }
-
-    pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
-    }
-
-    pub fn stats(&self) -> SchedulerStats {
-        let p = self.index.stats();
-        SchedulerStats {
-            waiting: self.waiting.len(),
-            running: self.running.len(),
-            preemptions: self.preemptions,
-            steps: self.steps,
-            prefix_hit_tokens: p.hit_tokens,
-            prefix_lookups: p.lookups,
-            prefix_hits: p.hits,
-            queued_prompt_tokens: self
-                .waiting
-                .iter()
-                .chain(&self.running)
-                .map(|s| s.req.prompt.len().saturating_sub(s.paged.len))
-                .sum(),
-            pool: self
-                .pool
-                .usage()
-                .iter()
-                .map(|u| {
-                    let name = if Some(u.group) == self.slots.mla_group {
-                        "mla".to_string()
-                    } else {
-                        format!("kda{}", u.group.0)
-                    };
-                    (
-                        name,
-                        u.live_pages,
-                        self.pool.total_pages(u.group).unwrap_or(0),
-                    )
-                })
-                .collect(),
-        }
-    }
-
-    /// Pages referenced by anything (requests or the prefix cache).
-    pub fn live_pages(&self) -> usize {
-        self.pool.usage().iter().map(|u| u.live_pages).sum()
-    }
-
-    /// Pages referenced by the prefix cache alone.
-    pub fn cached_pages(&self) -> usize {
-        self.index.len()
-    }
-
-    /// Pages no one but the prefix cache holds: what eviction can give back.
-    pub fn evictable_pages(&self) -> usize {
-        self.index.evictable(&self.pool).count()
-    }
-
-    /// Parents holding a page that something besides the prefix cache holds (a running or
-    /// waiting request, a reservation, a handoff): the parents that stay bound however much of
-    /// the cache is evicted.
-    pub fn request_parents(&self) -> usize {
-        let cache_only: HashSet<PageId> = self.index.evictable(&self.pool).collect();
-        self.pool.parents_holding(|p| !cache_only.contains(&p))
-    }
-
-    /// A fingerprint of every page the prefix cache holds (all planes, all fields): tests use it
-    /// to show that shared pages are never written.
-    pub fn cached_page_fingerprints(&self) -> Vec<(u32, u64)> {
-        use std::hash::{Hash, Hasher};
-        let layout = self.pool.layout();
-        let mut out: Vec<(u32, u64)> = self
-            .index
-            .pages()
-            .map(|page| {
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                let g = self.pool.group_of(page).expect("cached pages are live");
-                let group = layout.group(g).expect("a group");
-                let fields: &[Field] = match group.kind {
-                    GroupKind::Mla => &[Field::Latent],
-                    GroupKind::Kda => &[Field::Conv, Field::Recurrent],
-                };
-                for &layer in &group.layers {
-                    let (_, plane) = layout.locate(layer).expect("a layer");
-                    for &f in fields {
-                        let off = self.pool.byte_offset(plane, page, f).expect("a field");
-                        let (_, len) = layout.field_range(g, f).expect("a field");
-                        let mut bytes = vec![0u8; len];
-                        self.pool.read_bytes(off, &mut bytes).expect("readable");
-                        bytes.hash(&mut h);
-                    }
-                }
-                (page.0, h.finish())
-            })
-            .collect();
-        out.sort_unstable();
-        out
-    }
-
-    /// Drops every cached prefix (pages held by requests stay).
-    pub fn clear_prefix_cache(&mut self) -> Result<()> {
-        self.index.clear(&mut self.pool)?;
-        Ok(())
     }
 
     /// Runs one batch. Returns the number of tokens processed.
