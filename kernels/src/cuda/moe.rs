@@ -182,11 +182,24 @@ struct Projections {
 /// fewest that fill the last wave of warps to within 5% of the best (`tiles` row tiles of 16
 /// rows, `wave` warps resident at once). Batch 1 at K3's shapes: 3072 gate/up tiles over a
 /// wave of 2112 warps leave the second wave 45% full; two parts make it 97%.
-pub fn tc_ksplit(tiles: usize, wave: usize) -> usize {
+///
+/// MXFP4 rows are split in two at most, and only when all tiles fit in a wave and a half: each
+/// warp keeps its next pass in flight during the current one, which a split leaves fewer passes
+/// to do, and the parts' sum through shared memory cost more than a fuller last wave gave back
+/// (K3 at batch 2 and 4: 234 and 429 µs unsplit against 242 and 438 µs split).
+pub fn tc_ksplit(tiles: usize, wave: usize, mxfp4: bool) -> usize {
     let fill = |ks: usize| {
         let waves = (tiles * ks) as f64 / wave.max(1) as f64;
         waves / waves.ceil().max(1.0)
     };
+    if mxfp4 {
+        let short = 2 * tiles < 3 * wave;
+        return if short && fill(2) > fill(1) + 0.05 {
+            2
+        } else {
+            1
+        };
+    }
     let mut best = 1;
     for ks in [2, 4] {
         if fill(ks) > fill(best) + 0.05 {
@@ -515,7 +528,7 @@ impl MoeDecode {
         let ksplit = |rows: usize, which: usize| -> i32 {
             let tiles = rows.div_ceil(16) * max_active as usize;
             self.ksplit
-                .unwrap_or_else(|| tc_ksplit(tiles, waves[which])) as i32
+                .unwrap_or_else(|| tc_ksplit(tiles, waves[which], mxfp4)) as i32
         };
         let (ks_gate_up, ks_down) = (ksplit(d.di, 0), ksplit(d.din, 1));
         let cfg = |rows: usize, ks: i32, smem: usize| {
@@ -690,12 +703,25 @@ mod tests {
     fn input_split_fills_the_last_wave() {
         // K3 at batch 1 on 132 multiprocessors × 16 warps: gate/up 16 experts × 192 tiles,
         // down 16 × 224 tiles.
-        assert_eq!(tc_ksplit(3072, 2112), 2);
-        assert_eq!(tc_ksplit(3584, 2112), 4);
+        assert_eq!(tc_ksplit(3072, 2112, false), 2);
+        assert_eq!(tc_ksplit(3584, 2112, false), 4);
         // Many experts (batch 16): the waves are full enough without a split.
-        assert_eq!(tc_ksplit(230 * 192, 2112), 1);
+        assert_eq!(tc_ksplit(230 * 192, 2112, false), 1);
         // Exactly one wave, and an empty one, stay whole.
-        assert_eq!(tc_ksplit(2112, 2112), 1);
-        assert_eq!(tc_ksplit(0, 2112), 1);
+        assert_eq!(tc_ksplit(2112, 2112, false), 1);
+        assert_eq!(tc_ksplit(0, 2112, false), 1);
+    }
+
+    #[test]
+    fn mxfp4_rows_split_in_two_at_most_and_only_under_a_wave_and_a_half() {
+        // Batch 1: gate/up (1.45 waves) in two parts; down (1.7 waves) whole, not in four.
+        assert_eq!(tc_ksplit(3072, 2112, true), 2);
+        assert_eq!(tc_ksplit(3584, 2112, true), 1);
+        // Batch 2: 2.9 and 3.4 waves stay whole.
+        assert_eq!(tc_ksplit(6144, 2112, true), 1);
+        assert_eq!(tc_ksplit(7168, 2112, true), 1);
+        // Under a wave and a half, but the split would not fill the last wave better.
+        assert_eq!(tc_ksplit(2112, 2112, true), 1);
+        assert_eq!(tc_ksplit(0, 2112, true), 1);
     }
 }
