@@ -6,7 +6,8 @@ use crate::common::{fill, rel_err, time_us_back_to_back, Checks, Device, Rng};
 use crate::{bf16_vec, report_time, values};
 use tessera_kernels::cpu::{self, MoeRouting};
 use tessera_kernels::cuda::{
-    CudaDevice, CudaError, MoeActivation, MoeDecode, MoeDims, MoeExperts, MoePath, MoeWorkspace,
+    mxfp4_device_codes, CudaDevice, CudaError, MoeActivation, MoeDecode, MoeDims, MoeExperts,
+    MoePath, MoeWorkspace,
 };
 
 const SITU: MoeActivation = MoeActivation::Situ {
@@ -243,7 +244,7 @@ pub(crate) fn check_moe_experts(
             down: dq(&d, din, di),
         };
         let up_d = |(c, s): &(Vec<u8>, Vec<u8>)| -> Result<_, CudaError> {
-            Ok((dev.upload(c)?, dev.upload(s)?))
+            Ok((dev.upload(&mxfp4_device_codes(c))?, dev.upload(s)?))
         };
         let (gd, ud, dd) = (up_d(&g)?, up_d(&u)?, up_d(&d)?);
         let experts = MoeExperts::Mxfp4 {

@@ -33,6 +33,19 @@ __device__ __forceinline__ bf16_t f2bf(float x) { return (bf16_t)(pack_bf16x2(x,
 __device__ __forceinline__ float lo_bf(unsigned w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_bf(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 
+// MXFP4 codes k and k + 4 (k = 0..3) of one word in the device's bit order (cuda/mxfp4.rs) as
+// out[k], one bf16x2 each, at 2^-126 of their values: a code's sign on bit 15 (31), its three
+// magnitude bits on bits 8..6 (24..22), the bf16's lowest exponent bits and first mantissa bit.
+__device__ __forceinline__ void mxfp4_pairs(unsigned w, unsigned out[4]) {
+    const unsigned m = 0x81c081c0u;
+    out[0] = w & m;
+    out[1] = (w << 3) & m;
+    out[2] = (w << 6) & m;
+    out[3] = ((w << 1) & 0x80008000u) | ((w >> 5) & 0x01000100u) | ((w >> 4) & 0x00c000c0u);
+}
+// What turns an `mxfp4_pairs` value into the code's own, exactly (2^126).
+#define MXFP4_UNSCALE 0x1p126f
+
 // D += A·B on the tensor cores: m16n8k16, bf16 operands, f32 accumulators.
 // Fragment layout (g = lane/4, t = lane%4):
 //   a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]

@@ -374,14 +374,11 @@ scatter_add_weighted(float* __restrict__ acc, const float* __restrict__ y, const
     for (int c = threadIdx.x; c < dim; c += MT) a[c] += wi * y[(size_t)blockIdx.x * dim + c];
 }
 
-// MXFP4 weight [out, in] (compressed-tensors: two E2M1 codes per byte, low nibble first, one E8M0
-// scale per 32 inputs) times x [rows, in]ᵀ (a GEMM input) into f32 out (row r at out + r·ldo): w4a16,
-// dequantised in registers. One warp per (row, output). Grid (ceil(out / warps), rows).
-__device__ __forceinline__ float e2m1(unsigned code) {
-    const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    const float m = mag[code & 7u];
-    return (code & 8u) ? -m : m;
-}
+// MXFP4 weight [out, in] (E2M1 codes, eight to a 32-bit word in the device's bit order of
+// cuda/mxfp4.rs; one E8M0 scale per 32 inputs) times x [rows, in]ᵀ (a GEMM input) into f32 out
+// (row r at out + r·ldo): w4a16, dequantised in registers, each term (code · scale) · x exactly as
+// from the checkpoint's codes. One warp per (row, output), a word of 8 inputs per lane and step.
+// Grid (ceil(out / warps), rows).
 __device__ __forceinline__ float e8m0(unsigned char e) {
     return e == 0 ? 5.877471754111438e-39f : (e == 255 ? __int_as_float(0x7fc00000) : __int_as_float(((int)e) << 23));
 }
@@ -392,14 +389,20 @@ mxfp4_linear(const void* __restrict__ x, const unsigned char* __restrict__ packe
     const int o = blockIdx.x * (MT / LANES) + threadIdx.x / LANES, row = blockIdx.y;
     const int lane = threadIdx.x & LANE_MASK;
     if (o >= out_dim) return;
-    const unsigned char* pb = packed + (size_t)o * (in_dim / 2);
+    const unsigned* pw = reinterpret_cast<const unsigned*>(packed + (size_t)o * (in_dim / 2));
     const unsigned char* sb = scale + (size_t)o * (in_dim / 32);
     const size_t xr = (size_t)row * in_dim;
     float acc = 0.0f;
-    for (int b = lane; b < in_dim / 2; b += LANES) {
-        const unsigned byte = pb[b];
-        const float s = e8m0(sb[(2 * b) / 32]);
-        acc += e2m1(byte & 0xFu) * s * load_w(x, xr + 2 * b, exact) + e2m1(byte >> 4) * s * load_w(x, xr + 2 * b + 1, exact);
+    for (int wi = lane; wi < in_dim / 8; wi += LANES) {
+        unsigned b[4];
+        mxfp4_pairs(pw[wi], b);
+        const float s = e8m0(sb[wi / 4]);
+        const size_t x0 = xr + 8 * (size_t)wi;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            acc += (lo_bf(b[k]) * MXFP4_UNSCALE) * s * load_w(x, x0 + k, exact);
+            acc += (hi_bf(b[k]) * MXFP4_UNSCALE) * s * load_w(x, x0 + k + 4, exact);
+        }
     }
     for (int m = LANES / 2; m > 0; m >>= 1) acc += LANE_SHFL_XOR(acc, m);
     if (lane == 0) out[(size_t)row * ldo + o] = acc;

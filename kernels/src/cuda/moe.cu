@@ -270,51 +270,30 @@ struct Bf16Weights {
     }
 };
 
-// E2M1 codes (sign in bit 3; magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}) to bf16 by byte lookups:
-// every magnitude is a bf16 whose two bytes come from two 8-entry tables, which prmt indexes
-// with the code's three magnitude bits; the sign bit is then moved onto the high byte.
-#define E2M1_HI0 0x3f3f3f00u
-#define E2M1_HI1 0x40404040u
-#define E2M1_LO0 0xc0800000u
-#define E2M1_LO1 0xc0804000u
-
 __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
     unsigned d;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
     return d;
 }
 
-// The 8 codes of one 32-bit word (element k in bits 4k..4k+3) as four bf16x2 words, in order.
-__device__ __forceinline__ void e2m1x8_to_bf16(unsigned w, unsigned out[4]) {
-    const unsigned mag = w & 0x77777777u;
-    const unsigned even = (w << 4) & 0x80808080u;  // signs of elements 0, 2, 4, 6 at bit 7
-    const unsigned odd = w & 0x80808080u;          // signs of elements 1, 3, 5, 7 at bit 7
-    const unsigned hi_a = prmt(E2M1_HI0, E2M1_HI1, mag) | prmt(even, odd, 0x5140u);
-    const unsigned lo_a = prmt(E2M1_LO0, E2M1_LO1, mag);
-    const unsigned hi_b = prmt(E2M1_HI0, E2M1_HI1, mag >> 16) | prmt(even, odd, 0x7362u);
-    const unsigned lo_b = prmt(E2M1_LO0, E2M1_LO1, mag >> 16);
-    out[0] = prmt(lo_a, hi_a, 0x5140u);
-    out[1] = prmt(lo_a, hi_a, 0x7362u);
-    out[2] = prmt(lo_b, hi_b, 0x5140u);
-    out[3] = prmt(lo_b, hi_b, 0x7362u);
-}
-
 __device__ __forceinline__ float e8m0(unsigned s) {
     return s == 0 ? __uint_as_float(0x00400000u) : (s == 255 ? __int_as_float(0x7fc00000) : __uint_as_float(s << 23));
 }
 
-// 8 codes of one 32-bit word (low nibble first) against 8 bf16 inputs.
+// 8 codes of one device word (cuda/mxfp4.rs) against 8 bf16 inputs in order: pair k of
+// `mxfp4_pairs` holds elements k and k + 4, each brought back to its own value before its product.
 __device__ __forceinline__ float dot8_fp4(unsigned w, uint4 xv, float s) {
     unsigned b[4];
-    e2m1x8_to_bf16(w, b);
-    s = fmaf(lo_bf(b[0]), lo_bf(xv.x), s);
-    s = fmaf(hi_bf(b[0]), hi_bf(xv.x), s);
-    s = fmaf(lo_bf(b[1]), lo_bf(xv.y), s);
-    s = fmaf(hi_bf(b[1]), hi_bf(xv.y), s);
-    s = fmaf(lo_bf(b[2]), lo_bf(xv.z), s);
-    s = fmaf(hi_bf(b[2]), hi_bf(xv.z), s);
-    s = fmaf(lo_bf(b[3]), lo_bf(xv.w), s);
-    return fmaf(hi_bf(b[3]), hi_bf(xv.w), s);
+    mxfp4_pairs(w, b);
+    const float u = MXFP4_UNSCALE;
+    s = fmaf(lo_bf(b[0]) * u, lo_bf(xv.x), s);
+    s = fmaf(hi_bf(b[0]) * u, lo_bf(xv.z), s);
+    s = fmaf(lo_bf(b[1]) * u, hi_bf(xv.x), s);
+    s = fmaf(hi_bf(b[1]) * u, hi_bf(xv.z), s);
+    s = fmaf(lo_bf(b[2]) * u, lo_bf(xv.y), s);
+    s = fmaf(hi_bf(b[2]) * u, lo_bf(xv.w), s);
+    s = fmaf(lo_bf(b[3]) * u, hi_bf(xv.y), s);
+    return fmaf(hi_bf(b[3]) * u, hi_bf(xv.w), s);
 }
 
 struct Mxfp4Weights {

@@ -63,19 +63,7 @@ struct Bf16Tc {
     __device__ __forceinline__ static void arrange_x(unsigned[REGS]) {}
 };
 
-// Elements k and k+4 of one 32-bit word of codes as one bf16x2 (k = 0..3), each at 2^-126 of
-// its value: a code's three magnitude bits become the bf16's two lowest exponent bits and its
-// first mantissa bit (so code 1, 0.5, becomes the subnormal 2^-127), its sign bit the sign.
-// Four masked shifts per pair, no lookups; the inputs are paired the same way (`spread_x`).
-__device__ __forceinline__ void e2m1x8_spread(unsigned w, unsigned out[4]) {
-    const unsigned mag = 0x01c001c0u, sign = 0x80008000u;
-    out[0] = ((w << 6) & mag) | ((w << 12) & sign);
-    out[1] = ((w << 2) & mag) | ((w << 8) & sign);
-    out[2] = ((w >> 2) & mag) | ((w << 4) & sign);
-    out[3] = ((w >> 6) & mag) | (w & sign);
-}
-
-// Eight inputs (four bf16x2 words, in order) paired as `e2m1x8_spread` pairs the codes.
+// Eight inputs (four bf16x2 words, in order) paired as `mxfp4_pairs` pairs the codes (k, k + 4).
 __device__ __forceinline__ void spread_x(unsigned x[4]) {
     const unsigned x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
     x[0] = prmt(x0, x2, 0x5410u);
@@ -116,10 +104,10 @@ struct Mxfp4Tc {
         // Codes decode to 2^-126 of their values, so the factor is 2^(s-1): one bf16 pair
         // (s + 126) << 7 up to s = 128 (one multiply-add), beyond that 2^127 · 2^(s-128) (255
         // is NaN) — taken only when some lane of the warp needs it.
-        e2m1x8_spread(vec.w.x, out);
-        e2m1x8_spread(vec.w.y, out + 4);
-        e2m1x8_spread(vec.w.z, out + 8);
-        e2m1x8_spread(vec.w.w, out + 12);
+        mxfp4_pairs(vec.w.x, out);
+        mxfp4_pairs(vec.w.y, out + 4);
+        mxfp4_pairs(vec.w.z, out + 8);
+        mxfp4_pairs(vec.w.w, out + 12);
         const unsigned s = vec.scale;
         if (!wide) {
             const unsigned f = s * 0x00800080u + 126u * 0x00800080u;

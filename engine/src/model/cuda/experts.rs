@@ -6,8 +6,8 @@
 
 use tessera_kernels::cpu::MoeRouting;
 use tessera_kernels::cuda::{
-    dptr, CudaSlice, DevPtr, GemmType, MoeActivation, MoeDecode, MoeDims, MoeExperts, MoeWorkspace,
-    MOE_MAX_BATCH,
+    dptr, mxfp4_device_codes, CudaSlice, DevPtr, GemmType, MoeActivation, MoeDecode, MoeDims,
+    MoeExperts, MoeWorkspace, MOE_MAX_BATCH,
 };
 
 use super::super::mlp::{Mlp, Proj};
@@ -41,7 +41,7 @@ impl Stack {
         match (dense.is_empty(), packed.is_empty()) {
             (false, true) => Ok(Stack::Dense(upload_weights(gpu, &dense)?)),
             (true, false) => Ok(Stack::Mxfp4 {
-                packed: gpu.dev.upload(&packed)?,
+                packed: gpu.dev.upload(&mxfp4_device_codes(&packed))?,
                 scale: gpu.dev.upload(&scale)?,
             }),
             _ => Err(EngineError::InvalidInput(
