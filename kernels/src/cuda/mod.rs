@@ -291,12 +291,17 @@ impl Graph {
     }
 }
 
-/// Freed device memory kept for reuse by default: `TESSERA_CUDA_POOL_KEEP_MIB`, else 8 GiB.
+/// Freed device memory kept for reuse: `TESSERA_CUDA_POOL_KEEP_MIB`, else 8 GiB.
 fn pool_keep_bytes() -> Result<u64, CudaError> {
+    parse_pool_keep(std::env::var("TESSERA_CUDA_POOL_KEEP_MIB").ok().as_deref())
+}
+
+/// Bytes from a `TESSERA_CUDA_POOL_KEEP_MIB` value (whole MiB; unset: 8 GiB).
+fn parse_pool_keep(mib: Option<&str>) -> Result<u64, CudaError> {
     const DEFAULT_MIB: u64 = 8 << 10;
-    match std::env::var("TESSERA_CUDA_POOL_KEEP_MIB") {
-        Err(_) => Ok(DEFAULT_MIB << 20),
-        Ok(v) => v
+    match mib {
+        None => Ok(DEFAULT_MIB << 20),
+        Some(v) => v
             .trim()
             .parse::<u64>()
             .map(|mib| mib.saturating_mul(1 << 20))
@@ -359,6 +364,21 @@ pub fn compile(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kept_device_memory_is_whole_mib_and_8_gib_unset() {
+        assert_eq!(parse_pool_keep(None).unwrap(), 8 << 30);
+        assert_eq!(parse_pool_keep(Some("0")).unwrap(), 0);
+        assert_eq!(parse_pool_keep(Some(" 512 ")).unwrap(), 512 << 20);
+        assert_eq!(
+            parse_pool_keep(Some(&u64::MAX.to_string())).unwrap(),
+            u64::MAX
+        );
+        for bad in ["", "1.5", "-1", "8GiB"] {
+            let err = parse_pool_keep(Some(bad)).unwrap_err().to_string();
+            assert!(err.contains("TESSERA_CUDA_POOL_KEEP_MIB"), "{bad:?}: {err}");
+        }
+    }
 
     #[test]
     fn opening_a_device_without_a_driver_is_a_clear_error() {
