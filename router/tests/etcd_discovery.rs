@@ -18,10 +18,7 @@ use etcd::start_etcd;
 use serde_json::Value;
 use tessera_prefill::runtime::WorkerArgs;
 use tessera_router::cluster::Role;
-use tessera_router::{
-    ClusterBackend, ClusterConfig, GenerationBackend, GenerationRequest, PoolOptions, Sampling,
-    TokenEvent,
-};
+use tessera_router::{ClusterBackend, GenerationBackend, GenerationRequest, Sampling, TokenEvent};
 use tokio::sync::oneshot;
 
 const SECRET: &str = "router-etcd-test";
@@ -205,20 +202,7 @@ async fn etcd_discovery_adds_and_drains_workers_live() {
     let b = tessera_router::discovery::build_backend(
         std::slice::from_ref(&ep),
         CLUSTER,
-        ClusterConfig {
-            model_id: "kl_mixed".into(),
-            max_model_len: 4096,
-            prefill: vec![],
-            decode: vec![],
-            pool: PoolOptions {
-                auth_secret: Some(SECRET.into()),
-                health_interval: Duration::from_millis(300),
-                ..PoolOptions::default()
-            },
-            reserve_ttl_ms: 0,
-            encoder: vec![],
-            image_token_id: None,
-        },
+        crate::common::cluster_config(SECRET, &[], &[], 0),
     )
     .unwrap();
     let b = Arc::new(b);

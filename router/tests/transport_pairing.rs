@@ -7,8 +7,7 @@ use std::time::Duration;
 
 use tessera_router::cluster::Role;
 use tessera_router::{
-    BackendError, ClusterBackend, ClusterConfig, GenerationBackend, GenerationRequest, PoolOptions,
-    Sampling, TokenEvent,
+    BackendError, ClusterBackend, GenerationBackend, GenerationRequest, Sampling, TokenEvent,
 };
 
 use crate::common::{self, Worker};
@@ -20,21 +19,7 @@ async fn start_on(role: Role, transport: &str) -> Worker {
 }
 
 async fn backend(prefill: &[&Worker], decode: &[&Worker]) -> ClusterBackend {
-    let b = ClusterBackend::new(ClusterConfig {
-        model_id: "kl_mixed".into(),
-        max_model_len: 4096,
-        prefill: prefill.iter().map(|w| w.grpc.clone()).collect(),
-        decode: decode.iter().map(|w| w.grpc.clone()).collect(),
-        pool: PoolOptions {
-            auth_secret: Some(SECRET.into()),
-            health_interval: Duration::from_millis(300),
-            ..PoolOptions::default()
-        },
-        reserve_ttl_ms: 0,
-        encoder: vec![],
-        image_token_id: None,
-    })
-    .unwrap();
+    let b = ClusterBackend::new(common::cluster_config(SECRET, prefill, decode, 0)).unwrap();
     // The first probe learns every worker's transport from its `Stats`.
     b.pool().probe_all().await;
     b

@@ -14,8 +14,8 @@ use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
 use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
 use tessera_router::cluster::Role;
 use tessera_router::{
-    BackendError, ClusterBackend, ClusterConfig, FinishReason, GenerationBackend,
-    GenerationRequest, PoolOptions, Sampling, TokenEvent, Usage,
+    BackendError, ClusterBackend, FinishReason, GenerationBackend, GenerationRequest, Sampling,
+    TokenEvent, Usage,
 };
 use tokio::sync::mpsc;
 
@@ -89,21 +89,8 @@ pub(super) async fn backend_with_ttl(
     decode: &[&Worker],
     reserve_ttl_ms: u32,
 ) -> Arc<ClusterBackend> {
-    let b = ClusterBackend::new(ClusterConfig {
-        model_id: "kl_mixed".into(),
-        max_model_len: 4096,
-        prefill: prefill.iter().map(|w| w.grpc.clone()).collect(),
-        decode: decode.iter().map(|w| w.grpc.clone()).collect(),
-        pool: PoolOptions {
-            auth_secret: Some(SECRET.into()),
-            health_interval: Duration::from_millis(300),
-            ..PoolOptions::default()
-        },
-        reserve_ttl_ms,
-        encoder: vec![],
-        image_token_id: None,
-    })
-    .unwrap();
+    let config = common::cluster_config(SECRET, prefill, decode, reserve_ttl_ms);
+    let b = ClusterBackend::new(config).unwrap();
     b.pool().probe_all().await;
     b.health().unwrap();
     Arc::new(b)

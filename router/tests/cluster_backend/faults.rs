@@ -10,9 +10,7 @@ use tessera_proto::v1;
 use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
 use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
 use tessera_router::cluster::Role;
-use tessera_router::{
-    ClusterBackend, ClusterConfig, GenerationBackend, GenerationRequest, PoolOptions, Sampling,
-};
+use tessera_router::{ClusterBackend, GenerationBackend, GenerationRequest, Sampling};
 
 use crate::common::{stopper, Worker};
 
@@ -284,21 +282,9 @@ async fn mutual_tls_between_router_and_workers_refuses_strangers() {
         },
     );
     // The router with the PKI's certificate: requests (router → both, prefill → decode) work.
-    let b = ClusterBackend::new(ClusterConfig {
-        model_id: "kl_mixed".into(),
-        max_model_len: 4096,
-        prefill: vec![prefill.grpc.clone()],
-        decode: vec![decode.grpc.clone()],
-        pool: PoolOptions {
-            auth_secret: Some(SECRET.into()),
-            tls: Some(pki.load()),
-            ..PoolOptions::default()
-        },
-        reserve_ttl_ms: 0,
-        encoder: vec![],
-        image_token_id: None,
-    })
-    .unwrap();
+    let mut config = crate::common::cluster_config(SECRET, &[&prefill], &[&decode], 0);
+    config.pool.tls = Some(pki.load());
+    let b = ClusterBackend::new(config).unwrap();
     b.pool().probe_all().await;
     b.health().unwrap();
     for (i, (prompt, want)) in reference().iter().enumerate() {

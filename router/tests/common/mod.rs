@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use tessera_prefill::runtime::WorkerArgs;
 use tessera_router::cluster::Role;
+use tessera_router::{ClusterConfig, PoolOptions};
 use tokio::sync::oneshot;
 
 pub fn fixture() -> PathBuf {
@@ -81,4 +82,29 @@ pub async fn start_on(secret: &str, role: Role, transport: &str) -> Result<Worke
         stop: Some(tx),
         server,
     })
+}
+
+/// A router's cluster configuration for the fixture: these prefill and decode workers' gRPC
+/// addresses, the shared `secret`, health probes every 300 ms and decode reservations that last
+/// `reserve_ttl_ms` (0: the default).
+pub fn cluster_config(
+    secret: &str,
+    prefill: &[&Worker],
+    decode: &[&Worker],
+    reserve_ttl_ms: u32,
+) -> ClusterConfig {
+    ClusterConfig {
+        model_id: "kl_mixed".into(),
+        max_model_len: 4096,
+        prefill: prefill.iter().map(|w| w.grpc.clone()).collect(),
+        decode: decode.iter().map(|w| w.grpc.clone()).collect(),
+        pool: PoolOptions {
+            auth_secret: Some(secret.into()),
+            health_interval: Duration::from_millis(300),
+            ..PoolOptions::default()
+        },
+        reserve_ttl_ms,
+        encoder: vec![],
+        image_token_id: None,
+    }
 }
