@@ -44,7 +44,7 @@ pub use model_ops::{
 pub use moe::{
     MoeActivation, MoeDecode, MoeDims, MoeExperts, MoePath, MoeWorkspace, MOE_MAX_BATCH,
 };
-pub use mxfp4::{mxfp4_device_codes, mxfp4_device_word};
+pub use mxfp4::mxfp4_device_codes;
 pub use ops::{GemmType, Linear, RowOps};
 pub use sample::{Sampler, SamplingRows};
 pub use staging::copy_within;
