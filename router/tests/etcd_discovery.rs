@@ -18,8 +18,10 @@ use etcd::start_etcd;
 use serde_json::Value;
 use tessera_prefill::runtime::WorkerArgs;
 use tessera_router::cluster::Role;
-use tessera_router::{ClusterBackend, GenerationBackend, GenerationRequest, Sampling, TokenEvent};
+use tessera_router::{ClusterBackend, GenerationBackend, GenerationRequest, TokenEvent};
 use tokio::sync::oneshot;
+
+use crate::common::greedy;
 
 const SECRET: &str = "router-etcd-test";
 const CLUSTER: &str = "etcdtest";
@@ -123,21 +125,6 @@ async fn start_prefill(etcd: &str, id: &str) -> Worker {
         drain: p.service.drain().clone(),
         stop: Some(tx),
         server: p.server,
-    }
-}
-
-fn greedy(id: &str, prompt: &[u32], max_tokens: usize) -> GenerationRequest {
-    GenerationRequest {
-        request_id: id.into(),
-        prompt_ids: prompt.to_vec(),
-        max_tokens,
-        sampling: Sampling {
-            temperature: 0.0,
-            ..Sampling::default()
-        },
-        stop_token_ids: vec![],
-        ignore_eos: true,
-        images: vec![],
     }
 }
 

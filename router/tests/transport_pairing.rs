@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tessera_router::cluster::Role;
 use tessera_router::{
-    BackendError, ClusterBackend, GenerationBackend, GenerationRequest, Sampling, TokenEvent,
+    BackendError, ClusterBackend, GenerationBackend, GenerationRequest, TokenEvent,
 };
 
 use crate::common::{self, Worker};
@@ -26,18 +26,8 @@ async fn backend(prefill: &[&Worker], decode: &[&Worker]) -> ClusterBackend {
 }
 
 fn request(id: &str) -> GenerationRequest {
-    GenerationRequest {
-        request_id: id.into(),
-        prompt_ids: (0..40).map(|i| (i * 13 % 300) as u32 + 5).collect(),
-        max_tokens: 4,
-        sampling: Sampling {
-            temperature: 0.0,
-            ..Sampling::default()
-        },
-        stop_token_ids: vec![],
-        ignore_eos: true,
-        images: vec![],
-    }
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 13 % 300) as u32 + 5).collect();
+    common::greedy(id, &prompt, 4)
 }
 
 /// The tokens of a request, or its error.

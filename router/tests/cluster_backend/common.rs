@@ -14,8 +14,8 @@ use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
 use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
 use tessera_router::cluster::Role;
 use tessera_router::{
-    BackendError, ClusterBackend, FinishReason, GenerationBackend, GenerationRequest, Sampling,
-    TokenEvent, Usage,
+    BackendError, ClusterBackend, FinishReason, GenerationBackend, GenerationRequest, TokenEvent,
+    Usage,
 };
 use tokio::sync::mpsc;
 
@@ -96,18 +96,15 @@ pub(super) async fn backend_with_ttl(
     Arc::new(b)
 }
 
-pub(super) fn greedy(id: &str, prompt: &[u32], max_tokens: usize) -> GenerationRequest {
-    GenerationRequest {
-        request_id: id.into(),
-        prompt_ids: prompt.to_vec(),
-        max_tokens,
-        sampling: Sampling {
-            temperature: 0.0,
-            ..Sampling::default()
-        },
-        stop_token_ids: vec![],
-        ignore_eos: true,
-        images: vec![],
+/// Where a prefill worker writes the pages of reservation `r` on `decode`.
+pub(super) fn destination(decode: &Worker, r: &v1::ReserveReply) -> v1::KvDestination {
+    v1::KvDestination {
+        decode_grpc_address: decode.grpc.clone(),
+        decode_incarnation_id: r.incarnation_id,
+        reservation_id: r.reservation_id.clone(),
+        mla_page_ids: r.mla_page_ids.clone(),
+        kda_state_page_ids: r.kda_state_page_ids.clone(),
+        ..Default::default()
     }
 }
 

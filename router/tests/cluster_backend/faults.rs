@@ -12,7 +12,7 @@ use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
 use tessera_router::cluster::Role;
 use tessera_router::{ClusterBackend, GenerationBackend, GenerationRequest, Sampling};
 
-use crate::common::{stopper, Worker};
+use crate::common::{greedy, stopper, Worker};
 
 use super::common::*;
 
@@ -48,13 +48,8 @@ async fn a_transfer_that_misses_its_deadline_fails_the_request_and_frees_both_si
             request_id: "late".into(),
             prompt_token_ids: prompt.clone(),
             destination: Some(v1::KvDestination {
-                decode_grpc_address: decode.grpc.clone(),
-                decode_incarnation_id: r.incarnation_id,
-                reservation_id: r.reservation_id.clone(),
-                mla_page_ids: r.mla_page_ids.clone(),
-                kda_state_page_ids: r.kda_state_page_ids.clone(),
                 transfer_timeout_ms: 300,
-                ..Default::default()
+                ..destination(&decode, &r)
             }),
             ..Default::default()
         })

@@ -74,7 +74,11 @@ async fn workers_over_ucx_match_the_fixture_and_free_every_page() {
     // The second round hits prefill's prefix cache and reuses its source regions.
     for round in 0..2 {
         for (i, (prompt, want)) in reference().iter().enumerate() {
-            let o = generate(&b, greedy(&format!("ucx-{round}-{i}"), prompt, want.len())).await;
+            let o = generate(
+                &b,
+                common::greedy(&format!("ucx-{round}-{i}"), prompt, want.len()),
+            )
+            .await;
             assert_reference(
                 &o,
                 prompt,
@@ -110,14 +114,7 @@ async fn a_tcp_prefill_and_a_ucx_decode_fail_the_handshake_with_a_mismatch() {
     let call = p.prefill(v1::PrefillRequest {
         request_id: "mixed".into(),
         prompt_token_ids: prompt,
-        destination: Some(v1::KvDestination {
-            decode_grpc_address: decode.grpc.clone(),
-            decode_incarnation_id: r.incarnation_id,
-            reservation_id: r.reservation_id.clone(),
-            mla_page_ids: r.mla_page_ids.clone(),
-            kda_state_page_ids: r.kda_state_page_ids.clone(),
-            ..Default::default()
-        }),
+        destination: Some(destination(&decode, &r)),
         ..Default::default()
     });
     let status = tokio::time::timeout(Duration::from_secs(30), call)

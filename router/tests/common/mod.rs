@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use tessera_prefill::runtime::WorkerArgs;
 use tessera_router::cluster::Role;
-use tessera_router::{ClusterConfig, PoolOptions};
+use tessera_router::{ClusterConfig, GenerationRequest, PoolOptions, Sampling};
 use tokio::sync::oneshot;
 
 pub fn fixture() -> PathBuf {
@@ -106,5 +106,21 @@ pub fn cluster_config(
         reserve_ttl_ms,
         encoder: vec![],
         image_token_id: None,
+    }
+}
+
+/// A greedy request for `max_tokens` tokens after `prompt`, end-of-sequence ignored.
+pub fn greedy(id: &str, prompt: &[u32], max_tokens: usize) -> GenerationRequest {
+    GenerationRequest {
+        request_id: id.into(),
+        prompt_ids: prompt.to_vec(),
+        max_tokens,
+        sampling: Sampling {
+            temperature: 0.0,
+            ..Sampling::default()
+        },
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        images: vec![],
     }
 }
