@@ -161,7 +161,7 @@ fn run() -> Result<(), CudaError> {
             )?;
         }
     }
-    if dev.arch() >= "sm_90" {
+    if dev.is_sm90_or_newer() {
         for (name, tile) in [
             ("rmw_bulk16k", 16384usize),
             ("rmw_bulk32k", 32768),

@@ -186,6 +186,11 @@ impl CudaDevice {
         &self.arch
     }
 
+    /// Whether the device is Hopper (sm_90) or newer.
+    pub fn is_sm90_or_newer(&self) -> bool {
+        sm90_or_newer(&self.arch)
+    }
+
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
@@ -289,6 +294,13 @@ impl Graph {
     pub fn launch(&mut self) -> Result<(), CudaError> {
         Ok(self.0.launch()?)
     }
+}
+
+/// Whether `arch` ("sm_<major><minor>", e.g. "sm_90", "sm_100") is Hopper or newer.
+pub(crate) fn sm90_or_newer(arch: &str) -> bool {
+    arch.strip_prefix("sm_")
+        .and_then(|a| a.get(..a.len().saturating_sub(1))?.parse::<u32>().ok())
+        .is_some_and(|major| major >= 9)
 }
 
 /// Freed device memory kept for reuse: `TESSERA_CUDA_POOL_KEEP_MIB`, else 8 GiB.

@@ -245,10 +245,7 @@ struct TmaRing {
 impl TmaRing {
     /// From the build settings: on when `MOE_TC_TMA` is 1 and the device is sm_90 or newer.
     fn from_defines(defines: &[(&str, String)], arch: &str) -> Option<Self> {
-        let hopper = arch
-            .strip_prefix("sm_")
-            .and_then(|a| a.get(..a.len().saturating_sub(1))?.parse::<u32>().ok())
-            .is_some_and(|major| major >= 9);
+        let hopper = super::sm90_or_newer(arch);
         let get = |k: &str, default: usize| {
             defines
                 .iter()
