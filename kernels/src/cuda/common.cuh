@@ -45,6 +45,10 @@ __device__ __forceinline__ void mxfp4_pairs(unsigned w, unsigned out[4]) {
 }
 // What turns an `mxfp4_pairs` value into the code's own, exactly (2^126).
 #define MXFP4_UNSCALE 0x1p126f
+// An MXFP4 block's E8M0 scale 2^(s - 127) (s = 0 the subnormal 2^-127, s = 255 NaN).
+__device__ __forceinline__ float e8m0(unsigned s) {
+    return s == 0 ? __uint_as_float(0x00400000u) : (s == 255 ? __int_as_float(0x7fc00000) : __uint_as_float(s << 23));
+}
 
 // D += A·B on the tensor cores: m16n8k16, bf16 operands, f32 accumulators.
 // Fragment layout (g = lane/4, t = lane%4):

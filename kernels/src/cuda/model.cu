@@ -379,9 +379,6 @@ scatter_add_weighted(float* __restrict__ acc, const float* __restrict__ y, const
 // (row r at out + r·ldo): w4a16, dequantised in registers, each term (code · scale) · x exactly as
 // from the checkpoint's codes. One warp per (row, output), a word of 8 inputs per lane and step.
 // Grid (ceil(out / warps), rows).
-__device__ __forceinline__ float e8m0(unsigned char e) {
-    return e == 0 ? 5.877471754111438e-39f : (e == 255 ? __int_as_float(0x7fc00000) : __int_as_float(((int)e) << 23));
-}
 extern "C" __global__ void __launch_bounds__(MT)
 mxfp4_linear(const void* __restrict__ x, const unsigned char* __restrict__ packed,
              const unsigned char* __restrict__ scale, float* __restrict__ out, int in_dim, int out_dim, int ldo,

@@ -276,10 +276,6 @@ __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
     return d;
 }
 
-__device__ __forceinline__ float e8m0(unsigned s) {
-    return s == 0 ? __uint_as_float(0x00400000u) : (s == 255 ? __int_as_float(0x7fc00000) : __uint_as_float(s << 23));
-}
-
 // 8 codes of one device word (cuda/mxfp4.rs) against 8 bf16 inputs in order: pair k of
 // `mxfp4_pairs` holds elements k and k + 4, each brought back to its own value before its product.
 __device__ __forceinline__ float dot8_fp4(unsigned w, uint4 xv, float s) {
