@@ -183,14 +183,10 @@ impl Cluster {
                 request_id: rid.into(),
                 prompt_token_ids: prompt.to_vec(),
                 sampling: Some(wire(s)),
-                destination: Some(v1::KvDestination {
-                    decode_grpc_address: self.decode_addr.clone(),
-                    decode_incarnation_id: r.incarnation_id,
-                    reservation_id: r.reservation_id.clone(),
-                    mla_page_ids: r.mla_page_ids.clone(),
-                    kda_state_page_ids: r.kda_state_page_ids.clone(),
-                    ..Default::default()
-                }),
+                destination: Some(v1::KvDestination::for_reservation(
+                    self.decode_addr.clone(),
+                    &r,
+                )),
                 ..Default::default()
             })
             .await
@@ -442,14 +438,10 @@ impl Cluster {
                 request_id: rid.into(),
                 prompt_token_ids: prompt.to_vec(),
                 sampling: Some(wire(s)),
-                destination: Some(v1::KvDestination {
-                    decode_grpc_address: self.decode_addr.clone(),
-                    decode_incarnation_id: r.incarnation_id,
-                    reservation_id: r.reservation_id.clone(),
-                    mla_page_ids: r.mla_page_ids.clone(),
-                    kda_state_page_ids: r.kda_state_page_ids.clone(),
-                    ..Default::default()
-                }),
+                destination: Some(v1::KvDestination::for_reservation(
+                    self.decode_addr.clone(),
+                    &r,
+                )),
                 ..Default::default()
             })
             .await

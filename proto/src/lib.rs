@@ -41,6 +41,26 @@ pub mod v1 {
     tonic::include_proto!("tessera.v1");
 }
 
+impl v1::KvDestination {
+    /// Where a prefill worker writes the pages of reservation `r` made on the decode worker at
+    /// `decode_grpc_address`: its incarnation, page ids and cached prefix, with the reservation's
+    /// time to live as the transfer deadline (pages that arrive later are refused anyway). The
+    /// transfer backend and endpoint stay empty: the prefill worker learns them from the decode
+    /// worker in its transfer handshake.
+    pub fn for_reservation(decode_grpc_address: String, r: &v1::ReserveReply) -> Self {
+        v1::KvDestination {
+            decode_grpc_address,
+            decode_incarnation_id: r.incarnation_id,
+            reservation_id: r.reservation_id.clone(),
+            cached_tokens: r.cached_tokens,
+            mla_page_ids: r.mla_page_ids.clone(),
+            kda_state_page_ids: r.kda_state_page_ids.clone(),
+            transfer_timeout_ms: r.ttl_ms,
+            ..Default::default()
+        }
+    }
+}
+
 /// The standard gRPC health service (`grpc.health.v1`), from `tonic-health`.
 ///
 /// Serve it with [`health::server::health_reporter`]; query it with

@@ -319,17 +319,10 @@ impl Flow {
             request_id: run.wire_id.clone(),
             prompt_token_ids: run.prompt.clone(),
             sampling: Some(self.sampling),
-            destination: Some(v1::KvDestination {
-                decode_incarnation_id: r.incarnation_id,
-                decode_grpc_address: placed.decode.addr.clone(),
-                reservation_id: r.reservation_id.clone(),
-                cached_tokens: r.cached_tokens,
-                mla_page_ids: r.mla_page_ids.clone(),
-                kda_state_page_ids: r.kda_state_page_ids.clone(),
-                // Pages that arrive after the reservation expired are refused anyway.
-                transfer_timeout_ms: r.ttl_ms,
-                ..Default::default()
-            }),
+            destination: Some(v1::KvDestination::for_reservation(
+                placed.decode.addr.clone(),
+                r,
+            )),
             resumed_tokens: run.resumed as u32,
             images: run.images.clone(),
             cache_salt: self.cache_salt.clone(),

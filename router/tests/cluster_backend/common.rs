@@ -98,14 +98,7 @@ pub(super) async fn backend_with_ttl(
 
 /// Where a prefill worker writes the pages of reservation `r` on `decode`.
 pub(super) fn destination(decode: &Worker, r: &v1::ReserveReply) -> v1::KvDestination {
-    v1::KvDestination {
-        decode_grpc_address: decode.grpc.clone(),
-        decode_incarnation_id: r.incarnation_id,
-        reservation_id: r.reservation_id.clone(),
-        mla_page_ids: r.mla_page_ids.clone(),
-        kda_state_page_ids: r.kda_state_page_ids.clone(),
-        ..Default::default()
-    }
+    v1::KvDestination::for_reservation(decode.grpc.clone(), r)
 }
 
 pub(super) struct Outcome {
