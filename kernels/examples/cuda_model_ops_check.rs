@@ -30,7 +30,7 @@ mod mla_flash;
 mod moe;
 
 use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
-use mla_decode::{bench_mla, check_mla_kernel, mla_kernels, tuning_label};
+use mla_decode::{bench_mla, check_mla_kernel, mla_kernels, tuning_label, MLA_BENCH_SHAPES};
 use tessera_kernels::cpu;
 use tessera_kernels::cuda::{
     bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, MlaDecode, MlaKernel,
@@ -318,7 +318,7 @@ fn bench(
         }
     }
     if !kernels.is_empty() {
-        bench_mla(dev, &mut rng, iters, &kernels)?;
+        bench_mla(dev, &mut rng, iters, &kernels, &MLA_BENCH_SHAPES)?;
     }
     if only.wants("mla-flash") {
         mla_flash::bench(dev, &mut rng, iters)?;
@@ -453,6 +453,20 @@ fn run() -> Result<usize, CudaError> {
         let keep = moe_sel.keep.unwrap_or_else(|| vec!["tc".to_string()]);
         let variants = moe::variants(&dev, false, Some(&keep))?;
         moe::bench_moe(&dev, &variants, &batches, 10)?;
+        return Ok(0);
+    }
+    if args.iter().any(|a| a == "--mla-profile") {
+        // Every MLA decode split kernel of this device (and --mla-* alternatives) at B=64, 16K
+        // context, unchecked and a few launches each: a target for a profiler.
+        let mut kernels = Vec::new();
+        for kernel in mla_kernels(&dev) {
+            kernels.push((String::new(), MlaDecode::load_kernel(&dev, 96, kernel)?));
+            for &t in &tunings {
+                let tuned = MlaDecode::load_tuned(&dev, 96, kernel, t)?;
+                kernels.push((format!(" {}", &tuning_label(t)[1..]), tuned));
+            }
+        }
+        bench_mla(&dev, &mut Rng(7), 2, &kernels, &MLA_BENCH_SHAPES[..1])?;
         return Ok(0);
     }
     let mut checks = Checks { failed: 0 };

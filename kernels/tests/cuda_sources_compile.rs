@@ -192,8 +192,10 @@ fn mla_decode_warpgroup_kernel_compiles_for_sm90a_in_every_tuning() {
             Ok(ptx) => {
                 let text = ptx.to_src();
                 assert!(text.contains(".entry mla_decode_split_wg"));
+                assert!(text.contains(".entry mla_decode_split_ws"));
+                assert!(text.contains("cp.async.bulk.tensor.3d"));
                 assert!(text.contains("wgmma.mma_async.sync.aligned.m64n32k16"));
-                assert!(text.contains("wgmma.mma_async.sync.aligned.m64n64k16"));
+                assert!(text.contains("wgmma.mma_async.sync.aligned.m64n256k16"));
                 assert_eq!(text.contains("cp.async.bulk.prefetch.L2"), prefetch > 0);
             }
             Err(CudaError::NoNvrtc) if !nvrtc_required() => return,

@@ -150,7 +150,8 @@ pub(crate) fn check_mla_kernel(
     }
     let mla = load(96)?;
     check_mla(dev, &mla, checks, rng, 96, &[5000, 4097], 64, 16)?;
-    check_mla(dev, &mla, checks, rng, 96, &[777], 16, 3)
+    check_mla(dev, &mla, checks, rng, 96, &[777], 16, 3)?;
+    check_mla(dev, &mla, checks, rng, 96, &[333, 32, 31, 1], 32, 2)
 }
 
 /// A check-name suffix for a kernel's build-time alternative ("" for the default).
@@ -174,24 +175,28 @@ pub(crate) fn mla_kernels(dev: &CudaDevice) -> Vec<MlaKernel> {
     v
 }
 
-/// Times each kernel (with its label suffix) on the same inputs; the last shape keeps the pages
-/// in order (the others are shuffled), to show what scattered pages cost.
+/// The timed shapes (batch, context, pages in order): the last keeps the pages in order (the
+/// others are shuffled), to show what scattered pages cost.
+pub(crate) const MLA_BENCH_SHAPES: [(usize, usize, bool); 5] = [
+    (64, 16384, false),
+    (64, 4096, false),
+    (8, 16384, false),
+    (1, 16384, false),
+    (64, 16384, true),
+];
+
+/// Times each kernel (with its label suffix) on the same inputs, shape by shape.
 pub(crate) fn bench_mla(
     dev: &CudaDevice,
     rng: &mut Rng,
     iters: usize,
     kernels: &[(String, MlaDecode)],
+    shapes: &[(usize, usize, bool)],
 ) -> Result<(), CudaError> {
     let heads = 96;
     let scale = 1.0 / (192.0f32).sqrt();
     let page_size = 64;
-    for (batch, ctx, in_order) in [
-        (64usize, 16384usize, false),
-        (64, 4096, false),
-        (8, 16384, false),
-        (1, 16384, false),
-        (64, 16384, true),
-    ] {
+    for &(batch, ctx, in_order) in shapes {
         let lens = vec![ctx; batch];
         let mut pc = paged_cache(&lens, page_size, rng);
         if in_order {

@@ -5,8 +5,9 @@
 //! `[batch, heads, 512]` in bf16.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
+use super::tensor_map::{self, TensorMapArg};
 use super::{CudaDevice, CudaError, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE};
 
 /// Latent width (kv_lora_rank) and the rope-slot width of one cached token.
@@ -43,6 +44,8 @@ pub struct MlaDecodeShape {
 /// The compiled kernels for one head count, and the per-split scratch.
 pub struct MlaDecode {
     split: CudaFunction,
+    /// The Hopper split kernel with split roles, for pages of whole 32-token tiles.
+    split_ws: Option<CudaFunction>,
     combine: CudaFunction,
     heads: usize,
     heads_per_block: usize,
@@ -54,9 +57,10 @@ pub struct MlaDecode {
 }
 
 /// The split kernels: `Portable` (mma.sync, every architecture from `sm_80`; what
-/// [`MlaDecode::load`] picks) and `Hopper` (warpgroup MMAs, `sm_90` only). On an H200 at K3's
-/// 96 heads the Hopper kernel is as exact but 1-10% slower: it pads 96 heads to 128, and both
-/// run at about 150 TFLOP/s, far from the MMAs' peak, so the MMAs are not what limits them.
+/// [`MlaDecode::load`] picks) and `Hopper` (warpgroup MMAs, `sm_90` only: where pages hold whole
+/// 32-token tiles, the copy engine feeds warpgroups with split roles; else the threads copy the
+/// tiles). On an H200 at K3's 96 heads the Hopper kernel is as exact and, with pages of 64
+/// tokens, about 1.3× faster at batch 64 although it pads 96 heads to 128.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MlaKernel {
     Portable,
@@ -84,6 +88,28 @@ impl MlaTuning {
 }
 /// Shared memory of `mla_decode_split_wg`: Q, two tiles, P and the row exchange (`WgSmem`).
 const HOPPER_SMEM: usize = 64 * D * 2 + 2 * BN * D * 2 + 64 * BN * 2 + 2 * 64 * 4;
+/// Tokens per tile of `mla_decode_split_ws`, and its shared memory (`WsSmem`): Q, four stages,
+/// two P buffers with their rescale factors, the row sums and maxima, 12 barriers and four row
+/// counts.
+const WS_BN: usize = 32;
+const HOPPER_WS_SMEM: usize =
+    64 * D * 2 + 4 * WS_BN * D * 2 + 2 * 64 * WS_BN * 2 + 2 * 64 * 4 + 2 * 64 * 4 + 12 * 8 + 4 * 4;
+
+/// The tensor map of the latent cache (`rows` tokens of 576 bf16) for `mla_decode_split_ws`,
+/// read in 3-D boxes of 8 dims × `WS_BN` tokens × 72 chunks of 8 dims: a tile lands as 72 planes
+/// of `WS_BN` tokens × 16 bytes.
+fn cache_map(ptr: u64, rows: usize) -> Result<TensorMapArg, CudaError> {
+    use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
+    let chunks = (D / 8) as u64;
+    tensor_map::tiled(
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        ptr,
+        &[8, rows as u64, chunks],
+        &[D as u64 * 2, 16],
+        &[8, WS_BN as u32, chunks as u32],
+        CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+    )
+}
 
 /// Per-split partial outputs and log-sum-exps for one shape (reuse across calls).
 pub struct MlaDecodeWorkspace {
@@ -165,8 +191,14 @@ impl MlaDecode {
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             HOPPER_SMEM as i32,
         )?;
+        let split_ws = m.load_function("mla_decode_split_ws")?;
+        split_ws.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            HOPPER_WS_SMEM as i32,
+        )?;
         Ok(MlaDecode {
             split,
+            split_ws: Some(split_ws),
             combine,
             heads,
             heads_per_block: 64,
@@ -205,6 +237,7 @@ impl MlaDecode {
         )?;
         Ok(MlaDecode {
             split,
+            split_ws: None,
             combine,
             heads,
             heads_per_block: 16 * mt,
@@ -214,6 +247,13 @@ impl MlaDecode {
             hopper: false,
             tuning,
         })
+    }
+
+    /// The copy-engine split kernel (split roles) where pages hold whole 32-token tiles.
+    fn copy_engine_kernel(&self, page_size: usize) -> Option<&CudaFunction> {
+        self.split_ws
+            .as_ref()
+            .filter(|_| page_size > 0 && page_size.is_multiple_of(WS_BN))
     }
 
     /// The split kernel in use.
@@ -297,11 +337,6 @@ impl MlaDecode {
         if capacity > i32::MAX as usize || num_pages > i32::MAX as usize {
             return Err(shape_err(format!("{capacity} tokens per sequence")));
         }
-        let cfg = LaunchConfig {
-            grid_dim: (sh.splits as u32, self.head_blocks() as u32, sh.batch as u32),
-            block_dim: (self.threads, 1, 1),
-            shared_mem_bytes: self.smem,
-        };
         let (heads_i, ps_i, mp_i, np_i) = (
             sh.heads as i32,
             pages.page_size as i32,
@@ -309,10 +344,31 @@ impl MlaDecode {
             num_pages as i32,
         );
         let scale_log2 = scale * std::f32::consts::LOG2_E;
-        let mut launch = dev.stream().launch_builder(&self.split);
+        let s = dev.stream();
+        // The copy-engine kernel where pages hold whole tiles: the cache goes in as its tensor
+        // map.
+        let engine = self.copy_engine_kernel(pages.page_size);
+        let (cache_ptr, _keep) = pages.cache.device_ptr(s);
+        let map = match engine {
+            Some(_) => Some(cache_map(cache_ptr, num_pages * pages.page_size)?),
+            None => None,
+        };
+        let (func, threads, smem) = match engine {
+            Some(f) => (f, 384, HOPPER_WS_SMEM as u32),
+            None => (&self.split, self.threads, self.smem),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (sh.splits as u32, self.head_blocks() as u32, sh.batch as u32),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let mut launch = s.launch_builder(func);
+        launch.arg(q);
+        match &map {
+            Some(m) => launch.arg(m),
+            None => launch.arg(pages.cache),
+        };
         launch
-            .arg(q)
-            .arg(pages.cache)
             .arg(pages.page_table)
             .arg(pages.seq_lens)
             .arg(&mut ws.o_part)
@@ -322,9 +378,10 @@ impl MlaDecode {
             .arg(&mp_i)
             .arg(&np_i)
             .arg(&scale_log2);
-        // SAFETY: the argument list matches `mla_decode_split`; q, the page table, the lengths
-        // and the workspace hold `batch` sequences (checked above); the kernel clamps lengths to
-        // the table's capacity and skips page ids outside the pool.
+        // SAFETY: the argument list matches `mla_decode_split` (or `mla_decode_split_ws`, whose
+        // map covers the whole pool and whose tiles never cross a page); q, the page table, the
+        // lengths and the workspace hold `batch` sequences (checked above); the kernels clamp
+        // lengths to the table's capacity and skip page ids outside the pool.
         unsafe { launch.launch(cfg) }?;
         let splits_i = sh.splits as i32;
         let cfg = LaunchConfig {
@@ -332,7 +389,7 @@ impl MlaDecode {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = dev.stream().launch_builder(&self.combine);
+        let mut launch = s.launch_builder(&self.combine);
         launch
             .arg(&ws.o_part)
             .arg(&ws.lse_part)

@@ -17,6 +17,7 @@ mod mxfp4;
 mod ops;
 mod sample;
 mod staging;
+mod tensor_map;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -60,6 +61,8 @@ pub const MLA_DECODE_SOURCE: &str = include_str!("mla_decode.cu");
 pub const MLA_DECODE_SM90_SOURCE: &str = concat!(
     include_str!("wgmma.cuh"),
     "\n",
+    include_str!("tma.cuh"),
+    "\n",
     include_str!("mla_decode_sm90.cu")
 );
 /// The KDA chunk scan on warpgroup MMAs; Hopper only (compiled for `sm_90a`, with the
@@ -70,7 +73,13 @@ pub const KDA_SCAN_SM90_SOURCE: &str = concat!(
     include_str!("kda_scan_sm90.cu")
 );
 /// MoE decode for small batches: routing, plan, gate+up+SiTU, down, combine (bf16 and MXFP4).
-pub const MOE_SOURCE: &str = concat!(include_str!("moe.cu"), "\n", include_str!("moe_tc.cu"));
+pub const MOE_SOURCE: &str = concat!(
+    include_str!("moe.cu"),
+    "\n",
+    include_str!("tma.cuh"),
+    "\n",
+    include_str!("moe_tc.cu")
+);
 
 /// Everything that can go wrong in the CUDA backend.
 #[derive(Debug, thiserror::Error)]

@@ -8,6 +8,7 @@
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
+use super::tensor_map::{self, TensorMapArg};
 use super::{CudaDevice, CudaError, MOE_SOURCE};
 use crate::cpu::MoeRouting;
 
@@ -271,44 +272,18 @@ impl TmaRing {
     }
 }
 
-/// A CUtensorMap passed by value to a kernel.
-#[repr(transparent)]
-struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
-
-// SAFETY: a plain 128-byte descriptor the driver copies into the kernel's parameters.
-unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
-
 /// The 2-D tensor map of `rows` rows of `row_bytes` bytes at `ptr`, read in boxes of 16 rows x
 /// 128 bytes with the 128-byte swizzle (what `tc_project_tma` reads back).
 fn codes_map(ptr: u64, row_bytes: usize, rows: usize) -> Result<TensorMapArg, CudaError> {
-    use cudarc::driver::sys::{
-        cuTensorMapEncodeTiled, CUtensorMapDataType, CUtensorMapFloatOOBfill,
-        CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
-    };
-    let mut map = std::mem::MaybeUninit::<cudarc::driver::sys::CUtensorMap>::zeroed();
-    let dims = [row_bytes as u64, rows as u64];
-    let strides = [row_bytes as u64];
-    let boxes = [128u32, 16];
-    let steps = [1u32, 1];
-    // SAFETY: every array has the rank's length (2, strides 1); the map is written in place.
-    unsafe {
-        cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
-            2,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            steps.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-        .result()?;
-        Ok(TensorMapArg(map.assume_init()))
-    }
+    use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
+    tensor_map::tiled(
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        ptr,
+        &[row_bytes as u64, rows as u64],
+        &[row_bytes as u64],
+        &[128, 16],
+        CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    )
 }
 
 impl MoeDecode {

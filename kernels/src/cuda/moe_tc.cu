@@ -370,10 +370,6 @@ __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restric
 #define MOE_TMA_BOX 2048                    // 16 rows x 128 bytes
 
 #if MOE_TC_TMA
-// A CUtensorMap, passed by value to the kernel.
-struct __align__(64) TensorMap {
-    unsigned long long opaque[16];
-};
 #define TMA_PARAMS_2 , const __grid_constant__ TensorMap tm0, const __grid_constant__ TensorMap tm1
 #define TMA_PARAMS_1 , const __grid_constant__ TensorMap tm0
 #define TMA_MAPS_2 const void* const tmaps[2] = {&tm0, &tm1};
@@ -385,41 +381,13 @@ struct __align__(64) TensorMap {
 #define TMA_MAPS_1 const void* const tmaps[1] = {nullptr};
 #endif
 
-#if MOE_TC_TMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(TESSERA_PLAIN_HELPERS)
+#if MOE_TC_TMA && defined(TESSERA_TMA)
 #define MOE_TMA_ON 1
 #else
 #define MOE_TMA_ON 0
 #endif
 
 #if MOE_TMA_ON
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-            "selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-// The box at (x bytes, y rows) of the tensor map into shared memory at dst.
-__device__ __forceinline__ void tensor_box_g2s(unsigned dst, const void* map, int x, int y,
-                                               unsigned bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
-        "{%2, %3}], [%4];" ::"r"(dst),
-        "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar)
-        : "memory");
-}
-
 // tc_project for MXFP4 weights streamed by the copy engine (see above); the same plan, split,
 // passes and stores. `tmaps[m]` maps matrix m's codes as [experts x out_rows, in_dim / 2] bytes.
 // Dynamic shared memory: the host's TmaRing::block_bytes (moe.rs).
@@ -455,7 +423,7 @@ __device__ __forceinline__ void tc_project_tma(const Mxfp4Tc (&w)[M],
     const int total = rows_in ? (nt + 7) / 8 * nchunks : 0;
     if (lane == 0) {
         for (int s = 0; s < MOE_TMA_STAGES; ++s) mbar_init(bar0 + 8 * s, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init_fence();
     }
     __syncwarp();
     // Stage `it % STAGES` gets chunk `it % nchunks` (every token group walks the same chunks);
