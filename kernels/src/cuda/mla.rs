@@ -88,10 +88,11 @@ impl MlaTuning {
 }
 /// Shared memory of `mla_decode_split_wg`: Q, two tiles, P and the row exchange (`WgSmem`).
 const HOPPER_SMEM: usize = 64 * D * 2 + 2 * BN * D * 2 + 64 * BN * 2 + 2 * 64 * 4;
-/// Tokens per tile of `mla_decode_split_ws`, and its shared memory (`WsSmem`): Q, four stages,
-/// two P buffers with their rescale factors, the row sums and maxima, 12 barriers and four row
-/// counts.
+/// Tokens per tile of `mla_decode_split_ws`, its threads (three warpgroups) and its shared memory
+/// (`WsSmem`): Q, four stages, two P buffers with their rescale factors, the row sums and maxima,
+/// 12 barriers and four row counts.
 const WS_BN: usize = 32;
+const WS_THREADS: u32 = 384;
 const HOPPER_WS_SMEM: usize =
     64 * D * 2 + 4 * WS_BN * D * 2 + 2 * 64 * WS_BN * 2 + 2 * 64 * 4 + 2 * 64 * 4 + 12 * 8 + 4 * 4;
 
@@ -347,14 +348,13 @@ impl MlaDecode {
         let s = dev.stream();
         // The copy-engine kernel where pages hold whole tiles: the cache goes in as its tensor
         // map.
-        let engine = self.copy_engine_kernel(pages.page_size);
         let (cache_ptr, _keep) = pages.cache.device_ptr(s);
-        let map = match engine {
-            Some(_) => Some(cache_map(cache_ptr, num_pages * pages.page_size)?),
+        let engine = match self.copy_engine_kernel(pages.page_size) {
+            Some(f) => Some((f, cache_map(cache_ptr, num_pages * pages.page_size)?)),
             None => None,
         };
-        let (func, threads, smem) = match engine {
-            Some(f) => (f, 384, HOPPER_WS_SMEM as u32),
+        let (func, threads, smem) = match &engine {
+            Some((f, _)) => (*f, WS_THREADS, HOPPER_WS_SMEM as u32),
             None => (&self.split, self.threads, self.smem),
         };
         let cfg = LaunchConfig {
@@ -364,8 +364,8 @@ impl MlaDecode {
         };
         let mut launch = s.launch_builder(func);
         launch.arg(q);
-        match &map {
-            Some(m) => launch.arg(m),
+        match &engine {
+            Some((_, map)) => launch.arg(map),
             None => launch.arg(pages.cache),
         };
         launch

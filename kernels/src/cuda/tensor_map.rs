@@ -57,3 +57,29 @@ pub(crate) fn tiled(
         Ok(TensorMapArg(map.assume_init()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::tiled;
+    use crate::cuda::CudaError;
+    use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
+
+    #[test]
+    fn mismatched_ranks_are_refused_before_the_driver_is_asked() {
+        let t = CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16;
+        let none = CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE;
+        let cases: [(&[u64], &[u64], &[u32]); 4] = [
+            (&[8, 64, 72], &[1152], &[8, 32, 72]),
+            (&[8, 64], &[1152], &[8, 32, 72]),
+            (&[], &[], &[]),
+            (&[1; 6], &[16; 5], &[1; 6]),
+        ];
+        for (dims, strides, boxes) in cases {
+            match tiled(t, 0, dims, strides, boxes, none) {
+                Err(CudaError::Shape(msg)) => assert!(msg.contains("tensor map"), "{msg}"),
+                Err(e) => panic!("{dims:?}: {e}"),
+                Ok(_) => panic!("{dims:?}: accepted"),
+            }
+        }
+    }
+}
