@@ -5,12 +5,14 @@
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
 //!       [--mla-prefetch N,M,..] [--mla-coalesced] [--moe-tunings] [--moe-variants L,..]
-//!       [--moe-profile B,..]
+//!       [--moe-profile B,..] [--mla-profile]
 //!
 //! `mla-flash` is the whole-model forward's MLA attention over the paged f32 history (the flash
-//! kernel and the generic one, prefill and decode rows). MLA decode is checked and timed with every split kernel the device runs (the portable one,
-//! and on Hopper the warpgroup one); `--mla-prefetch` also checks and times each kernel with
-//! those L2 prefetch distances (tiles ahead), `--mla-coalesced` with its wider tile copies.
+//! kernel and the generic one, prefill and decode rows). MLA decode is checked and timed with
+//! every split kernel the device runs (the portable one, and on Hopper the warpgroup one);
+//! `--mla-prefetch` also checks and times each kernel with those L2 prefetch distances (tiles
+//! ahead), `--mla-coalesced` with its wider tile copies; `--mla-profile` only times the MLA
+//! decode kernels at B=64 and 16K context, unchecked (a profiler's target).
 //! MoE projections are checked and timed on both paths, the tensor cores with each input split;
 //! `--moe-tunings` adds build-time alternatives of the tensor-core kernels (`--moe-variants
 //! tc,tc_tma8x3` keeps only the named ones, as printed without the format); `--moe-profile 1,16`
