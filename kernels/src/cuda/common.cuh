@@ -125,10 +125,14 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
 }
-// The same, writing zeros instead when `valid` is false (nothing is read then).
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+// The same, writing zeros instead when `valid` is false (nothing is read then); `_at` takes the
+// shared-memory address already converted.
+__device__ __forceinline__ void cp_async16_zfill_at(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
                  "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
+    cp_async16_zfill_at(smem_addr(dst), src, valid);
 }
 // Four 8x8 bf16 matrices from shared memory, transposed: lane l gives the row address of matrix
 // l / 8, row l % 8; register i receives matrix i in the B-fragment layout of mma m16n8k16.

@@ -96,12 +96,6 @@ __device__ __forceinline__ void wgmma_n256_bt(float d[128], unsigned long long a
         : "l"(a), "l"(b));
 }
 
-// cp_async16_zfill to a shared-memory address already converted.
-__device__ __forceinline__ void cp_async16_zfill_at(unsigned dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-
 // This block's sequence b, heads h0.. (nh of them) and its split's range of tiles and place in
 // the partials.
 struct WgSplit {
@@ -192,6 +186,18 @@ __device__ __forceinline__ void rescale_rows(float (&o)[128], float a0, float a1
     }
 }
 
+// P of rows r0 and r1 (pairs from softmax_step) into a core-matrix tile with `group` bytes per
+// row group, at columns col0 + 8j + 2·t4.
+__device__ __forceinline__ void store_p(unsigned char* p, const unsigned (&pk)[8], int r0,
+                                        int col0, int t4, unsigned group) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int col = col0 + 8 * j + 2 * t4;
+        *reinterpret_cast<unsigned*>(p + cm_off(r0, col, group)) = pk[2 * j];
+        *reinterpret_cast<unsigned*>(p + cm_off(r0 + 8, col, group)) = pk[2 * j + 1];
+    }
+}
+
 __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
@@ -260,12 +266,7 @@ struct WgRows {
         float a0, a1;
         softmax_step(s, fmaxf(red[0][r0], red[1][r0]), fmaxf(red[0][r1], red[1][r1]), m0, m1, l0,
                      l1, pk, a0, a1);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int col = 32 * wg + 8 * j + 2 * t4;
-            *reinterpret_cast<unsigned*>(p + cm_off(r0, col, WG_PGROUP)) = pk[2 * j];
-            *reinterpret_cast<unsigned*>(p + cm_off(r1, col, WG_PGROUP)) = pk[2 * j + 1];
-        }
+        store_p(p, pk, r0, 32 * wg, t4, WG_PGROUP);
         rescale_rows(o, a0, a1);
     }
 
@@ -532,13 +533,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             softmax_step(s, x0, x1, m0, m1, l0, l1, pk, a0, a1);
             // P buffer pb is free once both P·V of tile i - 2 are done.
             if (i >= 2) mbar_wait(p_empty0 + 8 * pb, ((i >> 1) - 1) & 1);
-            unsigned char* pw = reinterpret_cast<unsigned char*>(sm.p[pb]);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int col = 8 * j + 2 * t4;
-                *reinterpret_cast<unsigned*>(pw + cm_off(r0, col, WS_PGROUP)) = pk[2 * j];
-                *reinterpret_cast<unsigned*>(pw + cm_off(r1, col, WS_PGROUP)) = pk[2 * j + 1];
-            }
+            store_p(reinterpret_cast<unsigned char*>(sm.p[pb]), pk, r0, 0, t4, WS_PGROUP);
             if (t4 == 0) {
                 sm.alpha[pb][r0] = a0;
                 sm.alpha[pb][r1] = a1;
