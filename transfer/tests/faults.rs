@@ -207,85 +207,15 @@ async fn dropped_connection_is_retried_transparently() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn vanished_peer_is_reported_not_waited_for() {
+async fn vanished_and_restarted_peers() {
     let (a, b, peer) = tcp_pair(config(), config()).await;
-    let src = random_region(4 << 20, 16);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(4 << 20);
-    let desc = b.register(&dst).unwrap();
-    drop(b);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let started = Instant::now();
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 4, 1 << 20),
-            in_ms(3_000),
-        )
-        .await;
-    assert!(matches!(r, Err(TransferError::PeerGone(_))), "{r:?}");
-    assert!(started.elapsed() < Duration::from_secs(1));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn restarted_peer_never_receives_writes_meant_for_its_previous_life() {
-    let (a, b, peer) = tcp_pair(config(), config()).await;
-    let old_endpoint = b.endpoint();
     let addr = b.local_addr();
-    let src = random_region(1 << 20, 17);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(1 << 20);
-    let old_desc = b.register(&dst).unwrap();
-    drop(b);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-
-    // The same address, a new life, the same region registered again.
-    let mut cb = config();
-    cb.bind = addr;
-    let b2 = TcpTransport::bind(cb).await.unwrap();
-    let new_desc = b2.register(&dst).unwrap();
-    assert_ne!(old_desc.incarnation, new_desc.incarnation);
-
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &old_desc, 1, 4096),
-            in_ms(3_000),
-        )
-        .await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
-    let r = a.connect(&old_endpoint, in_ms(3_000)).await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
-
-    // A descriptor of the new life over a connection to the old one is refused too.
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(2, &src, &new_desc, 1, 4096),
-            in_ms(3_000),
-        )
-        .await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
-
-    // Reconnecting through the new endpoint works.
-    let peer2 = a.connect(&b2.endpoint(), in_ms(3_000)).await.unwrap();
-    a.write(
-        peer2,
-        contiguous_batch(3, &src, &new_desc, 1, 4096),
-        in_ms(3_000),
-    )
-    .await
-    .unwrap();
-    b2.wait_incoming(TransferId(3), in_ms(1_000)).await.unwrap();
+    vanished_then_restarted(&a, peer, b, addr, |addr| async move {
+        let mut cb = config();
+        cb.bind = addr;
+        TcpTransport::bind(cb).await.unwrap()
+    })
+    .await;
 }
 
 #[tokio::test]

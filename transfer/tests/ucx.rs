@@ -293,76 +293,11 @@ async fn ucx_dropped_control_connection_is_retried() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucx_vanished_and_restarted_peers() {
     let (a, b, peer) = ucx_pair(checked(), checked()).await;
-    let old_endpoint = b.endpoint();
     let addr = b.local_addr();
-    let src = random_region(1 << 20, 51);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(1 << 20);
-    let old_desc = b.register(&dst).unwrap();
-    a.write(
-        peer,
-        contiguous_batch(1, &src, &old_desc, 4, 4096),
-        in_ms(3_000),
-    )
-    .await
-    .unwrap();
-    drop(b);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-
-    // Vanished: reported, not waited for.
-    let started = Instant::now();
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(2, &src, &old_desc, 4, 4096),
-            in_ms(3_000),
-        )
-        .await;
-    assert!(matches!(r, Err(TransferError::PeerGone(_))), "{r:?}");
-    assert!(started.elapsed() < Duration::from_secs(1));
-
-    // Restarted at the same address: what names the old life is refused.
-    let mut cb = checked();
-    cb.bind = addr;
-    let b2 = UcxTransport::bind(cb).await.unwrap();
-    let new_desc = b2.register(&dst).unwrap();
-    let r = a.connect(&old_endpoint, in_ms(3_000)).await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(3, &src, &old_desc, 1, 4096),
-            in_ms(3_000),
-        )
-        .await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(4, &src, &new_desc, 1, 4096),
-            in_ms(3_000),
-        )
-        .await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
-
-    // Through the new endpoint: a new UCX endpoint, the new region's key.
-    let peer2 = a.connect(&b2.endpoint(), in_ms(3_000)).await.unwrap();
-    a.write(
-        peer2,
-        contiguous_batch(5, &src, &new_desc, 4, 4096),
-        in_ms(3_000),
-    )
-    .await
-    .unwrap();
-    b2.wait_incoming(TransferId(5), in_ms(1_000)).await.unwrap();
-    assert!(read_all(&dst)[..4 * 4096] == read_all(&src)[..4 * 4096]);
+    vanished_then_restarted(&a, peer, b, addr, |addr| async move {
+        let mut cb = checked();
+        cb.bind = addr;
+        UcxTransport::bind(cb).await.unwrap()
+    })
+    .await;
 }

@@ -1,14 +1,16 @@
 //! Helpers shared by the transfer integration tests.
 #![allow(dead_code)]
 
+use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 #[cfg(feature = "ucx")]
 use tessera_transfer::UcxTransport;
 use tessera_transfer::{
-    Extent, Instant, PeerId, RegionDescriptor, RegionHandle, Secret, TcpTransport, TransferId,
-    Transport, TransportConfig, WriteBatch,
+    Extent, Instant, PeerId, RegionDescriptor, RegionHandle, Secret, TcpTransport, TransferError,
+    TransferId, Transport, TransportConfig, WriteBatch,
 };
 
 pub const SECRET: &str = "test cluster secret";
@@ -283,4 +285,76 @@ pub async fn write_concurrent_batches(
         desc,
         len,
     }
+}
+
+/// A destination `b` (reached from `a` as `peer`, listening at `addr`) vanishes and comes back at
+/// the same address in a new life (`restart(addr)`). A write to the vanished peer is reported at
+/// once, not waited for until its deadline; after the restart, whatever names the old life is
+/// refused (its endpoint, its region's descriptor, and even the new life's descriptor sent over
+/// the connection to the old one); the new endpoint takes writes.
+pub async fn vanished_then_restarted<T, F, Fut>(
+    a: &dyn Transport,
+    peer: PeerId,
+    b: T,
+    addr: SocketAddr,
+    restart: F,
+) where
+    T: Transport,
+    F: FnOnce(SocketAddr) -> Fut,
+    Fut: Future<Output = T>,
+{
+    let old_endpoint = b.endpoint();
+    let src = random_region(1 << 20, 51);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(1 << 20);
+    let old_desc = b.register(&dst).unwrap();
+    a.write(
+        peer,
+        contiguous_batch(1, &src, &old_desc, 4, 4096),
+        in_ms(3_000),
+    )
+    .await
+    .unwrap();
+    drop(b);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let started = Instant::now();
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(2, &src, &old_desc, 4, 4096),
+            in_ms(3_000),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::PeerGone(_))), "{r:?}");
+    assert!(started.elapsed() < Duration::from_secs(1));
+
+    let b2 = restart(addr).await;
+    let new_desc = b2.register(&dst).unwrap();
+    assert_ne!(old_desc.incarnation, new_desc.incarnation);
+    let r = a.connect(&old_endpoint, in_ms(3_000)).await;
+    assert!(
+        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+        "{r:?}"
+    );
+    for (id, desc) in [(3, &old_desc), (4, &new_desc)] {
+        let r = a
+            .write(peer, contiguous_batch(id, &src, desc, 1, 4096), in_ms(3_000))
+            .await;
+        assert!(
+            matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+            "{r:?}"
+        );
+    }
+
+    let peer2 = a.connect(&b2.endpoint(), in_ms(3_000)).await.unwrap();
+    a.write(
+        peer2,
+        contiguous_batch(5, &src, &new_desc, 4, 4096),
+        in_ms(3_000),
+    )
+    .await
+    .unwrap();
+    b2.wait_incoming(TransferId(5), in_ms(1_000)).await.unwrap();
+    assert!(read_all(&dst)[..4 * 4096] == read_all(&src)[..4 * 4096]);
 }
