@@ -227,41 +227,35 @@ fn run() -> Result<(), CudaError> {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
+    // One read pass of `f` over `src` with `cfg`.
+    let mut read = |f: &cudarc::driver::CudaFunction,
+                    src: &cudarc::driver::CudaView<u32>,
+                    cfg: LaunchConfig|
+     -> Result<(), CudaError> {
+        // SAFETY: every caller's grid reads whole blocks inside `src` (sized in whole blocks).
+        unsafe {
+            stream
+                .launch_builder(f)
+                .arg(src)
+                .arg(&mut sink)
+                .launch(cfg)?
+        };
+        Ok(())
+    };
+    let (head, tail) = (buf.slice(..words(gate_up)), buf.slice(words(gate_up)..));
+    let whole = buf.slice(..);
     for (label, f, u) in [("read16", &read16, 16usize), ("read8", &read8, 8)] {
         let all = cfg_for(gate_up + down, u);
-        let us = time_us(&dev, 3, 20, || {
-            // SAFETY: the grid reads whole blocks inside `buf` (sized in whole blocks).
-            unsafe {
-                stream
-                    .launch_builder(f)
-                    .arg(&buf)
-                    .arg(&mut sink)
-                    .launch(all)?
-            };
-            Ok(())
-        })?;
+        let us = time_us(&dev, 3, 20, || read(f, &whole, all))?;
         report(
             &format!("{label} one launch (MXFP4 experts of B=1)"),
             (gate_up + down) as f64,
             us,
         );
         let (first, second) = (cfg_for(gate_up, u), cfg_for(down, u));
-        let tail = buf.slice(words(gate_up)..);
         let us = time_us(&dev, 3, 20, || {
-            // SAFETY: as above; the second launch reads the bytes after the first one's.
-            unsafe {
-                stream
-                    .launch_builder(f)
-                    .arg(&buf)
-                    .arg(&mut sink)
-                    .launch(first)?;
-                stream
-                    .launch_builder(f)
-                    .arg(&tail)
-                    .arg(&mut sink)
-                    .launch(second)?;
-            }
-            Ok(())
+            read(f, &head, first)?;
+            read(f, &tail, second)
         })?;
         report(
             &format!("{label} two launches (gate/up, down of B=1)"),
