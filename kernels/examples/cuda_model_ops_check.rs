@@ -192,7 +192,7 @@ fn random_params(rows: usize, rng: &mut Rng) -> RowParams {
 #[allow(clippy::too_many_arguments)]
 fn check_sampling(
     dev: &CudaDevice,
-    sampler: &Sampler,
+    (variant, sampler): (&str, &Sampler),
     checks: &mut Checks,
     rng: &mut Rng,
     rows: usize,
@@ -264,7 +264,7 @@ fn check_sampling(
     let kind = if bf16 { "bf16" } else { "f32" };
     let lv = levels.map_or(String::new(), |n| format!(".levels{n}"));
     checks.report(
-        &format!("sample.{kind}.R{rows}.V{vocab}{lv}.rows_wrong"),
+        &format!("sample{variant}.{kind}.R{rows}.V{vocab}{lv}.rows_wrong"),
         wrong.len() as f64,
         0.0,
     );
@@ -373,8 +373,20 @@ fn bench_conv(dev: &CudaDevice, rng: &mut Rng, iters: usize) -> Result<(), CudaE
     Ok(())
 }
 
+/// The sampler as the engine loads it ("") and built with rows without a top-k cut sent straight
+/// to the radix path, the one the others fall back to.
+fn sampler_variants(dev: &CudaDevice) -> Result<Vec<(&'static str, Sampler)>, CudaError> {
+    Ok(vec![
+        ("", Sampler::load(dev)?),
+        (
+            "_radix",
+            Sampler::load_variant(dev, &[("SAMPLE_BINS", "0".into())])?,
+        ),
+    ])
+}
+
 fn bench_sample(dev: &CudaDevice, rng: &mut Rng, iters: usize) -> Result<(), CudaError> {
-    let sampler = Sampler::load(dev)?;
+    let samplers = sampler_variants(dev)?;
     let vocab = 163_840;
     for rows in [1usize, 64, 256] {
         let logits = dev.upload(&fill(rows * vocab, rng.next_u64(), |r| r.normal() * 3.0))?;
@@ -392,16 +404,18 @@ fn bench_sample(dev: &CudaDevice, rng: &mut Rng, iters: usize) -> Result<(), Cud
                 &vec![0.37; rows],
             )?;
             let mut out = dev.upload(&vec![0u32; rows])?;
-            let us = time_us(dev, 3, iters, || {
-                sampler.sample_f32(dev, &logits, vocab, &params, &mut out)
-            })?;
-            report_time(
-                &format!("sample_{label}"),
-                &format!("B={rows},V={vocab}"),
-                us,
-                4.0 * (rows * vocab) as f64,
-                "",
-            );
+            for (variant, sampler) in &samplers {
+                let us = time_us(dev, 3, iters, || {
+                    sampler.sample_f32(dev, &logits, vocab, &params, &mut out)
+                })?;
+                report_time(
+                    &format!("sample{variant}_{label}"),
+                    &format!("B={rows},V={vocab}"),
+                    us,
+                    4.0 * (rows * vocab) as f64,
+                    "",
+                );
+            }
         }
     }
     Ok(())
@@ -482,26 +496,28 @@ fn run() -> Result<usize, CudaError> {
         check_conv_update(&dev, &conv, &mut checks, &mut rng, 5, 4096, 6)?;
     }
     if only.wants("sample") {
-        let sampler = Sampler::load(&dev)?;
-        for (rows, vocab, levels, bf16) in [
-            (40, 1, None, false),
-            (40, 37, Some(3), false),
-            (64, 1000, None, false),
-            (64, 5000, Some(7), false),
-            (48, 163_840, None, false),
-            (48, 163_840, None, true),
-            (32, 32_000, Some(40), true),
-        ] {
-            check_sampling(
-                &dev,
-                &sampler,
-                &mut checks,
-                &mut rng,
-                rows,
-                vocab,
-                levels,
-                bf16,
-            )?;
+        for (variant, sampler) in sampler_variants(&dev)? {
+            for (rows, vocab, levels, bf16) in [
+                (40, 1, None, false),
+                (40, 37, Some(3), false),
+                (64, 1000, None, false),
+                (64, 5000, Some(7), false),
+                (48, 163_840, None, false),
+                (48, 163_840, None, true),
+                (32, 32_000, Some(40), true),
+                (96, 50_000, None, false),
+            ] {
+                check_sampling(
+                    &dev,
+                    (variant, &sampler),
+                    &mut checks,
+                    &mut rng,
+                    rows,
+                    vocab,
+                    levels,
+                    bf16,
+                )?;
+            }
         }
     }
     let mut mla_ok = None;

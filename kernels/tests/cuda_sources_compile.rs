@@ -145,7 +145,7 @@ fn sampling_compiles_for_hopper_and_ampere() {
     compiles_with(
         "sample",
         SAMPLE_SOURCE,
-        &[vec![]],
+        &[vec![], vec![("SAMPLE_BINS", "0".into())]],
         &["sample_f32", "sample_bf16"],
         &[],
     );

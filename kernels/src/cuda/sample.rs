@@ -8,11 +8,12 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use super::{CudaDevice, CudaError, SAMPLE_SOURCE};
 
 const THREADS: usize = 1024;
-/// Candidates a row's compacted prefix may hold (`SAMPLE_CAP`); larger prefixes take the radix
-/// path.
-const CAP: usize = 4096;
-/// Dynamic shared memory: `PrefixShared` (keys and prefix sums, a count and a hit index).
-const DYN_SMEM: usize = CAP * 16 + 16;
+/// Candidates a row's compacted prefix or deciding bin may hold (`SAMPLE_CAP`; its buffer also
+/// holds the bin path's planning histogram); larger sets take the radix path.
+const CAP: usize = 8192;
+/// Dynamic shared memory: `PrefixShared` (keys, a count, a hit index and one running sum); two
+/// blocks of the kernel fit one multiprocessor.
+const DYN_SMEM: usize = CAP * 8 + 16;
 
 fn shape_err(msg: String) -> CudaError {
     CudaError::Shape(format!("sample: {msg}"))
@@ -79,14 +80,18 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn load(dev: &CudaDevice) -> Result<Self, CudaError> {
-        let m = dev.module(
-            "sample",
-            SAMPLE_SOURCE,
-            &[
-                ("SAMPLE_THREADS", THREADS.to_string()),
-                ("SAMPLE_CAP", CAP.to_string()),
-            ],
-        )?;
+        Self::load_variant(dev, &[])
+    }
+
+    /// The sampler built with extra `sample.cu` settings (`SAMPLE_BINS`): other ways to the same
+    /// tokens, for checks and timings side by side.
+    pub fn load_variant(dev: &CudaDevice, settings: &[(&str, String)]) -> Result<Self, CudaError> {
+        let mut defines = vec![
+            ("SAMPLE_THREADS", THREADS.to_string()),
+            ("SAMPLE_CAP", CAP.to_string()),
+        ];
+        defines.extend(settings.iter().map(|(k, v)| (*k, v.clone())));
+        let m = dev.module("sample", SAMPLE_SOURCE, &defines)?;
         let f32_rows = m.load_function("sample_f32")?;
         let bf16_rows = m.load_function("sample_bf16")?;
         for f in [&f32_rows, &bf16_rows] {

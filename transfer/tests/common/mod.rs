@@ -339,7 +339,11 @@ pub async fn vanished_then_restarted<T, F, Fut>(
     );
     for (id, desc) in [(3, &old_desc), (4, &new_desc)] {
         let r = a
-            .write(peer, contiguous_batch(id, &src, desc, 1, 4096), in_ms(3_000))
+            .write(
+                peer,
+                contiguous_batch(id, &src, desc, 1, 4096),
+                in_ms(3_000),
+            )
             .await;
         assert!(
             matches!(r, Err(TransferError::IncarnationMismatch { .. })),
