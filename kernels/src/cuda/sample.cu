@@ -642,12 +642,17 @@ __device__ bool sample_bins(const T* row, int vocab, float temp, float p, double
         if (h.bin < 0 || h.bin > p_bin) return false;
         const unsigned bin = (unsigned)h.bin, cnt = sh.cnt[bin];
         if (cnt > SAMPLE_CAP) return false;
-        // The bin's elements, and the exact masses of the candidates before it and of all.
+        // The bin's elements, and the exact masses of the candidates before it and (first time)
+        // of all.
+        const bool need_all = kept < 0.0;
         double below = 0.0, all = 0.0;
         const unsigned got = compact(row, vocab, temp, ps, [&](unsigned key, float v) {
-            const double m = exp((double)(v - vmax));
-            all += m;
-            below += (key >> 21) < bin ? m : 0.0;
+            const bool before = (key >> 21) < bin;
+            if (need_all || before) {
+                const double m = exp((double)(v - vmax));
+                all += m;
+                below += before ? m : 0.0;
+            }
             return (key >> 21) == bin;
         });
         if (got != cnt) return false;
