@@ -1,6 +1,7 @@
 //! The receiving side: one task per accepted connection authenticates the peer, then reads parts
 //! straight into leased destination extents, verifies them and acknowledges each part.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,16 +26,29 @@ pub(crate) const PART_SLACK: Duration = Duration::from_secs(1);
 
 /// Accepts connections until aborted; aborting drops (and so aborts) every connection task.
 pub(super) async fn accept_loop(node: Arc<Node>, listener: TcpListener) {
+    accept_connections(listener, "transfer", move |stream| {
+        serve(node.clone(), stream)
+    })
+    .await
+}
+
+/// Accepts connections until aborted, each served by its own task (`serve`); aborting drops
+/// (and so aborts) every connection task. `what` names the connections in logs.
+pub(crate) async fn accept_connections<F, Fut>(listener: TcpListener, what: &'static str, serve: F)
+where
+    F: Fn(TcpStream) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     let mut conns = JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, addr)) => {
-                    tracing::debug!(%addr, "transfer connection accepted");
-                    conns.spawn(serve(node.clone(), stream));
+                    tracing::debug!(%addr, "{what} connection accepted");
+                    conns.spawn(serve(stream));
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "transfer accept failed");
+                    tracing::warn!(error = %e, "{what} accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },
@@ -43,23 +57,30 @@ pub(super) async fn accept_loop(node: Arc<Node>, listener: TcpListener) {
     }
 }
 
-async fn serve(node: Arc<Node>, mut stream: TcpStream) {
+/// The peer of a newly accepted connection, authenticated by [`handshake`] within the
+/// configured time; None (logged, naming the connection by `what`) when it is refused or late.
+pub(crate) async fn authenticate(
+    config: &TransportConfig,
+    stream: &mut TcpStream,
+    what: &'static str,
+) -> Option<Incarnation> {
     let _ = stream.set_nodelay(true);
-    let peer = match tokio::time::timeout(
-        node.config.handshake_timeout,
-        handshake(&node.config, &mut stream),
-    )
-    .await
-    {
-        Ok(Ok(incarnation)) => incarnation,
+    match tokio::time::timeout(config.handshake_timeout, handshake(config, stream)).await {
+        Ok(Ok(incarnation)) => Some(incarnation),
         Ok(Err(e)) => {
-            tracing::warn!(error = %e, "transfer handshake refused");
-            return;
+            tracing::warn!(error = %e, "{what} handshake refused");
+            None
         }
         Err(_) => {
-            tracing::warn!("transfer handshake timed out");
-            return;
+            tracing::warn!("{what} handshake timed out");
+            None
         }
+    }
+}
+
+async fn serve(node: Arc<Node>, mut stream: TcpStream) {
+    let Some(peer) = authenticate(&node.config, &mut stream, "transfer").await else {
+        return;
     };
     loop {
         let mut buf = [0u8; PartHeader::LEN];
@@ -98,8 +119,7 @@ async fn serve(node: Arc<Node>, mut stream: TcpStream) {
 }
 
 /// The server half of the handshake; returns the client's incarnation once it proved the secret.
-/// The `ucx` backend's control connections open the same way.
-pub(crate) async fn handshake(
+async fn handshake(
     config: &TransportConfig,
     stream: &mut TcpStream,
 ) -> Result<Incarnation, TransferError> {

@@ -3,11 +3,9 @@
 //! region's remote key) and Commit (verifying what the puts landed and recording completion).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinSet;
 
 use super::wire::{
     Begin, Commit, DstExtent, Ready, UcxHello, COMMIT_LANDED, FLAG_CHECKSUMS, MAX_EXTENTS,
@@ -17,47 +15,21 @@ use crate::checksum;
 use crate::incoming::PartStart;
 use crate::plan;
 use crate::region::{ExtentMut, Incarnation, RegionId};
-use crate::tcp::server::handshake;
+use crate::tcp::server::{accept_connections, authenticate};
 use crate::tcp::wire::Ack;
 use crate::TransferError;
 
 /// Accepts connections until aborted; aborting drops (and so aborts) every connection task.
 pub(super) async fn accept_loop(node: Arc<Node>, listener: TcpListener) {
-    let mut conns = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, addr)) => {
-                    tracing::debug!(%addr, "ucx control connection accepted");
-                    conns.spawn(serve(node.clone(), stream));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "ucx control accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            },
-            Some(_) = conns.join_next() => {}
-        }
-    }
+    accept_connections(listener, "ucx control", move |stream| {
+        serve(node.clone(), stream)
+    })
+    .await
 }
 
 async fn serve(node: Arc<Node>, mut stream: TcpStream) {
-    let _ = stream.set_nodelay(true);
-    let from = match tokio::time::timeout(
-        node.config.handshake_timeout,
-        handshake(&node.config, &mut stream),
-    )
-    .await
-    {
-        Ok(Ok(incarnation)) => incarnation,
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "ucx control handshake refused");
-            return;
-        }
-        Err(_) => {
-            tracing::warn!("ucx control handshake timed out");
-            return;
-        }
+    let Some(from) = authenticate(&node.config, &mut stream, "ucx control").await else {
+        return;
     };
     let hello = UcxHello {
         port: node.ucx.listen_addr().port(),
