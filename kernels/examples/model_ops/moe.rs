@@ -49,6 +49,16 @@ pub(crate) fn variants(
         // Each pass's MXFP4 weight vectors loaded only once the previous pass is over.
         let whole = set(&[("MOE_TC_ROLL", 0)]);
         specs.push(("_tc_noroll".into(), MoePath::TensorCores, None, whole));
+        // L1 policies of the weight loads (MXFP4 codes, bf16) and the input loads (moe_tc.cu).
+        for (code, bf16, x) in [(0, 0, 0), (1, 0, 0), (2, 2, 0), (2, 0, 1), (2, 1, 0)] {
+            let tuning = set(&[
+                ("MOE_TC_CODE_HINT", code),
+                ("MOE_TC_BF16_HINT", bf16),
+                ("MOE_TC_X_HINT", x),
+            ]);
+            let label = format!("_tc_h{code}b{bf16}x{x}");
+            specs.push((label, MoePath::TensorCores, None, tuning));
+        }
         // The copy-engine ring for MXFP4: (vectors per row and stage, stages, blocks per SM).
         for (chunk, stages, blocks) in [(8, 2, 4), (8, 3, 3), (8, 4, 2), (16, 2, 2)] {
             let tuning = set(&[

@@ -21,6 +21,41 @@
 #ifndef MOE_TC_SPAN_MXFP4
 #define MOE_TC_SPAN_MXFP4 2
 #endif
+// L1 policy (see ld_hinted) of the weight loads, MXFP4 codes and bf16, and whether the input
+// loads are evicted last (MOE_TC_X_HINT 1). The weights stream through once while every warp of
+// the token group reads the inputs again: MXFP4 codes evicted first leave the inputs in L1 (the
+// warps' waits for their inputs were half of the MXFP4 pass's stalls).
+#ifndef MOE_TC_CODE_HINT
+#define MOE_TC_CODE_HINT 2
+#endif
+#ifndef MOE_TC_BF16_HINT
+#define MOE_TC_BF16_HINT 0
+#endif
+#ifndef MOE_TC_X_HINT
+#define MOE_TC_X_HINT 0
+#endif
+// A read-only 16-byte load with an L1 policy: 0 the default (`__ldg`), 1 no allocation in L1,
+// 2 evicted first, 3 evicted last.
+__device__ __forceinline__ uint4 ld_hinted(const uint4* p, int hint) {
+    uint4 v;
+    switch (hint) {
+    case 1:
+        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+        break;
+    case 2:
+        asm("ld.global.nc.L1::evict_first.v4.u32 {%0,%1,%2,%3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+        break;
+    case 3:
+        asm("ld.global.nc.L1::evict_last.v4.u32 {%0,%1,%2,%3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+        break;
+    default:
+        v = __ldg(p);
+    }
+    return v;
+}
 // Blocks per SM the register budget must allow.
 #ifndef MOE_TC_MIN_BLOCKS
 #define MOE_TC_MIN_BLOCKS 4
@@ -51,7 +86,9 @@ struct Bf16Tc {
     __device__ __forceinline__ Row row(size_t r, int in_dim, int v) const {
         return Row{rows + r * (in_dim / PER_VEC) + v};
     }
-    __device__ __forceinline__ static Vec load(const Row& r, int i) { return Vec{__ldg(r.p + i)}; }
+    __device__ __forceinline__ static Vec load(const Row& r, int i) {
+        return Vec{ld_hinted(r.p + i, MOE_TC_BF16_HINT)};
+    }
     __device__ __forceinline__ static void advance(Row& r, int n) { r.p += n; }
     __device__ __forceinline__ static unsigned wide_bits(const Vec&) { return 0u; }
     __device__ __forceinline__ static void decode(const Vec& vec, unsigned out[REGS], bool) {
@@ -92,7 +129,7 @@ struct Mxfp4Tc {
         return Row{rows + at, scales + at};
     }
     __device__ __forceinline__ static Vec load(const Row& r, int i) {
-        return Vec{__ldg(r.p + i), __ldg(r.s + i)};
+        return Vec{ld_hinted(r.p + i, MOE_TC_CODE_HINT), __ldg(r.s + i)};
     }
     __device__ __forceinline__ static void advance(Row& r, int n) {
         r.p += n;
@@ -166,7 +203,7 @@ __device__ __forceinline__ void tc_mma_pass(typename W::Vec (&wl)[M][W::SPAN],
         unsigned xb[W::REGS];
 #pragma unroll
         for (int i = 0; i < W::REGS / 4; ++i) {
-            uint4 q = xv[u][i];
+            uint4 q = MOE_TC_X_HINT ? ld_hinted(xv[u] + i, 3) : xv[u][i];
             if (!FULL && !in[u]) q = make_uint4(0, 0, 0, 0);
             xb[4 * i] = q.x;
             xb[4 * i + 1] = q.y;
