@@ -53,8 +53,15 @@ pub use staging::copy_within;
 /// KDA short convolution (prefill and the one-token update). CUDA only: the kernels of the
 /// model families below use PTX-only instructions (ballots, ldmatrix) without HIP fallbacks.
 pub const CONV_SOURCE: &str = include_str!("conv.cu");
-/// Sampling: greedy, temperature, top-k, top-p.
-pub const SAMPLE_SOURCE: &str = include_str!("sample.cu");
+/// Sampling: greedy, temperature, top-k, top-p (the radix select, the compacted candidates and
+/// prefix path, then the bin path and the kernels).
+pub const SAMPLE_SOURCE: &str = concat!(
+    include_str!("sample.cu"),
+    "\n",
+    include_str!("sample_prefix.cu"),
+    "\n",
+    include_str!("sample_bins.cu")
+);
 /// MLA decode in absorbed form over the paged latent cache (split context + combine).
 pub const MLA_DECODE_SOURCE: &str = include_str!("mla_decode.cu");
 /// The split kernel of MLA decode on warpgroup MMAs; Hopper only (compiled for `sm_90a`).
