@@ -2,6 +2,7 @@
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_check_bench
 //!   target/release/examples/cuda_check_bench [--quick] [--prefill-only] [--plain-helpers]
+//!     [--profile LABEL]
 //!
 //! `--plain-helpers` builds the kernels with TESSERA_PLAIN_HELPERS=1 (the helpers the HIP backend
 //! compiles: no tensor cores, no cp.async) and only checks them.
@@ -18,7 +19,8 @@ use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
 use tessera_kernels::cpu;
 use tessera_kernels::cuda::{
     base_ptr, bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, CudaSlice,
-    KdaInputs, KdaKernels, KdaPacked, KdaPrefillWorkspace, KdaSequenceTables, KdaShape, SegState,
+    KdaInputs, KdaKernels, KdaPacked, KdaPrefillWorkspace, KdaScanKind, KdaSequenceTables,
+    KdaShape, SegState,
 };
 
 /// Host copies of one random KDA problem: bf16 bits and their exact f32 values.
@@ -451,11 +453,11 @@ fn stage_costs(dev: &CudaDevice, s: KdaShape) -> Result<(), CudaError> {
     Ok(())
 }
 
-/// A prefill variant of the bench: label, V tile, warpgroup scan, extra `-D` macros.
+/// A prefill variant of the bench: label, V tile, scan kernel, extra `-D` macros.
 type ScanVariant = (
     &'static str,
     usize,
-    bool,
+    KdaScanKind,
     &'static [(&'static str, &'static str)],
 );
 
@@ -482,50 +484,100 @@ fn run() -> Result<usize, CudaError> {
         dk: 128,
         dv: 128,
     };
-    for (name, s, decay, st) in [
-        ("kda_prefill.B2.T300.H4", shape(2, 300, 4), 0.5, false),
-        ("kda_prefill.B1.T64.H2.state", shape(1, 64, 2), 0.5, true),
-        ("kda_prefill.B1.T1.H2.state", shape(1, 1, 2), 0.5, true),
-        ("kda_prefill.B1.T777.H3.state", shape(1, 777, 3), 1.0, true),
-        (
-            "kda_prefill.B1.T200.H2.strong_decay",
-            shape(1, 200, 2),
-            10.0,
-            true,
-        ),
-    ] {
-        let p = Problem::random(s, &mut rng, decay, st);
-        check_prefill(&dev, &kernels, &mut checks, name, &p)?;
-    }
-    check_packed(&dev, &kernels, &mut checks, "kda_prefill.packed", &mut rng)?;
-    for batch in [1, 5, 64] {
-        let p = Problem::random(shape(batch, 1, 4), &mut rng, 0.5, true);
-        check_decode(&dev, &mut kernels, &mut checks, &p)?;
+    // (Not when profiling: the profiler should see the profiled launches only.)
+    if profile_label().is_none() {
+        for (name, s, decay, st) in [
+            ("kda_prefill.B2.T300.H4", shape(2, 300, 4), 0.5, false),
+            ("kda_prefill.B1.T64.H2.state", shape(1, 64, 2), 0.5, true),
+            ("kda_prefill.B1.T1.H2.state", shape(1, 1, 2), 0.5, true),
+            ("kda_prefill.B1.T777.H3.state", shape(1, 777, 3), 1.0, true),
+            (
+                "kda_prefill.B1.T200.H2.strong_decay",
+                shape(1, 200, 2),
+                10.0,
+                true,
+            ),
+        ] {
+            let p = Problem::random(s, &mut rng, decay, st);
+            check_prefill(&dev, &kernels, &mut checks, name, &p)?;
+        }
+        check_packed(&dev, &kernels, &mut checks, "kda_prefill.packed", &mut rng)?;
+        for batch in [1, 5, 64] {
+            let p = Problem::random(shape(batch, 1, 4), &mut rng, 0.5, true);
+            check_decode(&dev, &mut kernels, &mut checks, &p)?;
+        }
     }
     if checks.failed > 0 {
         return Ok(checks.failed);
     }
     let mut variants = Vec::new();
-    // The mma.sync scan at two V tiles and the warpgroup scan (Hopper) at two pipeline depths.
-    let table: [ScanVariant; 4] = [
-        ("vt32.s2", 32, false, &[("SCAN_STAGES", "2")]),
-        ("vt64.s2", 64, false, &[("SCAN_STAGES", "2")]),
-        ("wg.s2", 32, true, &[("WG_SCAN_STAGES", "2")]),
-        ("wg.s3", 32, true, &[("WG_SCAN_STAGES", "3")]),
+    // The mma.sync scan at two V tiles, the warpgroup scan (Hopper) at two pipeline depths, and
+    // the scan fed by the copy engine (Hopper; the default there) at two, with 4 or 8 compute warps.
+    use KdaScanKind::{CopyEngine, Threads, Warpgroup};
+    let table: [ScanVariant; 8] = [
+        ("vt32.s2", 32, Threads, &[("SCAN_STAGES", "2")]),
+        ("vt64.s2", 64, Threads, &[("SCAN_STAGES", "2")]),
+        ("wg.s2", 32, Warpgroup, &[("WG_SCAN_STAGES", "2")]),
+        ("wg.s3", 32, Warpgroup, &[("WG_SCAN_STAGES", "3")]),
+        ("tma.s2", 32, CopyEngine, &[("CL_STAGES", "2")]),
+        ("tma.s3", 32, CopyEngine, &[("CL_STAGES", "3")]),
+        (
+            "tma.w8.s2",
+            32,
+            CopyEngine,
+            &[("CL_STAGES", "2"), ("CL_WARPS", "8")],
+        ),
+        (
+            "tma.w8.s3",
+            32,
+            CopyEngine,
+            &[("CL_STAGES", "3"), ("CL_WARPS", "8")],
+        ),
     ];
-    for (label, vt, warpgroup, extra) in table {
+    for (label, vt, kind, extra) in table {
         let mut defines = base.clone();
         defines.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
         match KdaKernels::load_with(&dev, 128, 128, vt, &defines) {
             Ok(mut k) => {
-                if k.set_scan_warpgroup(&dev, warpgroup)? == warpgroup {
+                if k.set_scan(&dev, kind)? == kind {
                     variants.push((label.to_string(), k));
                 } else {
-                    println!("variant {label} unavailable: no warpgroup scan on this device");
+                    println!("variant {label} unavailable: no {kind:?} scan on this device");
                 }
             }
             Err(e) => println!("variant {label} unavailable: {e}"),
         }
+    }
+    // `--profile LABEL`: two unchecked prefills of that variant at B=1, T=8192 (for a profiler).
+    if let Some(label) = profile_label() {
+        let s = shape(1, 8192, 32);
+        let Some((_, kv)) = variants.iter().find(|(l, _)| *l == label) else {
+            println!("no variant {label}");
+            return Ok(1);
+        };
+        let p = Problem::random(s, &mut rng, 0.5, false);
+        let d = p.upload(&dev)?;
+        let mut state = dev.stream().alloc_zeros::<f32>(s.heads * s.dk * s.dv)?;
+        let mut out = dev
+            .stream()
+            .alloc_zeros::<u16>(s.seq_len * s.heads * s.dv)?;
+        let mut ws = KdaPrefillWorkspace::new(&dev, s)?;
+        for _ in 0..2 {
+            kv.prefill(
+                &dev,
+                s,
+                &d.inputs(),
+                0.088,
+                true,
+                None,
+                &mut state,
+                &mut out,
+                &mut ws,
+            )?;
+        }
+        dev.stream().synchronize()?;
+        println!("profiled {label}");
+        return Ok(0);
     }
     // A variant that fails its checks is reported and left out of the timings.
     let mut variant_failures = 0;
@@ -579,6 +631,13 @@ fn run() -> Result<usize, CudaError> {
         bench_decode(&dev, &mut kernels, batch)?;
     }
     Ok(variant_failures)
+}
+
+/// The variant named by `--profile LABEL`, if any.
+fn profile_label() -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    let at = args.iter().position(|a| a == "--profile")?;
+    args.get(at + 1).cloned()
 }
 
 fn main() {

@@ -4,9 +4,9 @@
 #![cfg(feature = "cuda")]
 
 use tessera_kernels::cuda::{
-    compile, kda_defines, CudaError, CONV_SOURCE, KDA_SCAN_SM90_SOURCE, KDA_SOURCE,
-    MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE, MLA_FLASH_SOURCE, MODEL_KERNELS, MODEL_SOURCE,
-    MOE_SOURCE, OPS_SOURCE, SAMPLE_SOURCE,
+    compile, kda_defines, CudaError, CONV_SOURCE, KDA_SCAN_SM90_SOURCE, KDA_SCAN_TMA_SOURCE,
+    KDA_SOURCE, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE, MLA_FLASH_SOURCE, MODEL_KERNELS,
+    MODEL_SOURCE, MOE_SOURCE, OPS_SOURCE, SAMPLE_SOURCE,
 };
 
 fn nvrtc_required() -> bool {
@@ -228,6 +228,37 @@ fn kda_warpgroup_scan_compiles_for_hopper_at_both_depths() {
         &kda_defines(64, 128, 32),
     ) {
         assert!(log.contains("DK must be 128"), "{log}");
+    } else if nvrtc_required() {
+        panic!("dk = 64 compiled");
+    }
+}
+
+#[test]
+fn kda_copy_engine_scan_compiles_for_hopper_at_both_depths_and_widths() {
+    for (stages, warps) in [(2, 4), (3, 4), (3, 8)] {
+        let mut defines = kda_defines(128, 128, 32).to_vec();
+        defines.push(("CL_STAGES", stages.to_string()));
+        defines.push(("CL_WARPS", warps.to_string()));
+        match compile("sm_90a", "kda_scan_tma", KDA_SCAN_TMA_SOURCE, &defines) {
+            Ok(ptx) => {
+                let text = ptx.to_src();
+                assert!(text.contains(".entry kda_chunk_scan_tma"));
+                assert!(text.contains("cp.async.bulk.tensor.2d"));
+                assert!(text.contains("ldmatrix.sync.aligned.m8n8.x4.trans"));
+                assert!(text.contains(&format!("bar.sync 1, {}", 32 * warps)));
+            }
+            Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
+            Err(e) => panic!("{defines:?}: {e}"),
+        }
+    }
+    // Built for dk = 128 only: other head dims are refused at compile time.
+    if let Err(CudaError::Compile { log, .. }) = compile(
+        "sm_90a",
+        "kda_scan_tma",
+        KDA_SCAN_TMA_SOURCE,
+        &kda_defines(64, 128, 32),
+    ) {
+        assert!(log.contains("built for DK = 128"), "{log}");
     } else if nvrtc_required() {
         panic!("dk = 64 compiled");
     }

@@ -8,6 +8,7 @@
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::kda_tma::KdaScanTma;
 use super::model_ops::{base_ptr, launch_fn, Arg, DevPtr, SegState};
 use super::{CudaDevice, CudaError, KDA_SCAN_SM90_SOURCE};
 use crate::gpu::{
@@ -20,7 +21,9 @@ pub struct KdaKernels {
     scan: CudaFunction,
     /// The scan on warpgroup MMAs (`kda_scan_sm90.cu`), compiled when first chosen.
     scan_wg: Option<CudaFunction>,
-    use_scan_wg: bool,
+    /// The scan fed by the copy engine (`kda_scan_tma.cu`), compiled when first chosen.
+    scan_tma: Option<KdaScanTma>,
+    scan_kind: KdaScanKind,
     /// The `-D` macros the kernels were built with (the warpgroup scan takes the same).
     defines: Vec<(String, String)>,
     decode: CudaFunction,
@@ -34,6 +37,30 @@ pub struct KdaKernels {
     prep_smem: u32,
     scan_smem: u32,
     scan_wg_smem: u32,
+}
+
+/// Which kernel walks the chunks of a prefill (all compute the same; see benches/RESULTS.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KdaScanKind {
+    /// mma.sync products, operands copied by the threads (`kda_chunk_scan`; every device).
+    Threads,
+    /// Warpgroup MMAs (`kda_scan_sm90.cu`; Hopper, dk = 128).
+    Warpgroup,
+    /// mma.sync products, operands brought by the copy engine (Hopper, dk = 128, V tiles of 32;
+    /// the default where it can be built).
+    CopyEngine,
+}
+
+impl KdaScanKind {
+    /// The kind `TESSERA_KDA_SCAN` names (`threads`, `wg`, `tma`), if any.
+    fn from_env() -> Option<Self> {
+        match std::env::var("TESSERA_KDA_SCAN").ok()?.as_str() {
+            "threads" => Some(Self::Threads),
+            "wg" => Some(Self::Warpgroup),
+            "tma" => Some(Self::CopyEngine),
+            _ => None,
+        }
+    }
 }
 
 /// Value columns per block of the warpgroup scan (the M of its products).
@@ -50,13 +77,6 @@ fn wg_scan_smem(dk: usize, stages: usize) -> u32 {
 fn wg_scan_available(arch: &str, dk: usize, dv: usize, extra: &[(&str, String)]) -> bool {
     let plain = extra.iter().any(|(k, _)| *k == "TESSERA_PLAIN_HELPERS");
     arch == "sm_90" && dk == 128 && dv.is_multiple_of(WG_SCAN_COLUMNS) && !plain
-}
-
-/// Whether the warpgroup scan is the default: only when `TESSERA_KDA_SCAN=wg` asks for it (it
-/// matches the mma.sync scan at 64-column tiles when many sequences fill the GPU, and is slower
-/// than 32-column tiles when few do; see benches/RESULTS.md).
-fn wg_scan_requested() -> bool {
-    std::env::var("TESSERA_KDA_SCAN").is_ok_and(|v| v == "wg")
 }
 
 /// Scratch of the chunked prefill: the prep's per-chunk products, `[head][chunk]`, for a number
@@ -140,15 +160,33 @@ impl KdaPrefillWorkspace {
 
     /// The prep's outputs and the scan's inputs, in the kernels' parameter order.
     fn products(&self, dev: &CudaDevice) -> [Arg; 6] {
+        self.product_ptrs(dev).map(Arg::P)
+    }
+
+    /// The addresses of [`Self::products`]: w, u, q·exp(gc), k·exp(gc_last − gc), Aqk, exp(gc_last).
+    pub(super) fn product_ptrs(&self, dev: &CudaDevice) -> [DevPtr; 6] {
         let s = dev.stream();
         [
-            Arg::P(base_ptr(s, &self.w)),
-            Arg::P(base_ptr(s, &self.u)),
-            Arg::P(base_ptr(s, &self.qg)),
-            Arg::P(base_ptr(s, &self.kg)),
-            Arg::P(base_ptr(s, &self.aqk)),
-            Arg::P(base_ptr(s, &self.egl)),
+            base_ptr(s, &self.w),
+            base_ptr(s, &self.u),
+            base_ptr(s, &self.qg),
+            base_ptr(s, &self.kg),
+            base_ptr(s, &self.aqk),
+            base_ptr(s, &self.egl),
         ]
+    }
+
+    /// Token rows each product holds (chunks × heads × the chunk length).
+    pub(super) fn rows(&self) -> usize {
+        self.w.len() / self.dk
+    }
+
+    pub(super) fn dk(&self) -> usize {
+        self.dk
+    }
+
+    pub(super) fn dv(&self) -> usize {
+        self.dv
     }
 
     /// The uniform batch's shape and tables, checked against a call's shape.
@@ -239,8 +277,9 @@ impl KdaKernels {
         let mut k = KdaKernels {
             prep,
             scan,
-            use_scan_wg: false,
             scan_wg: None,
+            scan_tma: None,
+            scan_kind: KdaScanKind::Threads,
             scan_wg_smem: wg_scan_smem(dk, kda_scan_stages(extra, "WG_SCAN_STAGES")),
             defines: defines
                 .iter()
@@ -257,9 +296,13 @@ impl KdaKernels {
             prep_smem,
             scan_smem,
         };
-        if wg_scan_requested() {
-            k.set_scan_warpgroup(dev, true)?;
-        }
+        // The copy-engine scan where it can be built (V tiles of 32; see benches/RESULTS.md).
+        let default = if v_tile == 32 {
+            KdaScanKind::CopyEngine
+        } else {
+            KdaScanKind::Threads
+        };
+        k.set_scan(dev, KdaScanKind::from_env().unwrap_or(default))?;
         Ok(k)
     }
 
@@ -466,8 +509,11 @@ impl KdaKernels {
         p: &KdaPacked,
         ws: &KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
-        let (f, columns, threads, smem) = match (&self.scan_wg, self.use_scan_wg) {
-            (Some(f), true) => (f, WG_SCAN_COLUMNS, 128, self.scan_wg_smem),
+        if let (KdaScanKind::CopyEngine, Some(k)) = (self.scan_kind, &self.scan_tma) {
+            return k.launch(dev, p, ws);
+        }
+        let (f, columns, threads, smem) = match (&self.scan_wg, self.scan_kind) {
+            (Some(f), KdaScanKind::Warpgroup) => (f, WG_SCAN_COLUMNS, 128, self.scan_wg_smem),
             _ => (
                 &self.scan,
                 self.v_tile,
@@ -501,25 +547,55 @@ impl KdaKernels {
         unsafe { launch_fn(dev, f, cfg, &args) }
     }
 
-    /// Chooses the scan on warpgroup MMAs (where it can be built: Hopper, dk = 128; compiled on
-    /// first use) or the mma.sync scan; returns whether the warpgroup scan is now in use.
-    pub fn set_scan_warpgroup(&mut self, dev: &CudaDevice, on: bool) -> Result<bool, CudaError> {
+    /// Chooses the kernel that walks the chunks, compiling it on first use where it can be built;
+    /// returns the kind now in use ([`KdaScanKind::Threads`] where the one asked for cannot be).
+    pub fn set_scan(
+        &mut self,
+        dev: &CudaDevice,
+        kind: KdaScanKind,
+    ) -> Result<KdaScanKind, CudaError> {
         let defines: Vec<(&str, String)> = self
             .defines
             .iter()
             .map(|(k, v)| (k.as_str(), v.clone()))
             .collect();
-        if on && self.scan_wg.is_none() && wg_scan_available(dev.arch(), self.dk, self.dv, &defines)
-        {
-            let f = dev
-                .module_for("sm_90a", "kda_scan_sm90", KDA_SCAN_SM90_SOURCE, &defines)?
-                .load_function("kda_chunk_scan_wg")?;
-            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            f.set_attribute(attr, self.scan_wg_smem as i32)?;
-            self.scan_wg = Some(f);
-        }
-        self.use_scan_wg = on && self.scan_wg.is_some();
-        Ok(self.use_scan_wg)
+        let ok = match kind {
+            KdaScanKind::Threads => true,
+            KdaScanKind::Warpgroup => {
+                if self.scan_wg.is_none()
+                    && wg_scan_available(dev.arch(), self.dk, self.dv, &defines)
+                {
+                    let f = dev
+                        .module_for("sm_90a", "kda_scan_sm90", KDA_SCAN_SM90_SOURCE, &defines)?
+                        .load_function("kda_chunk_scan_wg")?;
+                    let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+                    f.set_attribute(attr, self.scan_wg_smem as i32)?;
+                    self.scan_wg = Some(f);
+                }
+                self.scan_wg.is_some()
+            }
+            KdaScanKind::CopyEngine => {
+                if self.scan_tma.is_none()
+                    && KdaScanTma::available(dev.arch(), self.dk, self.dv, &defines)
+                {
+                    self.scan_tma = Some(KdaScanTma::load(dev, &defines)?);
+                }
+                self.scan_tma.is_some()
+            }
+        };
+        self.scan_kind = if ok { kind } else { KdaScanKind::Threads };
+        Ok(self.scan_kind)
+    }
+
+    /// Chooses the scan on warpgroup MMAs (where it can be built: Hopper, dk = 128; compiled on
+    /// first use) or the mma.sync scan; returns whether the warpgroup scan is now in use.
+    pub fn set_scan_warpgroup(&mut self, dev: &CudaDevice, on: bool) -> Result<bool, CudaError> {
+        let want = if on {
+            KdaScanKind::Warpgroup
+        } else {
+            KdaScanKind::Threads
+        };
+        Ok(self.set_scan(dev, want)? == KdaScanKind::Warpgroup)
     }
 
     /// Chooses the decode kernel built for three resident blocks per multiprocessor (fewer

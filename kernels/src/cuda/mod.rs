@@ -9,6 +9,7 @@
 
 mod conv;
 mod kda;
+mod kda_tma;
 mod mla;
 mod model_mla;
 mod model_ops;
@@ -32,7 +33,7 @@ pub use crate::gpu::{
     KDA_SOURCE, OPS_SOURCE,
 };
 pub use conv::ShortConv;
-pub use kda::{KdaInputs, KdaKernels, KdaPacked, KdaPrefillWorkspace};
+pub use kda::{KdaInputs, KdaKernels, KdaPacked, KdaPrefillWorkspace, KdaScanKind};
 pub use mla::{
     MlaDecode, MlaDecodeShape, MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MLA_RANK,
     MLA_ROPE,
@@ -78,6 +79,15 @@ pub const KDA_SCAN_SM90_SOURCE: &str = concat!(
     include_str!("wgmma.cuh"),
     "\n",
     include_str!("kda_scan_sm90.cu")
+);
+/// The KDA chunk scan fed by the copy engine, optionally with the V tiles of a head as one
+/// cluster; Hopper only (compiled for `sm_90a`, with the `kda.cu` defines).
+pub const KDA_SCAN_TMA_SOURCE: &str = concat!(
+    include_str!("wgmma.cuh"),
+    "\n",
+    include_str!("tma.cuh"),
+    "\n",
+    include_str!("kda_scan_tma.cu")
 );
 /// MoE decode for small batches: routing, plan, gate+up+SiTU, down, combine (bf16 and MXFP4).
 pub const MOE_SOURCE: &str = concat!(

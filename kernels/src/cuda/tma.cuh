@@ -56,4 +56,14 @@ __device__ __forceinline__ void tensor_box3_g2s(unsigned dst, const void* map, i
         "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
         : "memory");
 }
+// `bytes` (a multiple of 16) contiguous bytes from global src into shared memory at dst,
+// completing on `bar`.
+__device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned bytes,
+                                         unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+            "r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
 #endif

@@ -1,0 +1,152 @@
+//! The KDA chunk scan fed by the copy engine (`kda_scan_tma.cu`, Hopper): the prep's products as
+//! tensor maps (the 128-byte swizzle), and the launch.
+
+use cudarc::driver::sys::{CUfunction_attribute, CUtensorMapDataType, CUtensorMapSwizzle};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+
+use super::kda::{KdaPacked, KdaPrefillWorkspace};
+use super::model_ops::DevPtr;
+use super::tensor_map::{self, TensorMapArg};
+use super::{CudaDevice, CudaError, KDA_SCAN_TMA_SOURCE};
+use crate::gpu::CHUNK;
+
+/// Value columns per block (the scan's V tile).
+const COLUMNS: usize = 32;
+/// Chunks in flight per block and compute warps per block, unless the defines say otherwise.
+const DEFAULT_STAGES: usize = 2;
+const DEFAULT_WARPS: usize = 8;
+
+/// The compiled copy-engine scan for one configuration.
+pub(super) struct KdaScanTma {
+    f: CudaFunction,
+    smem: u32,
+    /// The compute warps and the copy warp.
+    threads: u32,
+}
+
+/// Dynamic shared memory of `kda_chunk_scan_tma`; mirrors the `CL_*` macros (stages rounded up
+/// to 1024 bytes, plus 1024 bytes to align them).
+fn smem_bytes(dk: usize, stages: usize) -> u32 {
+    let stage = 3 * CHUNK * dk * 2 + CHUNK * CHUNK * 2 + CHUNK * COLUMNS * 2 + dk * 4;
+    let rest = COLUMNS * (dk + 8) * 2 + COLUMNS * (CHUNK + 8) * 2 + 2 * stages * 8;
+    (stages * stage.next_multiple_of(1024) + rest + 1024) as u32
+}
+
+/// The map of a row-major bf16 matrix of `rows` × `cols` read in boxes of `box_rows` ×
+/// `box_cols`, in the 128-byte swizzle when `swizzled` (boxes of 64 columns).
+fn matrix_map(
+    ptr: DevPtr,
+    rows: usize,
+    cols: usize,
+    box_rows: usize,
+    box_cols: usize,
+    swizzled: bool,
+) -> Result<TensorMapArg, CudaError> {
+    let swizzle = if swizzled {
+        CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B
+    } else {
+        CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE
+    };
+    tensor_map::tiled(
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        ptr,
+        &[cols as u64, rows as u64],
+        &[cols as u64 * 2],
+        &[box_cols as u32, box_rows as u32],
+        swizzle,
+    )
+}
+
+impl KdaScanTma {
+    /// Whether the kernel can be built: Hopper, dk = 128, dv a multiple of 32, and not the
+    /// portable helpers.
+    pub(super) fn available(arch: &str, dk: usize, dv: usize, defines: &[(&str, String)]) -> bool {
+        let plain = defines.iter().any(|(k, _)| *k == "TESSERA_PLAIN_HELPERS");
+        arch == "sm_90" && dk == 128 && dv.is_multiple_of(COLUMNS) && !plain
+    }
+
+    /// Compiles the scan with `defines` (the kda.cu ones; `CL_STAGES` picks the depth, 2 or 3,
+    /// and `CL_WARPS` the compute warps, 4 or 8; 2 and 8 when absent).
+    pub(super) fn load(dev: &CudaDevice, defines: &[(&str, String)]) -> Result<Self, CudaError> {
+        let mut defines = defines.to_vec();
+        let mut setting =
+            |name: &'static str, default: usize| match defines.iter().find(|(k, _)| *k == name) {
+                Some((_, v)) => v.parse().unwrap_or(default),
+                None => {
+                    defines.push((name, default.to_string()));
+                    default
+                }
+            };
+        let stages = setting("CL_STAGES", DEFAULT_STAGES);
+        let warps = setting("CL_WARPS", DEFAULT_WARPS);
+        let f = dev
+            .module_for("sm_90a", "kda_scan_tma", KDA_SCAN_TMA_SOURCE, &defines)?
+            .load_function("kda_chunk_scan_tma")?;
+        let smem = smem_bytes(128, stages);
+        let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        f.set_attribute(attr, smem as i32)?;
+        Ok(KdaScanTma {
+            f,
+            smem,
+            threads: 32 * (warps as u32 + 1),
+        })
+    }
+
+    /// The scan of a call whose products the prep wrote into `ws`.
+    pub(super) fn launch(
+        &self,
+        dev: &CudaDevice,
+        p: &KdaPacked,
+        ws: &KdaPrefillWorkspace,
+    ) -> Result<(), CudaError> {
+        let (dk, dv) = (ws.dk(), ws.dv());
+        let [w, u, qg, kg, aqk, egl] = ws.product_ptrs(dev);
+        let rows = ws.rows();
+        let maps = [
+            matrix_map(w, rows, dk, CHUNK, 64, true)?,
+            matrix_map(qg, rows, dk, CHUNK, 64, true)?,
+            matrix_map(kg, rows, dk, CHUNK, 64, true)?,
+            matrix_map(aqk, rows, CHUNK, CHUNK, 64, true)?,
+            matrix_map(u, rows, dv, CHUNK, COLUMNS, false)?,
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: ((dv / COLUMNS) as u32, p.heads as u32, p.sequences as u32),
+            block_dim: (self.threads, 1, 1),
+            shared_mem_bytes: self.smem,
+        };
+        let (ld_o, nchunks) = (p.ld_o as i32, p.chunks as i32);
+        let s = dev.stream();
+        let mut launch = s.launch_builder(&self.f);
+        for m in &maps {
+            launch.arg(m);
+        }
+        launch
+            .arg(&egl)
+            .arg(&p.state.src)
+            .arg(&p.state.src_off)
+            .arg(&p.state.dst)
+            .arg(&p.state.dst_off)
+            .arg(&p.out)
+            .arg(&ld_o)
+            .arg(&p.seq_start)
+            .arg(&p.chunk_start)
+            .arg(&nchunks);
+        // SAFETY: the parameters of kda_chunk_scan_tma in order; the maps cover the workspace the
+        // prep of the same call filled (`rows` rows of each product), and the state, output and
+        // tables are the caller's, as for kda_chunk_scan.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::smem_bytes;
+
+    #[test]
+    fn three_stages_fit_one_block_per_multiprocessor() {
+        assert_eq!(smem_bytes(128, 3), 3 * 62464 + 8704 + 4608 + 48 + 1024);
+        assert!(smem_bytes(128, 3) <= 227 * 1024);
+        assert!(smem_bytes(128, 4) > 227 * 1024);
+    }
+}
