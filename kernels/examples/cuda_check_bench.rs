@@ -512,27 +512,24 @@ fn run() -> Result<usize, CudaError> {
     }
     let mut variants = Vec::new();
     // The mma.sync scan at two V tiles, the warpgroup scan (Hopper) at two pipeline depths, and
-    // the scan fed by the copy engine (Hopper; the default there) at two, with 4 or 8 compute warps.
+    // the scan fed by the copy engine (Hopper; the default there) at two, with 4 or 8 compute
+    // warps; and the default with either of the prep's two NVIDIA-only forms left out.
     use KdaScanKind::{CopyEngine, Threads, Warpgroup};
-    let table: [ScanVariant; 8] = [
+    let w4s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "4")];
+    let w4s3: &[(&str, &str)] = &[("CL_STAGES", "3"), ("CL_WARPS", "4")];
+    let w8s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "8")];
+    let w8s3: &[(&str, &str)] = &[("CL_STAGES", "3"), ("CL_WARPS", "8")];
+    let table: [ScanVariant; 10] = [
         ("vt32.s2", 32, Threads, &[("SCAN_STAGES", "2")]),
         ("vt64.s2", 64, Threads, &[("SCAN_STAGES", "2")]),
         ("wg.s2", 32, Warpgroup, &[("WG_SCAN_STAGES", "2")]),
         ("wg.s3", 32, Warpgroup, &[("WG_SCAN_STAGES", "3")]),
-        ("tma.s2", 32, CopyEngine, &[("CL_STAGES", "2")]),
-        ("tma.s3", 32, CopyEngine, &[("CL_STAGES", "3")]),
-        (
-            "tma.w8.s2",
-            32,
-            CopyEngine,
-            &[("CL_STAGES", "2"), ("CL_WARPS", "8")],
-        ),
-        (
-            "tma.w8.s3",
-            32,
-            CopyEngine,
-            &[("CL_STAGES", "3"), ("CL_WARPS", "8")],
-        ),
+        ("tma.w4.s2", 32, CopyEngine, w4s2),
+        ("tma.w4.s3", 32, CopyEngine, w4s3),
+        ("tma.w8.s2", 32, CopyEngine, w8s2),
+        ("tma.w8.s3", 32, CopyEngine, w8s3),
+        ("prep.expf", 32, CopyEngine, &[("KDA_EXP_FTZ", "0")]),
+        ("prep.scalar_inv", 32, CopyEngine, &[("KDA_INV_TC", "0")]),
     ];
     for (label, vt, kind, extra) in table {
         let mut defines = base.clone();

@@ -87,6 +87,18 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], 
 }
 #endif
 
+// e^x with results below the normal range flushed to zero: on NVIDIA one multiply and one
+// MUFU.EX2, where __expf adds three instructions (and their latency) to keep denormal results.
+__device__ __forceinline__ float exp_ftz(float x) {
+#if defined(__CUDA_ARCH__) && !defined(TESSERA_PLAIN_HELPERS)
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+#else
+    return __expf(x);
+#endif
+}
+
 // A fragment of the 16x16 tile at (row0, k0) of a row-major bf16 matrix with leading dimension ld.
 __device__ __forceinline__ void load_a_frag(unsigned a[4], const bf16_t* m, int ld, int row0, int k0) {
     const int lane = threadIdx.x & LANE_MASK, g = lane >> 2, t = lane & 3;

@@ -46,6 +46,59 @@
 #define PREP_SKIP 0
 #endif
 
+// Exponentials of the prep flush results below the normal range to zero (exp_ftz; 0: __expf),
+// and the off-diagonal blocks of T = (I + A)^-1 are products on the tensor cores (tf32; 0: scalar
+// f32 loops). Both need NVIDIA's instructions, so the portable helpers keep the plain forms.
+#if defined(TESSERA_PLAIN_HELPERS) || !defined(__CUDA_ARCH__)
+#undef KDA_EXP_FTZ
+#define KDA_EXP_FTZ 0
+#undef KDA_INV_TC
+#define KDA_INV_TC 0
+#endif
+#ifndef KDA_EXP_FTZ
+#define KDA_EXP_FTZ 1
+#endif
+#ifndef KDA_INV_TC
+#define KDA_INV_TC 1
+#endif
+__device__ __forceinline__ float kda_exp(float x) {
+#if KDA_EXP_FTZ
+    return exp_ftz(x);
+#else
+    return __expf(x);
+#endif
+}
+
+#if KDA_INV_TC
+__device__ __forceinline__ unsigned tf32_of(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+// acc (16x16 f32, as two m16n8 accumulators) += a (16x16) b (16x16), both f32 in shared memory
+// with leading dimensions lda and ldb, on m16n8k8 tf32 products.
+__device__ __forceinline__ void tf32_block_product(float (&acc)[2][4], const float* a, int lda,
+                                                   const float* b, int ldb) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int k0 = 0; k0 < 16; k0 += 8) {
+        const unsigned af[4] = {tf32_of(a[g * lda + k0 + t]), tf32_of(a[(g + 8) * lda + k0 + t]),
+                                tf32_of(a[g * lda + k0 + t + 4]),
+                                tf32_of(a[(g + 8) * lda + k0 + t + 4])};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const unsigned bf[2] = {tf32_of(b[(k0 + t) * ldb + nt * 8 + g]),
+                                    tf32_of(b[(k0 + t + 4) * ldb + nt * 8 + g])};
+            asm volatile(
+                "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                "{%8,%9}, {%0,%1,%2,%3};"
+                : "+f"(acc[nt][0]), "+f"(acc[nt][1]), "+f"(acc[nt][2]), "+f"(acc[nt][3])
+                : "r"(af[0]), "r"(af[1]), "r"(af[2]), "r"(af[3]), "r"(bf[0]), "r"(bf[1]));
+        }
+    }
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Shared-memory layout of kda_chunk_prep (bytes). q/k rows are padded (OLD) so that walks down a
 // column are free of bank conflicts. Phase scratch X holds, in turn: T in f32 with a per-warp
@@ -100,10 +153,10 @@ __device__ __forceinline__ void t_times(const bf16_t* tb, const bf16_t* rhs, int
 // rounded back to bf16.
 __device__ __forceinline__ uint4 scale_exp8(uint4 w, float r, float4 ea, float4 eb) {
     uint4 o;
-    o.x = pack_bf16x2(lo_bf(w.x) * r * __expf(ea.x), hi_bf(w.x) * r * __expf(ea.y));
-    o.y = pack_bf16x2(lo_bf(w.y) * r * __expf(ea.z), hi_bf(w.y) * r * __expf(ea.w));
-    o.z = pack_bf16x2(lo_bf(w.z) * r * __expf(eb.x), hi_bf(w.z) * r * __expf(eb.y));
-    o.w = pack_bf16x2(lo_bf(w.w) * r * __expf(eb.z), hi_bf(w.w) * r * __expf(eb.w));
+    o.x = pack_bf16x2(lo_bf(w.x) * r * kda_exp(ea.x), hi_bf(w.x) * r * kda_exp(ea.y));
+    o.y = pack_bf16x2(lo_bf(w.y) * r * kda_exp(ea.z), hi_bf(w.y) * r * kda_exp(ea.w));
+    o.z = pack_bf16x2(lo_bf(w.z) * r * kda_exp(eb.x), hi_bf(w.z) * r * kda_exp(eb.y));
+    o.w = pack_bf16x2(lo_bf(w.w) * r * kda_exp(eb.z), hi_bf(w.w) * r * kda_exp(eb.w));
     return o;
 }
 
@@ -210,59 +263,55 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     //    for earlier blocks and at most exp(span) inside block I.
     bf16_t* aqk = aqk_out + chunk * CH * CH;
     if (!(PREP_SKIP & 1)) {
-        // Operands built in registers, as mma fragments, straight from the staged chunk: warps
-        // 2I and 2I+1 own row block I (its left operands, k and q, built once) and take the
-        // column blocks J <= I of their parity. No shared-memory staging, no barriers.
-        const int I = warp >> 1, f = I * SUB;
+        // Operands built in registers, as mma fragments, straight from the staged chunk: a warp
+        // owns one row block I (its left operands, k and q, built once) and a run of its tiles
+        // of 16 rows x 8 columns, u = 2J + column half for the column blocks J <= I. The 20 tiles
+        // are spread so that no warp has more than 3: warps 0..7 take row blocks 0 3 1 1 2 2 3 3
+        // and tiles [0,2) [6,8) [0,2) [2,4) [0,3) [3,6) [0,3) [3,6). No shared-memory staging, no
+        // barriers.
+        const int I = (0xfa5cu >> (2 * warp)) & 3, f = I * SUB;
+        const int u0 = (0x30302060u >> (4 * warp)) & 15, u1 = (0x63634282u >> (4 * warp)) & 15;
         unsigned lk[DK / 16][4], lq[DK / 16][4];
-        if ((warp & 1) <= I) {
 #pragma unroll
-            for (int ks_ = 0; ks_ < DK / 16; ++ks_)
+        for (int ks_ = 0; ks_ < DK / 16; ++ks_)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int i = f + g8 + 8 * (r & 1), d = 16 * ks_ + 2 * t4 + 8 * (r >> 1);
-                    const float2 gi = *(const float2*)(gcs + i * GLD + d);
+            for (int r = 0; r < 4; ++r) {
+                const int i = f + g8 + 8 * (r & 1), d = 16 * ks_ + 2 * t4 + 8 * (r >> 1);
+                const float2 gi = *(const float2*)(gcs + i * GLD + d);
+                const float2 gf = *(const float2*)(gcs + f * GLD + d);
+                const float e0 = kda_exp(gi.x - gf.x), e1 = kda_exp(gi.y - gf.y);
+                const unsigned kw = *(const unsigned*)(ks + i * OLD + d);
+                const unsigned qw = *(const unsigned*)(qs + i * OLD + d);
+                lk[ks_][r] = pack_bf16x2(lo_bf(kw) * rk[i] * e0, hi_bf(kw) * rk[i] * e1);
+                lq[ks_][r] = pack_bf16x2(lo_bf(qw) * rq[i] * e0, hi_bf(qw) * rq[i] * e1);
+            }
+        for (int u = u0; u < u1; ++u) {
+            const int fj = (u >> 1) * SUB, c0 = fj + 8 * (u & 1);
+            float ak[4] = {0.f, 0.f, 0.f, 0.f}, aq[4] = {0.f, 0.f, 0.f, 0.f};
+            const int j = c0 + g8;
+#pragma unroll
+            for (int ks_ = 0; ks_ < DK / 16; ++ks_) {
+                unsigned bb[2];
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int d = 16 * ks_ + 2 * t4 + 8 * hh;
                     const float2 gf = *(const float2*)(gcs + f * GLD + d);
-                    const float e0 = __expf(gi.x - gf.x), e1 = __expf(gi.y - gf.y);
-                    const unsigned kw = *(const unsigned*)(ks + i * OLD + d);
-                    const unsigned qw = *(const unsigned*)(qs + i * OLD + d);
-                    lk[ks_][r] = pack_bf16x2(lo_bf(kw) * rk[i] * e0, hi_bf(kw) * rk[i] * e1);
-                    lq[ks_][r] = pack_bf16x2(lo_bf(qw) * rq[i] * e0, hi_bf(qw) * rq[i] * e1);
+                    const float2 gj = *(const float2*)(gcs + j * GLD + d);
+                    const unsigned kw = *(const unsigned*)(ks + j * OLD + d);
+                    bb[hh] = pack_bf16x2(lo_bf(kw) * rk[j] * kda_exp(gf.x - gj.x),
+                                         hi_bf(kw) * rk[j] * kda_exp(gf.y - gj.y));
                 }
-        }
-        for (int J = warp & 1; J <= I; J += 2) {
-            const int fj = J * SUB;
-            float ak[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-            float aq[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+                mma_bf16_16816(ak, lk[ks_], bb);
+                mma_bf16_16816(aq, lq[ks_], bb);
+            }
 #pragma unroll
-            for (int ks_ = 0; ks_ < DK / 16; ++ks_)
-#pragma unroll
-                for (int nt = 0; nt < 2; ++nt) {
-                    const int j = fj + 8 * nt + g8;
-                    unsigned bb[2];
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const int d = 16 * ks_ + 2 * t4 + 8 * hh;
-                        const float2 gf = *(const float2*)(gcs + f * GLD + d);
-                        const float2 gj = *(const float2*)(gcs + j * GLD + d);
-                        const unsigned kw = *(const unsigned*)(ks + j * OLD + d);
-                        bb[hh] = pack_bf16x2(lo_bf(kw) * rk[j] * __expf(gf.x - gj.x),
-                                             hi_bf(kw) * rk[j] * __expf(gf.y - gj.y));
-                    }
-                    mma_bf16_16816(ak[nt], lk[ks_], bb);
-                    mma_bf16_16816(aq[nt], lq[ks_], bb);
-                }
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int i = f + g8 + 8 * hf, j = fj + 8 * nt + 2 * t4;
-                    const float v0 = ak[nt][2 * hf], v1 = ak[nt][2 * hf + 1];
-                    af[i * ALD + j] = j < i ? v0 * bs[i] : 0.f;
-                    af[i * ALD + j + 1] = j + 1 < i ? v1 * bs[i] : 0.f;
-                    *(unsigned*)(aqk + i * CH + j) = pack_bf16x2(j <= i ? aq[nt][2 * hf] : 0.f,
-                                                                 j + 1 <= i ? aq[nt][2 * hf + 1] : 0.f);
-                }
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = f + g8 + 8 * hf, jj = c0 + 2 * t4;
+                af[i * ALD + jj] = jj < i ? ak[2 * hf] * bs[i] : 0.f;
+                af[i * ALD + jj + 1] = jj + 1 < i ? ak[2 * hf + 1] * bs[i] : 0.f;
+                *(unsigned*)(aqk + i * CH + jj) = pack_bf16x2(jj <= i ? aq[2 * hf] : 0.f,
+                                                              jj + 1 <= i ? aq[2 * hf + 1] : 0.f);
+            }
         }
         // Aqk is zero right of each row block's diagonal tile.
         for (int e = tid; e < CH * CH / 2; e += 256) {
@@ -281,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
                 const int i = fd + ii, j = fd + q - ii * (ii + 1) / 2;
                 float dk_ = 0.f, dq = 0.f;
                 for (int d = 0; d < DK; ++d) {
-                    const float e = __expf(gcs[i * GLD + d] - gcs[j * GLD + d]);
+                    const float e = kda_exp(gcs[i * GLD + d] - gcs[j * GLD + d]);
                     const float kj = bf2f(ks[j * OLD + d]) * rk[j] * e;
                     dk_ += bf2f(ks[i * OLD + d]) * rk[i] * kj;
                     dq += bf2f(qs[i * OLD + d]) * rq[i] * kj;
@@ -315,6 +364,37 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
         for (int i = 0; i < SUB; ++i) tf[(f + i) * ALD + f + c] = t[i];
     }
     __syncthreads();
+#if KDA_INV_TC
+    {
+        // Off-diagonal blocks by distance on the tensor cores (tf32 inputs rounded to nearest,
+        // f32 sums): warp J takes block (J + dist, J); xs = sum_K A_IK T_KJ goes through the
+        // warp's scratch into T_IJ = -T_II xs.
+        float* xs = (float*)(x + X_XS) + warp * SUB * SUB;
+        for (int dist = 1; dist < NSUB; ++dist) {
+            const int J = warp, I = J + dist;
+            if (I < NSUB) {
+                float acc[2][4] = {};
+                for (int kb = J; kb < I; ++kb)
+                    tf32_block_product(acc, af + I * SUB * ALD + kb * SUB, ALD, tf + kb * SUB * ALD + J * SUB, ALD);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        xs[(g8 + 8 * (e >> 1)) * SUB + nt * 8 + 2 * t4 + (e & 1)] = acc[nt][e];
+                        acc[nt][e] = 0.f;
+                    }
+                __syncwarp();
+                tf32_block_product(acc, tf + I * SUB * ALD + I * SUB, ALD, xs, SUB);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        tf[(I * SUB + g8 + 8 * (e >> 1)) * ALD + J * SUB + nt * 8 + 2 * t4 + (e & 1)] = -acc[nt][e];
+            }
+            __syncthreads();
+        }
+    }
+#else
     {
         // Off-diagonal blocks by distance, every thread on one (block, row, column) at a time.
         float* xs = (float*)(x + X_XS);
@@ -342,6 +422,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
             __syncthreads();
         }
     }
+#endif
     }
     bf16_t* tb = (bf16_t*)(smem + P_AF);  // af is dead now
     for (int e = tid; e < CH * CH / 2; e += 256) {
@@ -372,7 +453,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
                 kw, rk[j], make_float4(la.x - ga.x, la.y - ga.y, la.z - ga.z, la.w - ga.w),
                 make_float4(lb.x - gb.x, lb.y - gb.y, lb.z - gb.z, lb.w - gb.w));
         }
-        if (tid < DK) egl_out[chunk * DK + tid] = __expf(gcs[(CH - 1) * GLD + tid]);
+        if (tid < DK) egl_out[chunk * DK + tid] = kda_exp(gcs[(CH - 1) * GLD + tid]);
     }
     if (PREP_SKIP & 8) return;
 

@@ -63,6 +63,20 @@ __device__ __forceinline__ void sw_a_frag(unsigned a[4], unsigned op, int row0, 
                      : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(p));
 }
 
+// Calls f(mt, nt, e, row, column) for each element S[mt][nt][e] a thread holds of its warp's
+// state rows from r0 (m16n8 accumulators: SMT row tiles by 4 column tiles of the 32 columns).
+template <int SMT, typename F>
+__device__ __forceinline__ void for_state(int r0, F f) {
+    const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < SMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                f(mt, nt, e, r0 + mt * 16 + g8 + (e >= 2 ? 8 : 0), nt * 8 + 2 * t4 + (e & 1));
+}
+
 // A barrier of the compute warps (the producer warp runs on its own).
 __device__ __forceinline__ void compute_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(CL_WARPS * 32) : "memory");
@@ -132,31 +146,17 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
     constexpr int NTW = 4 / (CL_WARPS / 4), SMT = 8 / CL_WARPS;
     const int rt = warp & 3, c0 = (warp >> 2) * 8 * NTW, r0 = warp * 16 * SMT;
     float S[SMT][4][4];
-#pragma unroll
-    for (int mt = 0; mt < SMT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = r0 + mt * 16 + g8 + (e >= 2 ? 8 : 0);
-                const int col = vt * 32 + nt * 8 + 2 * t4 + (e & 1);
-                S[mt][nt][e] = st0 ? st0[row * DV + col] : 0.f;
-            }
+    for_state<SMT>(r0, [&](int mt, int nt, int e, int row, int col) {
+        S[mt][nt][e] = st0 ? st0[row * DV + vt * 32 + col] : 0.f;
+    });
 
     for (int c = 0; c < NC; ++c) {
         const int s = c % CL_STAGES;
         const unsigned st = base + s * CL_STAGE;
         const unsigned char* stp = smem + s * CL_STAGE;
-#pragma unroll
-        for (int mt = 0; mt < SMT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = r0 + mt * 16 + g8 + (e >= 2 ? 8 : 0);
-                    const int col = nt * 8 + 2 * t4 + (e & 1);
-                    sb[col * CL_SLD + row] = f2bf(S[mt][nt][e]);
-                }
+        for_state<SMT>(r0, [&](int mt, int nt, int e, int row, int col) {
+            sb[col * CL_SLD + row] = f2bf(S[mt][nt][e]);
+        });
         mbar_wait(full0 + 8 * s, (c / CL_STAGES) & 1);
         compute_sync();
 
@@ -236,15 +236,8 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
         if (tid == 0) mbar_arrive(empty0 + 8 * s);
     }
 
-#pragma unroll
-    for (int mt = 0; mt < SMT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = r0 + mt * 16 + g8 + (e >= 2 ? 8 : 0);
-                const int col = vt * 32 + nt * 8 + 2 * t4 + (e & 1);
-                st1[row * DV + col] = S[mt][nt][e];
-            }
+    for_state<SMT>(r0, [&](int mt, int nt, int e, int row, int col) {
+        st1[row * DV + vt * 32 + col] = S[mt][nt][e];
+    });
 #endif
 }
