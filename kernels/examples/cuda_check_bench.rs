@@ -516,20 +516,24 @@ fn run() -> Result<usize, CudaError> {
     // warps; and the default with either of the prep's two NVIDIA-only forms left out.
     use KdaScanKind::{CopyEngine, Threads, Warpgroup};
     let w4s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "4")];
-    let w4s3: &[(&str, &str)] = &[("CL_STAGES", "3"), ("CL_WARPS", "4")];
     let w8s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "8")];
     let w8s3: &[(&str, &str)] = &[("CL_STAGES", "3"), ("CL_WARPS", "8")];
-    let table: [ScanVariant; 10] = [
+    let table: [ScanVariant; 9] = [
         ("vt32.s2", 32, Threads, &[("SCAN_STAGES", "2")]),
         ("vt64.s2", 64, Threads, &[("SCAN_STAGES", "2")]),
         ("wg.s2", 32, Warpgroup, &[("WG_SCAN_STAGES", "2")]),
-        ("wg.s3", 32, Warpgroup, &[("WG_SCAN_STAGES", "3")]),
         ("tma.w4.s2", 32, CopyEngine, w4s2),
-        ("tma.w4.s3", 32, CopyEngine, w4s3),
         ("tma.w8.s2", 32, CopyEngine, w8s2),
         ("tma.w8.s3", 32, CopyEngine, w8s3),
-        ("prep.expf", 32, CopyEngine, &[("KDA_EXP_FTZ", "0")]),
+        ("tma.chains1", 32, CopyEngine, &[("CL_CHAINS", "1")]),
+        // The prep without one of its NVIDIA-only forms or orderings each.
         ("prep.scalar_inv", 32, CopyEngine, &[("KDA_INV_TC", "0")]),
+        (
+            "prep.no_overlap",
+            32,
+            CopyEngine,
+            &[("KDA_OVERLAP_OUT", "0")],
+        ),
     ];
     for (label, vt, kind, extra) in table {
         let mut defines = base.clone();

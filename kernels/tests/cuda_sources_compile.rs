@@ -27,6 +27,11 @@ fn kda_kernels_compile_for_hopper_and_ampere_in_every_configuration() {
                         text.contains("mma.sync.aligned.m16n8k16"),
                         "tensor-core path missing"
                     );
+                    assert!(
+                        text.contains("m16n8k8.row.col.f32.tf32"),
+                        "tf32 inverse missing"
+                    );
+                    assert!(text.contains("ex2.approx.ftz.f32"), "flushing exp missing");
                 }
                 Err(CudaError::NoNvrtc) if !nvrtc_required() => {
                     eprintln!("NVRTC not found: set TESSERA_REQUIRE_NVRTC=1 to make this fatal");
@@ -35,6 +40,24 @@ fn kda_kernels_compile_for_hopper_and_ampere_in_every_configuration() {
                 Err(e) => panic!("{arch} dk={dk} vt={vt}: {e}"),
             }
         }
+    }
+}
+
+#[test]
+fn the_prep_compiles_with_its_nvidia_only_forms_left_out() {
+    let mut defines = kda_defines(128, 128, 32).to_vec();
+    for off in ["KDA_INV_TC", "KDA_OVERLAP_OUT", "KDA_EXP_FTZ"] {
+        defines.push((off, "0".to_string()));
+    }
+    match compile("sm_90", "kda", KDA_SOURCE, &defines) {
+        Ok(ptx) => {
+            let text = ptx.to_src();
+            assert!(text.contains(".entry kda_chunk_prep"));
+            assert!(!text.contains(".tf32"), "tf32 inverse left in");
+            assert!(!text.contains("ex2.approx.ftz"), "flushing exp left in");
+        }
+        Err(CudaError::NoNvrtc) if !nvrtc_required() => {}
+        Err(e) => panic!("{e}"),
     }
 }
 
@@ -64,6 +87,7 @@ fn the_plain_helpers_of_the_hip_backend_compile_for_cuda_too() {
             assert!(text.contains(".entry kda_chunk_scan"));
             assert!(!text.contains("mma.sync"), "tensor-core path left in");
             assert!(!text.contains("cp.async"), "asynchronous copies left in");
+            assert!(!text.contains("ex2.approx.ftz"), "flushing exp left in");
         }
         Err(CudaError::NoNvrtc) if !nvrtc_required() => {
             eprintln!("NVRTC not found: set TESSERA_REQUIRE_NVRTC=1 to make this fatal");
@@ -235,10 +259,11 @@ fn kda_warpgroup_scan_compiles_for_hopper_at_both_depths() {
 
 #[test]
 fn kda_copy_engine_scan_compiles_for_hopper_at_both_depths_and_widths() {
-    for (stages, warps) in [(2, 4), (3, 4), (3, 8)] {
+    for (stages, warps, chains) in [(2, 4, 1), (3, 4, 2), (2, 8, 2), (3, 8, 1)] {
         let mut defines = kda_defines(128, 128, 32).to_vec();
         defines.push(("CL_STAGES", stages.to_string()));
         defines.push(("CL_WARPS", warps.to_string()));
+        defines.push(("CL_CHAINS", chains.to_string()));
         match compile("sm_90a", "kda_scan_tma", KDA_SCAN_TMA_SOURCE, &defines) {
             Ok(ptx) => {
                 let text = ptx.to_src();

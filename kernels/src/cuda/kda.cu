@@ -61,6 +61,15 @@
 #ifndef KDA_INV_TC
 #define KDA_INV_TC 1
 #endif
+// Step 5's outputs written by the warps that the inverse leaves idle (needs KDA_INV_TC).
+#if !KDA_INV_TC
+#undef KDA_OVERLAP_OUT
+#define KDA_OVERLAP_OUT 0
+#endif
+#ifndef KDA_OVERLAP_OUT
+#define KDA_OVERLAP_OUT 1
+#endif
+
 __device__ __forceinline__ float kda_exp(float x) {
 #if KDA_EXP_FTZ
     return exp_ftz(x);
@@ -158,6 +167,31 @@ __device__ __forceinline__ uint4 scale_exp8(uint4 w, float r, float4 ea, float4 
     o.z = pack_bf16x2(lo_bf(w.z) * r * kda_exp(eb.x), hi_bf(w.z) * r * kda_exp(eb.y));
     o.w = pack_bf16x2(lo_bf(w.w) * r * kda_exp(eb.z), hi_bf(w.w) * r * kda_exp(eb.w));
     return o;
+}
+
+// Step 5 of kda_chunk_prep: the outputs that need no product (q exp(gc), k exp(gc_last - gc) and
+// exp(gc_last)), row-major in 16-byte pieces straight from registers, by the n threads numbered
+// t = 0..n-1.
+__device__ __forceinline__ void prep_outputs(int t, int n, const bf16_t* qs, const bf16_t* ks,
+                                             const float* gcs, const float* rq, const float* rk,
+                                             bf16_t* qg, bf16_t* kg, float* egl) {
+    for (int e = t; e < CH * DK / 8; e += n) {
+        const int j = e / (DK / 8), c = (e % (DK / 8)) * 8;
+        const uint4 qw = *(const uint4*)(qs + j * OLD + c);
+        const float4 ga = *(const float4*)(gcs + j * GLD + c), gb = *(const float4*)(gcs + j * GLD + c + 4);
+        *(uint4*)(qg + j * DK + c) = scale_exp8(qw, rq[j], ga, gb);
+    }
+    for (int e = t; e < CH * DK / 8; e += n) {
+        const int j = e / (DK / 8), c = (e % (DK / 8)) * 8;
+        const uint4 kw = *(const uint4*)(ks + j * OLD + c);
+        const float4 ga = *(const float4*)(gcs + j * GLD + c), gb = *(const float4*)(gcs + j * GLD + c + 4);
+        const float4 la = *(const float4*)(gcs + (CH - 1) * GLD + c);
+        const float4 lb = *(const float4*)(gcs + (CH - 1) * GLD + c + 4);
+        *(uint4*)(kg + j * DK + c) = scale_exp8(
+            kw, rk[j], make_float4(la.x - ga.x, la.y - ga.y, la.z - ga.z, la.w - ga.w),
+            make_float4(lb.x - gb.x, lb.y - gb.y, lb.z - gb.z, lb.w - gb.w));
+    }
+    for (int d = t; d < DK; d += n) egl[d] = kda_exp(gcs[(CH - 1) * GLD + d]);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
@@ -368,9 +402,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     {
         // Off-diagonal blocks by distance on the tensor cores (tf32 inputs rounded to nearest,
         // f32 sums): warp J takes block (J + dist, J); xs = sum_K A_IK T_KJ goes through the
-        // warp's scratch into T_IJ = -T_II xs.
+        // warp's scratch into T_IJ = -T_II xs. Warps 0..NSUB-2 do it (a barrier of their own
+        // between distances); with KDA_OVERLAP_OUT the others write step 5's outputs meanwhile.
         float* xs = (float*)(x + X_XS) + warp * SUB * SUB;
-        for (int dist = 1; dist < NSUB; ++dist) {
+        for (int dist = 1; warp < NSUB - 1 && dist < NSUB; ++dist) {
             const int J = warp, I = J + dist;
             if (I < NSUB) {
                 float acc[2][4] = {};
@@ -391,8 +426,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
                     for (int e = 0; e < 4; ++e)
                         tf[(I * SUB + g8 + 8 * (e >> 1)) * ALD + J * SUB + nt * 8 + 2 * t4 + (e & 1)] = -acc[nt][e];
             }
-            __syncthreads();
+            asm volatile("bar.sync 2, %0;" ::"n"((NSUB - 1) * 32) : "memory");
         }
+#if KDA_OVERLAP_OUT
+        if (warp >= NSUB - 1 && !(PREP_SKIP & 4))
+            prep_outputs(tid - (NSUB - 1) * 32, 256 - (NSUB - 1) * 32, qs, ks, gcs, rq, rk,
+                         qg_out + chunk * CH * DK, kg_out + chunk * CH * DK, egl_out + chunk * DK);
+#endif
+        __syncthreads();
     }
 #else
     {
@@ -431,30 +472,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     }
     __syncthreads();
 
-    // 5. Outputs that need no product, row-major in 16-byte pieces straight from registers:
-    //    q exp(gc), k exp(gc_last - gc), and exp(gc_last).
-    bf16_t* qg = qg_out + chunk * CH * DK;
-    for (int e = tid; !(PREP_SKIP & 4) && e < CH * DK / 8; e += 256) {
-        const int j = e / (DK / 8), n = (e % (DK / 8)) * 8;
-        const uint4 qw = *(const uint4*)(qs + j * OLD + n);
-        const float4 ga = *(const float4*)(gcs + j * GLD + n), gb = *(const float4*)(gcs + j * GLD + n + 4);
-        *(uint4*)(qg + j * DK + n) = scale_exp8(qw, rq[j], ga, gb);
-    }
-    // k exp(gc_last - gc), row-major like k: 16-byte pieces straight to global memory.
-    if (!(PREP_SKIP & 4)) {
-        bf16_t* kg = kg_out + chunk * CH * DK;
-        for (int e = tid; e < CH * DK / 8; e += 256) {
-            const int j = e / (DK / 8), n = (e % (DK / 8)) * 8;
-            const uint4 kw = *(const uint4*)(ks + j * OLD + n);
-            const float4 ga = *(const float4*)(gcs + j * GLD + n), gb = *(const float4*)(gcs + j * GLD + n + 4);
-            const float4 la = *(const float4*)(gcs + (CH - 1) * GLD + n);
-            const float4 lb = *(const float4*)(gcs + (CH - 1) * GLD + n + 4);
-            *(uint4*)(kg + j * DK + n) = scale_exp8(
-                kw, rk[j], make_float4(la.x - ga.x, la.y - ga.y, la.z - ga.z, la.w - ga.w),
-                make_float4(lb.x - gb.x, lb.y - gb.y, lb.z - gb.z, lb.w - gb.w));
-        }
-        if (tid < DK) egl_out[chunk * DK + tid] = kda_exp(gcs[(CH - 1) * GLD + tid]);
-    }
+    // 5. Outputs that need no product (written during the inverse when KDA_OVERLAP_OUT).
+    if (!(PREP_SKIP & 4) && (!KDA_OVERLAP_OUT || (PREP_SKIP & 2)))
+        prep_outputs(tid, 256, qs, ks, gcs, rq, rk, qg_out + chunk * CH * DK,
+                     kg_out + chunk * CH * DK, egl_out + chunk * DK);
     if (PREP_SKIP & 8) return;
 
     // 6. w = T (beta k exp(gc)) and u = T (beta v) on the tensor cores, their right operands

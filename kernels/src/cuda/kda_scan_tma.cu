@@ -28,6 +28,10 @@
 #ifndef CL_STAGES
 #define CL_STAGES 2
 #endif
+// Independent partial sums per product of the first phase (1 or 2).
+#ifndef CL_CHAINS
+#define CL_CHAINS 2
+#endif
 #define CL_HALF (CH * 128)  // bytes of a 64-column half of an operand
 #define CL_W 0
 #define CL_Q (CL_W + CH * DK * 2)
@@ -161,13 +165,17 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
         compute_sync();
 
         // v_new = u - w S and the inter-chunk part of o = (q exp(gc)) S.
-        float vacc[NTW][4], oacc[NTW][4];
+        // CL_CHAINS independent sums over alternate k steps shorten the chains of dependent mma.
+        float vch[CL_CHAINS][NTW][4], och[CL_CHAINS][NTW][4];
 #pragma unroll
-        for (int nt = 0; nt < NTW; ++nt)
+        for (int ch = 0; ch < CL_CHAINS; ++ch)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) vacc[nt][e] = oacc[nt][e] = 0.f;
+            for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) vch[ch][nt][e] = och[ch][nt][e] = 0.f;
 #pragma unroll
         for (int k0 = 0; k0 < DK; k0 += 16) {
+            const int ch = (k0 / 16) % CL_CHAINS;
             unsigned aw[4], aq[4], bb[NTW / 2][2][2];
             sw_a_frag<false>(aw, st + CL_W, rt * 16, k0);
             sw_a_frag<false>(aq, st + CL_Q, rt * 16, k0);
@@ -175,10 +183,21 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
             for (int p = 0; p < NTW / 2; ++p) ldsm_b_pair(bb[p], sb, CL_SLD, c0 + 16 * p, k0);
 #pragma unroll
             for (int nt = 0; nt < NTW; ++nt) {
-                mma_bf16_16816(vacc[nt], aw, bb[nt >> 1][nt & 1]);
-                mma_bf16_16816(oacc[nt], aq, bb[nt >> 1][nt & 1]);
+                mma_bf16_16816(vch[ch][nt], aw, bb[nt >> 1][nt & 1]);
+                mma_bf16_16816(och[ch][nt], aq, bb[nt >> 1][nt & 1]);
             }
         }
+        float (&vacc)[NTW][4] = vch[0];
+        float (&oacc)[NTW][4] = och[0];
+#pragma unroll
+        for (int ch = 1; ch < CL_CHAINS; ++ch)
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    vacc[nt][e] += vch[ch][nt][e];
+                    oacc[nt][e] += och[ch][nt][e];
+                }
 #pragma unroll
         for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
