@@ -88,7 +88,7 @@ __device__ __forceinline__ unsigned tf32_of(float x) {
 // with leading dimensions lda and ldb, on m16n8k8 tf32 products.
 __device__ __forceinline__ void tf32_block_product(float (&acc)[2][4], const float* a, int lda,
                                                    const float* b, int ldb) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & LANE_MASK, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int k0 = 0; k0 < 16; k0 += 8) {
         const unsigned af[4] = {tf32_of(a[g * lda + k0 + t]), tf32_of(a[(g + 8) * lda + k0 + t]),
@@ -426,11 +426,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
                     for (int e = 0; e < 4; ++e)
                         tf[(I * SUB + g8 + 8 * (e >> 1)) * ALD + J * SUB + nt * 8 + 2 * t4 + (e & 1)] = -acc[nt][e];
             }
-            asm volatile("bar.sync 2, %0;" ::"n"((NSUB - 1) * 32) : "memory");
+            asm volatile("bar.sync 2, %0;" ::"n"((NSUB - 1) * LANES) : "memory");
         }
 #if KDA_OVERLAP_OUT
         if (warp >= NSUB - 1 && !(PREP_SKIP & 4))
-            prep_outputs(tid - (NSUB - 1) * 32, 256 - (NSUB - 1) * 32, qs, ks, gcs, rq, rk,
+            prep_outputs(tid - (NSUB - 1) * LANES, 256 - (NSUB - 1) * LANES, qs, ks, gcs, rq, rk,
                          qg_out + chunk * CH * DK, kg_out + chunk * CH * DK, egl_out + chunk * DK);
 #endif
         __syncthreads();
