@@ -73,10 +73,17 @@ fn wg_scan_smem(dk: usize, stages: usize) -> u32 {
     (stages * stage + ch * uld * 2) as u32
 }
 
-/// Whether the warpgroup scan can be built: on Hopper (`sm_90`) with dk = 128.
-fn wg_scan_available(arch: &str, dk: usize, dv: usize, extra: &[(&str, String)]) -> bool {
-    let plain = extra.iter().any(|(k, _)| *k == "TESSERA_PLAIN_HELPERS");
-    arch == "sm_90" && dk == 128 && dv.is_multiple_of(WG_SCAN_COLUMNS) && !plain
+/// Whether a Hopper scan of `columns` value columns per block can be built: on `sm_90`, with
+/// dk = 128, dv a multiple of `columns`, and not with the portable helpers.
+pub(super) fn hopper_scan_available(
+    arch: &str,
+    dk: usize,
+    dv: usize,
+    columns: usize,
+    defines: &[(&str, String)],
+) -> bool {
+    let plain = defines.iter().any(|(k, _)| *k == "TESSERA_PLAIN_HELPERS");
+    arch == "sm_90" && dk == 128 && dv.is_multiple_of(columns) && !plain
 }
 
 /// Scratch of the chunked prefill: the prep's per-chunk products, `[head][chunk]`, for a number
@@ -563,7 +570,13 @@ impl KdaKernels {
             KdaScanKind::Threads => true,
             KdaScanKind::Warpgroup => {
                 if self.scan_wg.is_none()
-                    && wg_scan_available(dev.arch(), self.dk, self.dv, &defines)
+                    && hopper_scan_available(
+                        dev.arch(),
+                        self.dk,
+                        self.dv,
+                        WG_SCAN_COLUMNS,
+                        &defines,
+                    )
                 {
                     let f = dev
                         .module_for("sm_90a", "kda_scan_sm90", KDA_SCAN_SM90_SOURCE, &defines)?
@@ -576,7 +589,13 @@ impl KdaKernels {
             }
             KdaScanKind::CopyEngine => {
                 if self.scan_tma.is_none()
-                    && KdaScanTma::available(dev.arch(), self.dk, self.dv, &defines)
+                    && hopper_scan_available(
+                        dev.arch(),
+                        self.dk,
+                        self.dv,
+                        KdaScanTma::COLUMNS,
+                        &defines,
+                    )
                 {
                     self.scan_tma = Some(KdaScanTma::load(dev, &defines)?);
                 }

@@ -44,7 +44,6 @@
 #define CL_SB (CL_STAGES * CL_STAGE)
 #define CL_VN (CL_SB + 32 * CL_SLD * 2)
 #define CL_BAR (CL_VN + 32 * CL_TLD * 2)
-#define CL_SMEM (CL_BAR + 2 * CL_STAGES * 8)
 
 // Byte offset of element (row, col) of a swizzled operand (halves of 64 columns).
 __device__ __forceinline__ unsigned sw_off(int row, int col) {

@@ -10,8 +10,6 @@ use super::tensor_map::{self, TensorMapArg};
 use super::{CudaDevice, CudaError, KDA_SCAN_TMA_SOURCE};
 use crate::gpu::CHUNK;
 
-/// Value columns per block (the scan's V tile).
-const COLUMNS: usize = 32;
 /// Chunks in flight per block and compute warps per block, unless the defines say otherwise.
 const DEFAULT_STAGES: usize = 2;
 const DEFAULT_WARPS: usize = 8;
@@ -27,8 +25,9 @@ pub(super) struct KdaScanTma {
 /// Dynamic shared memory of `kda_chunk_scan_tma`; mirrors the `CL_*` macros (stages rounded up
 /// to 1024 bytes, plus 1024 bytes to align them).
 fn smem_bytes(dk: usize, stages: usize) -> u32 {
-    let stage = 3 * CHUNK * dk * 2 + CHUNK * CHUNK * 2 + CHUNK * COLUMNS * 2 + dk * 4;
-    let rest = COLUMNS * (dk + 8) * 2 + COLUMNS * (CHUNK + 8) * 2 + 2 * stages * 8;
+    let stage = 3 * CHUNK * dk * 2 + CHUNK * CHUNK * 2 + CHUNK * KdaScanTma::COLUMNS * 2 + dk * 4;
+    let rest =
+        KdaScanTma::COLUMNS * (dk + 8) * 2 + KdaScanTma::COLUMNS * (CHUNK + 8) * 2 + 2 * stages * 8;
     (stages * stage.next_multiple_of(1024) + rest + 1024) as u32
 }
 
@@ -58,12 +57,8 @@ fn matrix_map(
 }
 
 impl KdaScanTma {
-    /// Whether the kernel can be built: Hopper, dk = 128, dv a multiple of 32, and not the
-    /// portable helpers.
-    pub(super) fn available(arch: &str, dk: usize, dv: usize, defines: &[(&str, String)]) -> bool {
-        let plain = defines.iter().any(|(k, _)| *k == "TESSERA_PLAIN_HELPERS");
-        arch == "sm_90" && dk == 128 && dv.is_multiple_of(COLUMNS) && !plain
-    }
+    /// Value columns per block (the scan's V tile).
+    pub(super) const COLUMNS: usize = 32;
 
     /// Compiles the scan with `defines` (the kda.cu ones; `CL_STAGES` picks the depth, 2 or 3,
     /// and `CL_WARPS` the compute warps, 4 or 8; 2 and 8 when absent).
@@ -107,10 +102,14 @@ impl KdaScanTma {
             matrix_map(qg, rows, dk, CHUNK, 64, true)?,
             matrix_map(kg, rows, dk, CHUNK, 64, true)?,
             matrix_map(aqk, rows, CHUNK, CHUNK, 64, true)?,
-            matrix_map(u, rows, dv, CHUNK, COLUMNS, false)?,
+            matrix_map(u, rows, dv, CHUNK, Self::COLUMNS, false)?,
         ];
         let cfg = LaunchConfig {
-            grid_dim: ((dv / COLUMNS) as u32, p.heads as u32, p.sequences as u32),
+            grid_dim: (
+                (dv / Self::COLUMNS) as u32,
+                p.heads as u32,
+                p.sequences as u32,
+            ),
             block_dim: (self.threads, 1, 1),
             shared_mem_bytes: self.smem,
         };

@@ -80,11 +80,9 @@ pub const KDA_SCAN_SM90_SOURCE: &str = concat!(
     "\n",
     include_str!("kda_scan_sm90.cu")
 );
-/// The KDA chunk scan fed by the copy engine, optionally with the V tiles of a head as one
-/// cluster; Hopper only (compiled for `sm_90a`, with the `kda.cu` defines).
+/// The KDA chunk scan fed by the copy engine; Hopper only (compiled for `sm_90a`, with the
+/// `kda.cu` defines).
 pub const KDA_SCAN_TMA_SOURCE: &str = concat!(
-    include_str!("wgmma.cuh"),
-    "\n",
     include_str!("tma.cuh"),
     "\n",
     include_str!("kda_scan_tma.cu")
