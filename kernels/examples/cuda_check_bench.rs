@@ -2,7 +2,10 @@
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_check_bench
 //!   target/release/examples/cuda_check_bench [--quick] [--prefill-only] [--plain-helpers]
-//!     [--profile LABEL]
+//!     [--profile LABEL] [--variants LABEL,...] [--stages]
+//!
+//! `--variants` keeps only the named prefill variants; `--stages` times the prep's stages (each
+//! left out in turn) also under `--prefill-only`.
 //!
 //! `--plain-helpers` builds the kernels with TESSERA_PLAIN_HELPERS=1 (the helpers the HIP backend
 //! compiles: no tensor cores, no cp.async) and only checks them.
@@ -518,7 +521,7 @@ fn run() -> Result<usize, CudaError> {
     let w4s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "4")];
     let w8s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "8")];
     let w8s3: &[(&str, &str)] = &[("CL_STAGES", "3"), ("CL_WARPS", "8")];
-    let table: [ScanVariant; 9] = [
+    let table: [ScanVariant; 11] = [
         ("vt32.s2", 32, Threads, &[("SCAN_STAGES", "2")]),
         ("vt64.s2", 64, Threads, &[("SCAN_STAGES", "2")]),
         ("wg.s2", 32, Warpgroup, &[("WG_SCAN_STAGES", "2")]),
@@ -534,7 +537,27 @@ fn run() -> Result<usize, CudaError> {
             CopyEngine,
             &[("KDA_OVERLAP_OUT", "0")],
         ),
+        // Where step 6 loads v, and whether w and u are one phase (default: before the
+        // inverse, one phase).
+        (
+            "prep.v_late",
+            32,
+            CopyEngine,
+            &[("KDA_V_EARLY", "0"), ("KDA_WU_ONE_PHASE", "0")],
+        ),
+        (
+            "prep.v1.two",
+            32,
+            CopyEngine,
+            &[("KDA_V_EARLY", "1"), ("KDA_WU_ONE_PHASE", "0")],
+        ),
     ];
+    // `--variants a,b,...`: only the variants with those labels.
+    let wanted =
+        arg_after("--variants").map(|l| l.split(',').map(str::to_string).collect::<Vec<_>>());
+    let table = table
+        .into_iter()
+        .filter(|(label, ..)| wanted.as_ref().is_none_or(|w| w.iter().any(|x| x == label)));
     for (label, vt, kind, extra) in table {
         let mut defines = base.clone();
         defines.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
@@ -617,7 +640,7 @@ fn run() -> Result<usize, CudaError> {
     if plain {
         return Ok(variant_failures);
     }
-    if !prefill_only {
+    if !prefill_only || std::env::args().any(|a| a == "--stages") {
         stage_costs(&dev, shape(1, if quick { 8192 } else { 32768 }, 32))?;
     }
     let shapes: &[(usize, usize)] = if quick {
@@ -634,11 +657,16 @@ fn run() -> Result<usize, CudaError> {
     Ok(variant_failures)
 }
 
+/// The argument after `flag`, if any.
+fn arg_after(flag: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    let at = args.iter().position(|a| a == flag)?;
+    args.get(at + 1).cloned()
+}
+
 /// The variant named by `--profile LABEL`, if any.
 fn profile_label() -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    let at = args.iter().position(|a| a == "--profile")?;
-    args.get(at + 1).cloned()
+    arg_after("--profile")
 }
 
 fn main() {

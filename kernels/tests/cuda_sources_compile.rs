@@ -62,6 +62,22 @@ fn the_prep_compiles_with_its_nvidia_only_forms_left_out() {
 }
 
 #[test]
+fn the_prep_compiles_with_every_step_six_ordering() {
+    for early in ["0", "1", "2"] {
+        for one_phase in ["0", "1"] {
+            let mut defines = kda_defines(128, 128, 32).to_vec();
+            defines.push(("KDA_V_EARLY", early.to_string()));
+            defines.push(("KDA_WU_ONE_PHASE", one_phase.to_string()));
+            match compile("sm_90", "kda", KDA_SOURCE, &defines) {
+                Ok(ptx) => assert!(ptx.to_src().contains(".entry kda_chunk_prep")),
+                Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
+                Err(e) => panic!("KDA_V_EARLY={early} KDA_WU_ONE_PHASE={one_phase}: {e}"),
+            }
+        }
+    }
+}
+
+#[test]
 fn a_broken_source_reports_the_compiler_log() {
     match compile(
         "sm_90",

@@ -61,6 +61,15 @@
 #ifndef KDA_INV_TC
 #define KDA_INV_TC 1
 #endif
+// Step 6 loads this block's v rows into registers before the inverse (2), before it builds
+// beta k exp(gc) (1), or only when it stages beta v (0); and builds both right operands in one
+// phase, the two products after one barrier (KDA_WU_ONE_PHASE 1), or each after its own (0).
+#ifndef KDA_V_EARLY
+#define KDA_V_EARLY 2
+#endif
+#ifndef KDA_WU_ONE_PHASE
+#define KDA_WU_ONE_PHASE 1
+#endif
 // Step 5's outputs written by the warps that the inverse leaves idle (needs KDA_INV_TC).
 #if !KDA_INV_TC
 #undef KDA_OVERLAP_OUT
@@ -376,6 +385,19 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
         __syncthreads();
     }
 
+    // This thread's v pieces (beta v's rows j = e / (DV / 8) for e = tid + 256 rep), loaded
+    // early when KDA_V_EARLY says so.
+    constexpr int VREP = CH * DV / 8 / 256;
+    uint4 vr[VREP];
+    auto load_v = [&]() {
+#pragma unroll
+        for (int rep = 0; rep < VREP; ++rep) {
+            const int e = tid + rep * 256, j = e / (DV / 8), n = (e % (DV / 8)) * 8;
+            vr[rep] = j < len ? *(const uint4*)(v + (size_t)(t0 + j) * ld_v + h * DV + n) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    if (KDA_V_EARLY == 2) load_v();
+
     // 4. T = (I + A)^-1 (unit lower triangular): 16x16 diagonal blocks by substitution (a lane per
     //    column), then off-diagonal blocks by distance: T_IJ = -T_II sum_{K=J..I-1} A_IK T_KJ.
     float* tf = (float*)(x + X_TF);
@@ -482,30 +504,40 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     //    staged row-major (16-byte pieces, read back transposed by the fragment loads). beta v
     //    goes where q/k were (they are consumed once the beta k stage is built).
     bf16_t* bk = (bf16_t*)(x + X_BK);
+    bf16_t* bv = (bf16_t*)(smem + P_QS);
+    bf16_t* out_scratch = (bf16_t*)(smem + P_GCS);  // the decays are consumed
+    if (KDA_V_EARLY == 1) load_v();
+    if (KDA_V_EARLY == 0 && KDA_WU_ONE_PHASE) load_v();
+    // beta v overwrites q, which step 5 may still be reading in this phase.
+    if (KDA_WU_ONE_PHASE && (!KDA_OVERLAP_OUT || (PREP_SKIP & 2))) __syncthreads();
     for (int e = tid; e < CH * DK / 8; e += 256) {
         const int j = e / (DK / 8), n = (e % (DK / 8)) * 8;
         const uint4 kw = *(const uint4*)(ks + j * OLD + n);
         const float4 ga = *(const float4*)(gcs + j * GLD + n), gb = *(const float4*)(gcs + j * GLD + n + 4);
         *(uint4*)(bk + j * (DK + 8) + n) = scale_exp8(kw, rk[j] * bs[j], ga, gb);
     }
-    __syncthreads();
-    bf16_t* out_scratch = (bf16_t*)(smem + P_GCS);  // the decays are consumed
-    t_times(tb, bk, DK, w_out + chunk * CH * DK, out_scratch);
-    bf16_t* bv = (bf16_t*)(smem + P_QS);
+    auto stage_bv = [&]() {
+        if (KDA_V_EARLY == 0 && !KDA_WU_ONE_PHASE) load_v();
 #pragma unroll
-    for (int rep = 0; rep < CH * DV / 8 / 256; ++rep) {
-        const int e = tid + rep * 256, j = e / (DV / 8), n = (e % (DV / 8)) * 8;
-        uint4 vw = make_uint4(0, 0, 0, 0);
-        if (j < len) vw = *(const uint4*)(v + (size_t)(t0 + j) * ld_v + h * DV + n);
-        const float r = bs[j];
-        uint4 o4;
-        o4.x = pack_bf16x2(lo_bf(vw.x) * r, hi_bf(vw.x) * r);
-        o4.y = pack_bf16x2(lo_bf(vw.y) * r, hi_bf(vw.y) * r);
-        o4.z = pack_bf16x2(lo_bf(vw.z) * r, hi_bf(vw.z) * r);
-        o4.w = pack_bf16x2(lo_bf(vw.w) * r, hi_bf(vw.w) * r);
-        *(uint4*)(bv + j * (DV + 8) + n) = o4;
-    }
+        for (int rep = 0; rep < VREP; ++rep) {
+            const int e = tid + rep * 256, j = e / (DV / 8), n = (e % (DV / 8)) * 8;
+            const float r = bs[j];
+            const uint4 vw = vr[rep];
+            uint4 o4;
+            o4.x = pack_bf16x2(lo_bf(vw.x) * r, hi_bf(vw.x) * r);
+            o4.y = pack_bf16x2(lo_bf(vw.y) * r, hi_bf(vw.y) * r);
+            o4.z = pack_bf16x2(lo_bf(vw.z) * r, hi_bf(vw.z) * r);
+            o4.w = pack_bf16x2(lo_bf(vw.w) * r, hi_bf(vw.w) * r);
+            *(uint4*)(bv + j * (DV + 8) + n) = o4;
+        }
+    };
+    if (KDA_WU_ONE_PHASE) stage_bv();
     __syncthreads();
+    t_times(tb, bk, DK, w_out + chunk * CH * DK, out_scratch);
+    if (!KDA_WU_ONE_PHASE) {
+        stage_bv();
+        __syncthreads();
+    }
     t_times(tb, bv, DV, u_out + chunk * CH * DV, out_scratch);
 }
 
