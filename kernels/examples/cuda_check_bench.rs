@@ -514,14 +514,15 @@ fn run() -> Result<usize, CudaError> {
         return Ok(checks.failed);
     }
     let mut variants = Vec::new();
-    // The mma.sync scan at two V tiles, the warpgroup scan (Hopper) at two pipeline depths, and
-    // the scan fed by the copy engine (Hopper; the default there) at two, with 4 or 8 compute
-    // warps; and the default with either of the prep's two NVIDIA-only forms left out.
-    use KdaScanKind::{CopyEngine, Threads, Warpgroup};
+    // The mma.sync scan at two V tiles, the warpgroup scan (Hopper), the scan fed by the copy
+    // engine (Hopper) at two depths with 4 or 8 compute warps, the same on warpgroup MMAs (the
+    // default there) at two depths; and the default with the prep's NVIDIA-only forms or its
+    // step-6 ordering changed.
+    use KdaScanKind::{CopyEngine, CopyEngineWarpgroup, Threads, Warpgroup};
     let w4s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "4")];
     let w8s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "8")];
     let w8s3: &[(&str, &str)] = &[("CL_STAGES", "3"), ("CL_WARPS", "8")];
-    let table: [ScanVariant; 11] = [
+    let table: [ScanVariant; 13] = [
         ("vt32.s2", 32, Threads, &[("SCAN_STAGES", "2")]),
         ("vt64.s2", 64, Threads, &[("SCAN_STAGES", "2")]),
         ("wg.s2", 32, Warpgroup, &[("WG_SCAN_STAGES", "2")]),
@@ -529,12 +530,19 @@ fn run() -> Result<usize, CudaError> {
         ("tma.w8.s2", 32, CopyEngine, w8s2),
         ("tma.w8.s3", 32, CopyEngine, w8s3),
         ("tma.chains1", 32, CopyEngine, &[("CL_CHAINS", "1")]),
+        ("tma_wg.s2", 32, CopyEngineWarpgroup, &[("CW_STAGES", "2")]),
+        ("tma_wg.s3", 32, CopyEngineWarpgroup, &[("CW_STAGES", "3")]),
         // The prep without one of its NVIDIA-only forms or orderings each.
-        ("prep.scalar_inv", 32, CopyEngine, &[("KDA_INV_TC", "0")]),
+        (
+            "prep.scalar_inv",
+            32,
+            CopyEngineWarpgroup,
+            &[("KDA_INV_TC", "0")],
+        ),
         (
             "prep.no_overlap",
             32,
-            CopyEngine,
+            CopyEngineWarpgroup,
             &[("KDA_OVERLAP_OUT", "0")],
         ),
         // Where step 6 loads v, and whether w and u are one phase (default: before the
@@ -542,13 +550,13 @@ fn run() -> Result<usize, CudaError> {
         (
             "prep.v_late",
             32,
-            CopyEngine,
+            CopyEngineWarpgroup,
             &[("KDA_V_EARLY", "0"), ("KDA_WU_ONE_PHASE", "0")],
         ),
         (
             "prep.v1.two",
             32,
-            CopyEngine,
+            CopyEngineWarpgroup,
             &[("KDA_V_EARLY", "1"), ("KDA_WU_ONE_PHASE", "0")],
         ),
     ];

@@ -4,9 +4,9 @@
 //!   cargo run -p tessera-kernels --features cuda --example cuda_ptx -- OUT_DIR [sm_90]
 
 use tessera_kernels::cuda::{
-    compile, kda_defines, CONV_SOURCE, KDA_SCAN_SM90_SOURCE, KDA_SCAN_TMA_SOURCE, KDA_SOURCE,
-    MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE, MLA_FLASH_SOURCE, MODEL_SOURCE, MOE_SOURCE,
-    SAMPLE_SOURCE,
+    compile, kda_defines, CONV_SOURCE, KDA_SCAN_SM90_SOURCE, KDA_SCAN_TMA_SOURCE,
+    KDA_SCAN_TMA_WG_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE,
+    MLA_FLASH_SOURCE, MODEL_SOURCE, MOE_SOURCE, SAMPLE_SOURCE,
 };
 
 /// One PTX file to write: its name, the source and the `-D` macros.
@@ -55,6 +55,11 @@ fn main() {
         units.push((
             "kda_scan_tma_sm90".into(),
             KDA_SCAN_TMA_SOURCE,
+            kda_defines(128, 128, 32).to_vec(),
+        ));
+        units.push((
+            "kda_scan_tma_wg_sm90".into(),
+            KDA_SCAN_TMA_WG_SOURCE,
             kda_defines(128, 128, 32).to_vec(),
         ));
     }

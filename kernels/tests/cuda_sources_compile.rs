@@ -5,8 +5,8 @@
 
 use tessera_kernels::cuda::{
     compile, kda_defines, CudaError, CONV_SOURCE, KDA_SCAN_SM90_SOURCE, KDA_SCAN_TMA_SOURCE,
-    KDA_SOURCE, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE, MLA_FLASH_SOURCE, MODEL_KERNELS,
-    MODEL_SOURCE, MOE_SOURCE, OPS_SOURCE, SAMPLE_SOURCE,
+    KDA_SCAN_TMA_WG_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE,
+    MLA_FLASH_SOURCE, MODEL_KERNELS, MODEL_SOURCE, MOE_SOURCE, OPS_SOURCE, SAMPLE_SOURCE,
 };
 
 fn nvrtc_required() -> bool {
@@ -302,6 +302,31 @@ fn kda_copy_engine_scan_compiles_for_hopper_at_both_depths_and_widths() {
         assert!(log.contains("built for DK = 128"), "{log}");
     } else if nvrtc_required() {
         panic!("dk = 64 compiled");
+    }
+}
+
+#[test]
+fn kda_warpgroup_copy_engine_scan_compiles_for_hopper_at_both_depths() {
+    for stages in [2, 3] {
+        let mut defines = kda_defines(128, 128, 32).to_vec();
+        defines.push(("CW_STAGES", stages.to_string()));
+        match compile(
+            "sm_90a",
+            "kda_scan_tma_wg",
+            KDA_SCAN_TMA_WG_SOURCE,
+            &defines,
+        ) {
+            Ok(ptx) => {
+                let text = ptx.to_src();
+                assert!(text.contains(".entry kda_chunk_scan_tma_wg"));
+                assert!(text.contains("cp.async.bulk.tensor.2d"));
+                assert!(text.contains("wgmma.mma_async.sync.aligned.m64n32k16"));
+                assert!(text.contains("stmatrix.sync.aligned.m8n8.x4.trans"));
+                assert!(text.contains("bar.sync 2, 128"));
+            }
+            Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
+            Err(e) => panic!("{defines:?}: {e}"),
+        }
     }
 }
 

@@ -8,7 +8,7 @@
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::kda_tma::KdaScanTma;
+use super::kda_tma::{KdaScanTma, TmaProducts};
 use super::model_ops::{base_ptr, launch_fn, Arg, DevPtr, SegState};
 use super::{CudaDevice, CudaError, KDA_SCAN_SM90_SOURCE};
 use crate::gpu::{
@@ -23,6 +23,8 @@ pub struct KdaKernels {
     scan_wg: Option<CudaFunction>,
     /// The scan fed by the copy engine (`kda_scan_tma.cu`), compiled when first chosen.
     scan_tma: Option<KdaScanTma>,
+    /// The same on warpgroup MMAs (`kda_scan_tma_wg.cu`), compiled when first chosen.
+    scan_tma_wg: Option<KdaScanTma>,
     scan_kind: KdaScanKind,
     /// The `-D` macros the kernels were built with (the warpgroup scan takes the same).
     defines: Vec<(String, String)>,
@@ -46,18 +48,22 @@ pub enum KdaScanKind {
     Threads,
     /// Warpgroup MMAs (`kda_scan_sm90.cu`; Hopper, dk = 128).
     Warpgroup,
-    /// mma.sync products, operands brought by the copy engine (Hopper, dk = 128, V tiles of 32;
-    /// the default where it can be built).
+    /// mma.sync products, operands brought by the copy engine (Hopper, dk = 128, V tiles of 32).
     CopyEngine,
+    /// Warpgroup MMAs with both operands in shared memory, brought by the copy engine, a
+    /// warpgroup for the state and one for the outputs (Hopper, dk = 128, V tiles of 32; the
+    /// default where it can be built).
+    CopyEngineWarpgroup,
 }
 
 impl KdaScanKind {
-    /// The kind `TESSERA_KDA_SCAN` names (`threads`, `wg`, `tma`), if any.
+    /// The kind `TESSERA_KDA_SCAN` names (`threads`, `wg`, `tma`, `tma_wg`), if any.
     fn from_env() -> Option<Self> {
         match std::env::var("TESSERA_KDA_SCAN").ok()?.as_str() {
             "threads" => Some(Self::Threads),
             "wg" => Some(Self::Warpgroup),
             "tma" => Some(Self::CopyEngine),
+            "tma_wg" => Some(Self::CopyEngineWarpgroup),
             _ => None,
         }
     }
@@ -286,6 +292,7 @@ impl KdaKernels {
             scan,
             scan_wg: None,
             scan_tma: None,
+            scan_tma_wg: None,
             scan_kind: KdaScanKind::Threads,
             scan_wg_smem: wg_scan_smem(dk, kda_scan_stages(extra, "WG_SCAN_STAGES")),
             defines: defines
@@ -303,9 +310,10 @@ impl KdaKernels {
             prep_smem,
             scan_smem,
         };
-        // The copy-engine scan where it can be built (V tiles of 32; see benches/RESULTS.md).
+        // The copy-engine scan on warpgroup MMAs where it can be built (V tiles of 32; see
+        // benches/RESULTS.md).
         let default = if v_tile == 32 {
-            KdaScanKind::CopyEngine
+            KdaScanKind::CopyEngineWarpgroup
         } else {
             KdaScanKind::Threads
         };
@@ -516,8 +524,10 @@ impl KdaKernels {
         p: &KdaPacked,
         ws: &KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
-        if let (KdaScanKind::CopyEngine, Some(k)) = (self.scan_kind, &self.scan_tma) {
-            return k.launch(dev, p, ws);
+        match (self.scan_kind, &self.scan_tma, &self.scan_tma_wg) {
+            (KdaScanKind::CopyEngine, Some(k), _)
+            | (KdaScanKind::CopyEngineWarpgroup, _, Some(k)) => return k.launch(dev, p, ws),
+            _ => {}
         }
         let (f, columns, threads, smem) = match (&self.scan_wg, self.scan_kind) {
             (Some(f), KdaScanKind::Warpgroup) => (f, WG_SCAN_COLUMNS, 128, self.scan_wg_smem),
@@ -587,8 +597,13 @@ impl KdaKernels {
                 }
                 self.scan_wg.is_some()
             }
-            KdaScanKind::CopyEngine => {
-                if self.scan_tma.is_none()
+            KdaScanKind::CopyEngine | KdaScanKind::CopyEngineWarpgroup => {
+                let (slot, products) = if kind == KdaScanKind::CopyEngine {
+                    (&mut self.scan_tma, TmaProducts::Warps)
+                } else {
+                    (&mut self.scan_tma_wg, TmaProducts::Warpgroups)
+                };
+                if slot.is_none()
                     && hopper_scan_available(
                         dev.arch(),
                         self.dk,
@@ -597,9 +612,9 @@ impl KdaKernels {
                         &defines,
                     )
                 {
-                    self.scan_tma = Some(KdaScanTma::load(dev, &defines)?);
+                    *slot = Some(KdaScanTma::load(dev, &defines, products)?);
                 }
-                self.scan_tma.is_some()
+                slot.is_some()
             }
         };
         self.scan_kind = if ok { kind } else { KdaScanKind::Threads };

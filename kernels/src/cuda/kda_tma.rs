@@ -1,5 +1,6 @@
-//! The KDA chunk scan fed by the copy engine (`kda_scan_tma.cu`, Hopper): the prep's products as
-//! tensor maps (the 128-byte swizzle), and the launch.
+//! The KDA chunk scans fed by the copy engine (Hopper): `kda_scan_tma.cu` (mma.sync products)
+//! and `kda_scan_tma_wg.cu` (warpgroup MMAs); the prep's products as tensor maps (the 128-byte
+//! swizzle), and the launch.
 
 use cudarc::driver::sys::{CUfunction_attribute, CUtensorMapDataType, CUtensorMapSwizzle};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
@@ -7,12 +8,21 @@ use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use super::kda::{KdaPacked, KdaPrefillWorkspace};
 use super::model_ops::DevPtr;
 use super::tensor_map::{self, TensorMapArg};
-use super::{CudaDevice, CudaError, KDA_SCAN_TMA_SOURCE};
+use super::{CudaDevice, CudaError, KDA_SCAN_TMA_SOURCE, KDA_SCAN_TMA_WG_SOURCE};
 use crate::gpu::CHUNK;
 
 /// Chunks in flight per block and compute warps per block, unless the defines say otherwise.
 const DEFAULT_STAGES: usize = 2;
 const DEFAULT_WARPS: usize = 8;
+
+/// The products of a copy-engine scan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum TmaProducts {
+    /// mma.sync by 4 or 8 warps (`kda_chunk_scan_tma`).
+    Warps,
+    /// wgmma by two warpgroups (`kda_chunk_scan_tma_wg`).
+    Warpgroups,
+}
 
 /// The compiled copy-engine scan for one configuration.
 pub(super) struct KdaScanTma {
@@ -28,6 +38,17 @@ fn smem_bytes(dk: usize, stages: usize) -> u32 {
     let stage = 3 * CHUNK * dk * 2 + CHUNK * CHUNK * 2 + CHUNK * KdaScanTma::COLUMNS * 2 + dk * 4;
     let rest =
         KdaScanTma::COLUMNS * (dk + 8) * 2 + KdaScanTma::COLUMNS * (CHUNK + 8) * 2 + 2 * stages * 8;
+    (stages * stage.next_multiple_of(1024) + rest + 1024) as u32
+}
+
+/// Dynamic shared memory of `kda_chunk_scan_tma_wg`; mirrors the `CW_*` macros (stages rounded
+/// up to 1024 bytes, plus 1024 bytes to align them).
+fn wg_smem_bytes(dk: usize, stages: usize) -> u32 {
+    let cols = KdaScanTma::COLUMNS;
+    let stage = 3 * CHUNK * dk * 2 + CHUNK * CHUNK * 2 + CHUNK * cols * 2 + dk * 4;
+    // Two buffers each of S and v_new in bf16; mbarriers full, empty per stage, ready, freed per
+    // buffer.
+    let rest = 2 * (dk * cols * 2 + CHUNK * cols * 2) + (2 * stages + 4) * 8;
     (stages * stage.next_multiple_of(1024) + rest + 1024) as u32
 }
 
@@ -60,9 +81,17 @@ impl KdaScanTma {
     /// Value columns per block (the scan's V tile).
     pub(super) const COLUMNS: usize = 32;
 
-    /// Compiles the scan with `defines` (the kda.cu ones; `CL_STAGES` picks the depth, 2 or 3,
-    /// and `CL_WARPS` the compute warps, 4 or 8; 2 and 8 when absent).
-    pub(super) fn load(dev: &CudaDevice, defines: &[(&str, String)]) -> Result<Self, CudaError> {
+    /// Compiles the scan with `defines` (the kda.cu ones; for [`TmaProducts::Warps`],
+    /// `CL_STAGES` picks the depth, 2 or 3, and `CL_WARPS` the compute warps, 4 or 8; 2 and 8
+    /// when absent; for [`TmaProducts::Warpgroups`], `CW_STAGES` the depth, 2 when absent).
+    pub(super) fn load(
+        dev: &CudaDevice,
+        defines: &[(&str, String)],
+        products: TmaProducts,
+    ) -> Result<Self, CudaError> {
+        if products == TmaProducts::Warpgroups {
+            return Self::load_wg(dev, defines);
+        }
         let mut defines = defines.to_vec();
         let mut setting =
             |name: &'static str, default: usize| match defines.iter().find(|(k, _)| *k == name) {
@@ -87,6 +116,33 @@ impl KdaScanTma {
         })
     }
 
+    fn load_wg(dev: &CudaDevice, defines: &[(&str, String)]) -> Result<Self, CudaError> {
+        let mut defines = defines.to_vec();
+        let stages = match defines.iter().find(|(k, _)| *k == "CW_STAGES") {
+            Some((_, v)) => v.parse().unwrap_or(DEFAULT_STAGES),
+            None => {
+                defines.push(("CW_STAGES", DEFAULT_STAGES.to_string()));
+                DEFAULT_STAGES
+            }
+        };
+        let f = dev
+            .module_for(
+                "sm_90a",
+                "kda_scan_tma_wg",
+                KDA_SCAN_TMA_WG_SOURCE,
+                &defines,
+            )?
+            .load_function("kda_chunk_scan_tma_wg")?;
+        let smem = wg_smem_bytes(128, stages);
+        let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        f.set_attribute(attr, smem as i32)?;
+        Ok(KdaScanTma {
+            f,
+            smem,
+            threads: 2 * 128 + 32,
+        })
+    }
+
     /// The scan of a call whose products the prep wrote into `ws`.
     pub(super) fn launch(
         &self,
@@ -97,6 +153,7 @@ impl KdaScanTma {
         let (dk, dv) = (ws.dk(), ws.dv());
         let [w, u, qg, kg, aqk, egl] = ws.product_ptrs(dev);
         let rows = ws.rows();
+        // Both scans read the products in the 128-byte swizzle, u in plain rows.
         let maps = [
             matrix_map(w, rows, dk, CHUNK, 64, true)?,
             matrix_map(qg, rows, dk, CHUNK, 64, true)?,
@@ -130,9 +187,10 @@ impl KdaScanTma {
             .arg(&p.seq_start)
             .arg(&p.chunk_start)
             .arg(&nchunks);
-        // SAFETY: the parameters of kda_chunk_scan_tma in order; the maps cover the workspace the
-        // prep of the same call filled (`rows` rows of each product), and the state, output and
-        // tables are the caller's, as for kda_chunk_scan.
+        // SAFETY: the parameters of kda_chunk_scan_tma (and kda_chunk_scan_tma_wg, the same) in
+        // order; the maps cover the workspace the prep of the same call filled (`rows` rows of
+        // each product), and the state, output and tables are the caller's, as for
+        // kda_chunk_scan.
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
@@ -140,12 +198,21 @@ impl KdaScanTma {
 
 #[cfg(test)]
 mod tests {
-    use super::smem_bytes;
+    use super::{smem_bytes, wg_smem_bytes};
 
     #[test]
     fn three_stages_fit_one_block_per_multiprocessor() {
         assert_eq!(smem_bytes(128, 3), 3 * 62464 + 8704 + 4608 + 48 + 1024);
         assert!(smem_bytes(128, 3) <= 227 * 1024);
         assert!(smem_bytes(128, 4) > 227 * 1024);
+    }
+
+    #[test]
+    fn the_warpgroup_scan_fits_three_stages() {
+        assert_eq!(
+            wg_smem_bytes(128, 2),
+            2 * 62464 + 2 * (8192 + 4096) + 64 + 1024
+        );
+        assert!(wg_smem_bytes(128, 3) <= 227 * 1024);
     }
 }

@@ -87,6 +87,16 @@ pub const KDA_SCAN_TMA_SOURCE: &str = concat!(
     "\n",
     include_str!("kda_scan_tma.cu")
 );
+
+/// The KDA chunk scan fed by the copy engine, on warpgroup MMAs; Hopper only (as above).
+pub const KDA_SCAN_TMA_WG_SOURCE: &str = concat!(
+    include_str!("tma.cuh"),
+    "\n",
+    include_str!("wgmma.cuh"),
+    "\n",
+    include_str!("kda_scan_tma_wg.cu")
+);
+
 /// MoE decode for small batches: routing, plan, gate+up+SiTU, down, combine (bf16 and MXFP4).
 pub const MOE_SOURCE: &str = concat!(
     include_str!("moe.cu"),

@@ -6,13 +6,16 @@
 // A shared-memory matrix descriptor without swizzling: the leading byte offset is the step
 // between core matrices along K, the stride byte offset the step along M or N (for the K-major
 // operands and for the N-major V alike).
-__device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned along_k,
-                                                      unsigned along_mn) {
-    const unsigned a = smem_addr(p);
+__device__ __forceinline__ unsigned long long wg_desc_at(unsigned a, unsigned along_k,
+                                                         unsigned along_mn) {
     const unsigned lbo = along_k, sbo = along_mn;
     return (unsigned long long)((a & 0x3ffffu) >> 4) |
            ((unsigned long long)((lbo >> 4) & 0x3fffu) << 16) |
            ((unsigned long long)((sbo >> 4) & 0x3fffu) << 32);
+}
+__device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned along_k,
+                                                      unsigned along_mn) {
+    return wg_desc_at(smem_addr(p), along_k, along_mn);
 }
 
 __device__ __forceinline__ void wg_fence() {
