@@ -522,7 +522,7 @@ fn run() -> Result<usize, CudaError> {
     let w4s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "4")];
     let w8s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "8")];
     let w8s3: &[(&str, &str)] = &[("CL_STAGES", "3"), ("CL_WARPS", "8")];
-    let table: [ScanVariant; 13] = [
+    let table: [ScanVariant; 16] = [
         ("vt32.s2", 32, Threads, &[("SCAN_STAGES", "2")]),
         ("vt64.s2", 64, Threads, &[("SCAN_STAGES", "2")]),
         ("wg.s2", 32, Warpgroup, &[("WG_SCAN_STAGES", "2")]),
@@ -532,6 +532,14 @@ fn run() -> Result<usize, CudaError> {
         ("tma.chains1", 32, CopyEngine, &[("CL_CHAINS", "1")]),
         ("tma_wg.s2", 32, CopyEngineWarpgroup, &[("CW_STAGES", "2")]),
         ("tma_wg.s3", 32, CopyEngineWarpgroup, &[("CW_STAGES", "3")]),
+        ("tma_wg.c2", 32, CopyEngineWarpgroup, &[("CW_CLUSTER", "2")]),
+        ("tma_wg.c4", 32, CopyEngineWarpgroup, &[("CW_CLUSTER", "4")]),
+        (
+            "tma_wg.c4.s3",
+            32,
+            CopyEngineWarpgroup,
+            &[("CW_CLUSTER", "4"), ("CW_STAGES", "3")],
+        ),
         // The prep without one of its NVIDIA-only forms or orderings each.
         (
             "prep.scalar_inv",

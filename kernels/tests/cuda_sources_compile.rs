@@ -306,10 +306,11 @@ fn kda_copy_engine_scan_compiles_for_hopper_at_both_depths_and_widths() {
 }
 
 #[test]
-fn kda_warpgroup_copy_engine_scan_compiles_for_hopper_at_both_depths() {
-    for stages in [2, 3] {
+fn kda_warpgroup_copy_engine_scan_compiles_for_hopper_at_both_depths_and_in_clusters() {
+    for (stages, cluster) in [(2, 1), (3, 1), (2, 2), (3, 4)] {
         let mut defines = kda_defines(128, 128, 32).to_vec();
         defines.push(("CW_STAGES", stages.to_string()));
+        defines.push(("CW_CLUSTER", cluster.to_string()));
         match compile(
             "sm_90a",
             "kda_scan_tma_wg",
@@ -323,6 +324,7 @@ fn kda_warpgroup_copy_engine_scan_compiles_for_hopper_at_both_depths() {
                 assert!(text.contains("wgmma.mma_async.sync.aligned.m64n32k16"));
                 assert!(text.contains("stmatrix.sync.aligned.m8n8.x4.trans"));
                 assert!(text.contains("bar.sync 2, 128"));
+                assert_eq!(text.contains(".multicast::cluster"), cluster > 1);
             }
             Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
             Err(e) => panic!("{defines:?}: {e}"),

@@ -32,22 +32,13 @@
 #ifndef CL_CHAINS
 #define CL_CHAINS 2
 #endif
-#define CL_HALF (CH * 128)  // bytes of a 64-column half of an operand
-#define CL_W 0
-#define CL_Q (CL_W + CH * DK * 2)
-#define CL_K (CL_Q + CH * DK * 2)
-#define CL_A (CL_K + CH * DK * 2)
-#define CL_U (CL_A + CH * CH * 2)
-#define CL_E (CL_U + CH * 32 * 2)
-#define CL_TX (CL_E + DK * 4)                 // bytes each chunk brings into each block
-#define CL_STAGE ((CL_TX + 1023) & ~1023)     // swizzled boxes need 1024-byte alignment
-#define CL_SB (CL_STAGES * CL_STAGE)
+#define CL_SB (CL_STAGES * KS_STAGE)
 #define CL_VN (CL_SB + 32 * CL_SLD * 2)
 #define CL_BAR (CL_VN + 32 * CL_TLD * 2)
 
 // Byte offset of element (row, col) of a swizzled operand (halves of 64 columns).
 __device__ __forceinline__ unsigned sw_off(int row, int col) {
-    return (col >> 6) * CL_HALF + row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2;
+    return (col >> 6) * KS_HALF + row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2;
 }
 
 #ifdef TESSERA_TMA
@@ -128,18 +119,9 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
         for (int c = 0; lane == 0 && c < NC; ++c) {
             const int s = c % CL_STAGES;
             if (c >= CL_STAGES) mbar_wait(empty0 + 8 * s, (c / CL_STAGES - 1) & 1);
-            const unsigned st = base + s * CL_STAGE, bar = full0 + 8 * s;
+            const unsigned st = base + s * KS_STAGE, bar = full0 + 8 * s;
             const int row0 = (int)((chunk0 + c) * CH);
-            mbar_expect_tx(bar, CL_TX);
-#pragma unroll
-            for (int hf = 0; hf < DK / 64; ++hf) {
-                tensor_box_g2s(st + CL_W + hf * CL_HALF, &tm_w, 64 * hf, row0, bar);
-                tensor_box_g2s(st + CL_Q + hf * CL_HALF, &tm_q, 64 * hf, row0, bar);
-                tensor_box_g2s(st + CL_K + hf * CL_HALF, &tm_k, 64 * hf, row0, bar);
-            }
-            tensor_box_g2s(st + CL_A, &tm_a, 0, row0, bar);
-            tensor_box_g2s(st + CL_U, &tm_u, vt * 32, row0, bar);
-            bulk_g2s(st + CL_E, egl_in + (chunk0 + c) * DK, DK * 4, bar);
+            kda_stage_copy(st, bar, &tm_w, &tm_q, &tm_k, &tm_a, &tm_u, egl_in + (chunk0 + c) * DK, row0, vt * 32);
         }
         return;
     }
@@ -155,8 +137,8 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
 
     for (int c = 0; c < NC; ++c) {
         const int s = c % CL_STAGES;
-        const unsigned st = base + s * CL_STAGE;
-        const unsigned char* stp = smem + s * CL_STAGE;
+        const unsigned st = base + s * KS_STAGE;
+        const unsigned char* stp = smem + s * KS_STAGE;
         for_state<SMT>(r0, [&](int mt, int nt, int e, int row, int col) {
             sb[col * CL_SLD + row] = f2bf(S[mt][nt][e]);
         });
@@ -176,8 +158,8 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
         for (int k0 = 0; k0 < DK; k0 += 16) {
             const int ch = (k0 / 16) % CL_CHAINS;
             unsigned aw[4], aq[4], bb[NTW / 2][2][2];
-            sw_a_frag<false>(aw, st + CL_W, rt * 16, k0);
-            sw_a_frag<false>(aq, st + CL_Q, rt * 16, k0);
+            sw_a_frag<false>(aw, st + KS_W, rt * 16, k0);
+            sw_a_frag<false>(aq, st + KS_Q, rt * 16, k0);
 #pragma unroll
             for (int p = 0; p < NTW / 2; ++p) ldsm_b_pair(bb[p], sb, CL_SLD, c0 + 16 * p, k0);
 #pragma unroll
@@ -202,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int i = rt * 16 + g8 + 8 * hf, n = c0 + nt * 8 + 2 * t4;
-                const unsigned uw = *(const unsigned*)(stp + CL_U + i * 64 + n * 2);
+                const unsigned uw = *(const unsigned*)(stp + KS_U + i * 64 + n * 2);
                 vn[n * CL_TLD + i] = f2bf(lo_bf(uw) - vacc[nt][2 * hf]);
                 vn[(n + 1) * CL_TLD + i] = f2bf(hi_bf(uw) - vacc[nt][2 * hf + 1]);
             }
@@ -212,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
 #pragma unroll
         for (int k0 = 0; k0 < CH; k0 += 16) {
             unsigned a[4], bb[NTW / 2][2][2];
-            sw_a_frag<false>(a, st + CL_A, rt * 16, k0);
+            sw_a_frag<false>(a, st + KS_A, rt * 16, k0);
 #pragma unroll
             for (int p = 0; p < NTW / 2; ++p) ldsm_b_pair(bb[p], vn, CL_TLD, c0 + 16 * p, k0);
 #pragma unroll
@@ -230,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
             }
 
         // S <- diag(exp(gc_last)) S + (k exp(gc_last - gc))^T v_new.
-        const float* eg = (const float*)(stp + CL_E);
+        const float* eg = (const float*)(stp + KS_E);
 #pragma unroll
         for (int mt = 0; mt < SMT; ++mt)
 #pragma unroll
@@ -245,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
 #pragma unroll
             for (int mt = 0; mt < SMT; ++mt) {
                 unsigned a[4];
-                sw_a_frag<true>(a, st + CL_K, r0 + mt * 16, k0);
+                sw_a_frag<true>(a, st + KS_K, r0 + mt * 16, k0);
 #pragma unroll
                 for (int nt = 0; nt < 4; ++nt) mma_bf16_16816(S[mt][nt], a, bb[nt >> 1][nt & 1]);
             }

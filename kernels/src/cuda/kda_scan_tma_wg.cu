@@ -31,23 +31,24 @@
 #ifndef CW_STAGES
 #define CW_STAGES 2
 #endif
-#define CW_HALF (CH * 128)      // bytes of a 64-column half of an operand
 #define CW_ATOM 1024            // 8 rows of 128 bytes: the swizzle's repeat
 #define CW_SPLANE (CW_VT * 16)  // a column group of sb and vn
-#define CW_W 0
-#define CW_Q (CW_W + CH * DK * 2)
-#define CW_K (CW_Q + CH * DK * 2)
-#define CW_A (CW_K + CH * DK * 2)
-#define CW_U (CW_A + CH * CH * 2)
-#define CW_E (CW_U + CH * CW_VT * 2)
-#define CW_TX (CW_E + DK * 4)                // bytes each chunk brings into each block
-#define CW_STAGE ((CW_TX + 1023) & ~1023)  // swizzled boxes need 1024-byte alignment
 #define CW_SBB (DK * CW_VT * 2)  // one sb buffer
 #define CW_VNB (CH * CW_VT * 2)  // one vn buffer
-#define CW_SB (CW_STAGES * CW_STAGE)
+#define CW_SB (CW_STAGES * KS_STAGE)
 #define CW_VN (CW_SB + 2 * CW_SBB)
 #define CW_BAR (CW_VN + 2 * CW_VNB)  // full, empty [CW_STAGES]; ready, freed [2]
 #define CW_THREADS (2 * 128 + 32)
+// Blocks per cluster (1, 2 or 4): the V tiles of a head in one cluster bring the chunk's w, q, k
+// and Aqk once, by multicast copies, instead of each its own.
+#ifndef CW_CLUSTER
+#define CW_CLUSTER 1
+#endif
+#if CW_CLUSTER > 1
+#define CW_CLUSTER_DIMS __cluster_dims__(CW_CLUSTER, 1, 1)
+#else
+#define CW_CLUSTER_DIMS
+#endif
 
 #ifdef TESSERA_TMA
 // d (64x32 f32) = (acc ? d : 0) + A B with A (64x16) and B (16x32) from shared memory: B K-major,
@@ -68,8 +69,17 @@ __device__ __forceinline__ void cw_mma(float d[16], unsigned long long a, unsign
 // bytes, 8-row atoms 1024 bytes apart; the stride between atoms along M, used by M-major reads,
 // is a half's 8 KB).
 __device__ __forceinline__ unsigned long long sw128_desc(unsigned a) {
-    return (unsigned long long)((a & 0x3ffffu) >> 4) | ((unsigned long long)(CW_HALF >> 4) << 16) |
+    return (unsigned long long)((a & 0x3ffffu) >> 4) | ((unsigned long long)(KS_HALF >> 4) << 16) |
            ((unsigned long long)(CW_ATOM >> 4) << 32) | (1ull << 62);
+}
+
+// d = A S over the DK state rows: A (64 x DK, K-major) in swizzled halves from shared address
+// a, S in bf16 planes from sb.
+__device__ __forceinline__ void times_state(float d[16], unsigned a, unsigned sb) {
+#pragma unroll
+    for (int kk = 0; kk < DK / 16; ++kk)
+        cw_mma<0>(d, sw128_desc(a + (kk / 4) * KS_HALF + (kk % 4) * 32),
+                  wg_desc_at(sb + kk * 2 * CW_SPLANE, CW_SPLANE, 128), kk > 0);
 }
 
 // Stores a warp's rows [16 w, 16 w + 16) of an m64n32 accumulator (d, rows from r0) in bf16,
@@ -101,7 +111,7 @@ __device__ __forceinline__ void for_acc(int r0, F f) {
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(CW_THREADS, 1) kda_chunk_scan_tma_wg(const __grid_constant__ TensorMap tm_w, const __grid_constant__ TensorMap tm_q,
+extern "C" __global__ void CW_CLUSTER_DIMS __launch_bounds__(CW_THREADS, 1) kda_chunk_scan_tma_wg(const __grid_constant__ TensorMap tm_w, const __grid_constant__ TensorMap tm_q,
                    const __grid_constant__ TensorMap tm_k, const __grid_constant__ TensorMap tm_a,
                    const __grid_constant__ TensorMap tm_u, const float* __restrict__ egl_in,
                    KDA_SCAN_STATE_ARGS) {
@@ -121,7 +131,8 @@ extern "C" __global__ void __launch_bounds__(CW_THREADS, 1) kda_chunk_scan_tma_w
     if (tid == 0) {
         for (int s = 0; s < CW_STAGES; ++s) {
             mbar_init(full0 + 8 * s, 1);
-            mbar_init(empty0 + 8 * s, 256);
+            // Every compute thread; with a cluster, every compute warp of every block.
+            mbar_init(empty0 + 8 * s, CW_CLUSTER > 1 ? 8 * CW_CLUSTER : 256);
         }
         for (int b = 0; b < 2; ++b) {
             mbar_init(ready0 + 8 * b, 1);
@@ -129,7 +140,22 @@ extern "C" __global__ void __launch_bounds__(CW_THREADS, 1) kda_chunk_scan_tma_w
         }
         mbar_init_fence();
     }
+#if CW_CLUSTER > 1
+    cluster_sync();  // the peers' barriers exist before any copy or arrival reaches them
+    const unsigned rank = cluster_rank();
+#else
     __syncthreads();
+#endif
+    // A stage is done with in this block: tell its producer (and, in a cluster, every peer's).
+    auto release = [&](int s) {
+#if CW_CLUSTER > 1
+        __syncwarp();
+        if (lane == 0)
+            for (unsigned r = 0; r < CW_CLUSTER; ++r) mbar_arrive_in(empty0 + 8 * s, r);
+#else
+        mbar_arrive(empty0 + 8 * s);
+#endif
+    };
 
     // The copy warp: chunk c of this sequence into stage c % CW_STAGES.
     if (warp == 8) {
@@ -137,19 +163,19 @@ extern "C" __global__ void __launch_bounds__(CW_THREADS, 1) kda_chunk_scan_tma_w
         for (int c = 0; lane == 0 && c < NC; ++c) {
             const int s = c % CW_STAGES;
             if (c >= CW_STAGES) mbar_wait(empty0 + 8 * s, (c / CW_STAGES - 1) & 1);
-            const unsigned st = base + s * CW_STAGE, bar = full0 + 8 * s;
+            const unsigned st = base + s * KS_STAGE, bar = full0 + 8 * s;
             const int row0 = (int)((chunk0 + c) * CH);
-            mbar_expect_tx(bar, CW_TX);
-#pragma unroll
-            for (int hf = 0; hf < DK / 64; ++hf) {
-                tensor_box_g2s(st + CW_W + hf * CW_HALF, &tm_w, 64 * hf, row0, bar);
-                tensor_box_g2s(st + CW_Q + hf * CW_HALF, &tm_q, 64 * hf, row0, bar);
-                tensor_box_g2s(st + CW_K + hf * CW_HALF, &tm_k, 64 * hf, row0, bar);
-            }
-            tensor_box_g2s(st + CW_A, &tm_a, 0, row0, bar);
-            tensor_box_g2s(st + CW_U, &tm_u, col0, row0, bar);
-            bulk_g2s(st + CW_E, egl_in + (chunk0 + c) * DK, DK * 4, bar);
+#if CW_CLUSTER > 1
+            kda_stage_copy_shared(st, bar, &tm_w, &tm_q, &tm_k, &tm_a, &tm_u, egl_in + (chunk0 + c) * DK,
+                                  row0, col0, rank, CW_CLUSTER);
+#else
+            kda_stage_copy(st, bar, &tm_w, &tm_q, &tm_k, &tm_a, &tm_u, egl_in + (chunk0 + c) * DK, row0, col0);
+#endif
         }
+#if CW_CLUSTER > 1
+        __syncwarp();
+        cluster_sync();  // no block leaves while a peer may still write into it
+#endif
         return;
     }
 
@@ -163,8 +189,8 @@ extern "C" __global__ void __launch_bounds__(CW_THREADS, 1) kda_chunk_scan_tma_w
             });
         for (int c = 0; c < NC; ++c) {
             const int s = c % CW_STAGES, b = c & 1;
-            const unsigned st = base + s * CW_STAGE, sb = sb0 + b * CW_SBB, vn = vn0 + b * CW_VNB;
-            const unsigned char* stp = smem + s * CW_STAGE;
+            const unsigned st = base + s * KS_STAGE, sb = sb0 + b * CW_SBB, vn = vn0 + b * CW_VNB;
+            const unsigned char* stp = smem + s * KS_STAGE;
             // S into sb once warpgroup 1 is done with this buffer's last chunk.
             if (c >= 2) mbar_wait(freed0 + 8 * b, ((c >> 1) - 1) & 1);
             store_planes(sb, 0, S[0]);
@@ -176,16 +202,13 @@ extern "C" __global__ void __launch_bounds__(CW_THREADS, 1) kda_chunk_scan_tma_w
             // X = w S.
             float X[16];
             wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < DK / 16; ++kk)
-                cw_mma<0>(X, sw128_desc(st + CW_W + (kk / 4) * CW_HALF + (kk % 4) * 32),
-                          wg_desc_at(sb + kk * 2 * CW_SPLANE, CW_SPLANE, 128), kk > 0);
+            times_state(X, st + KS_W, sb);
             wg_commit();
             wg_wait0();
             // v_new = u - X into vn; then warpgroup 1 may take this chunk.
             for_acc(0, [&](int i, int row, int col) {
                 if ((i & 1) == 0) {
-                    const unsigned uw = *(const unsigned*)(stp + CW_U + (row * CW_VT + col) * 2);
+                    const unsigned uw = *(const unsigned*)(stp + KS_U + (row * CW_VT + col) * 2);
                     X[i] = lo_bf(uw) - X[i];
                     X[i + 1] = hi_bf(uw) - X[i + 1];
                 }
@@ -196,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(CW_THREADS, 1) kda_chunk_scan_tma_w
             if (tid == 0) mbar_arrive(ready0 + 8 * b);
 
             // S = diag(exp(gc_last)) S + k^T v_new.
-            const float* eg = (const float*)(stp + CW_E);
+            const float* eg = (const float*)(stp + KS_E);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
                 for_acc(64 * mt, [&](int i, int row, int) { S[mt][i] *= eg[row]; });
@@ -205,11 +228,11 @@ extern "C" __global__ void __launch_bounds__(CW_THREADS, 1) kda_chunk_scan_tma_w
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int kk = 0; kk < CH / 16; ++kk)
-                    cw_mma<1>(S[mt], sw128_desc(st + CW_K + mt * CW_HALF + kk * 2 * CW_ATOM),
+                    cw_mma<1>(S[mt], sw128_desc(st + KS_K + mt * KS_HALF + kk * 2 * CW_ATOM),
                               wg_desc_at(vn + kk * 2 * CW_SPLANE, CW_SPLANE, 128), 1);
             wg_commit();
             wg_wait0();
-            mbar_arrive(empty0 + 8 * s);
+            release(s);
         }
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
@@ -218,18 +241,15 @@ extern "C" __global__ void __launch_bounds__(CW_THREADS, 1) kda_chunk_scan_tma_w
         // Warpgroup 1: o = (q exp(gc)) S + Aqk v_new from the chunk's sb and vn.
         for (int c = 0; c < NC; ++c) {
             const int s = c % CW_STAGES, b = c & 1;
-            const unsigned st = base + s * CW_STAGE, sb = sb0 + b * CW_SBB, vn = vn0 + b * CW_VNB;
+            const unsigned st = base + s * KS_STAGE, sb = sb0 + b * CW_SBB, vn = vn0 + b * CW_VNB;
             mbar_wait(ready0 + 8 * b, (c >> 1) & 1);
             mbar_wait(full0 + 8 * s, (c / CW_STAGES) & 1);
             float O[16];
             wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < DK / 16; ++kk)
-                cw_mma<0>(O, sw128_desc(st + CW_Q + (kk / 4) * CW_HALF + (kk % 4) * 32),
-                          wg_desc_at(sb + kk * 2 * CW_SPLANE, CW_SPLANE, 128), kk > 0);
+            times_state(O, st + KS_Q, sb);
 #pragma unroll
             for (int kk = 0; kk < CH / 16; ++kk)
-                cw_mma<0>(O, sw128_desc(st + CW_A + kk * 32),
+                cw_mma<0>(O, sw128_desc(st + KS_A + kk * 32),
                           wg_desc_at(vn + kk * 2 * CW_SPLANE, CW_SPLANE, 128), 1);
             wg_commit();
             wg_wait0();
@@ -240,8 +260,11 @@ extern "C" __global__ void __launch_bounds__(CW_THREADS, 1) kda_chunk_scan_tma_w
                     *(unsigned*)(o + (size_t)(sp.tok0 + t) * ld_o + h * DV + col0 + col) =
                         pack_bf16x2(O[i], O[i + 1]);
             });
-            mbar_arrive(empty0 + 8 * s);
+            release(s);
         }
     }
+#if CW_CLUSTER > 1
+    cluster_sync();
+#endif
 #endif
 }

@@ -85,12 +85,16 @@ pub const KDA_SCAN_SM90_SOURCE: &str = concat!(
 pub const KDA_SCAN_TMA_SOURCE: &str = concat!(
     include_str!("tma.cuh"),
     "\n",
+    include_str!("kda_stage.cuh"),
+    "\n",
     include_str!("kda_scan_tma.cu")
 );
 
 /// The KDA chunk scan fed by the copy engine, on warpgroup MMAs; Hopper only (as above).
 pub const KDA_SCAN_TMA_WG_SOURCE: &str = concat!(
     include_str!("tma.cuh"),
+    "\n",
+    include_str!("kda_stage.cuh"),
     "\n",
     include_str!("wgmma.cuh"),
     "\n",

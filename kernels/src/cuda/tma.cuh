@@ -47,6 +47,35 @@ __device__ __forceinline__ void tensor_box_g2s(unsigned dst, const void* map, in
         "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar)
         : "memory");
 }
+// The same box into the shared memory of every block of the cluster named in `mask`, at the same
+// offset, completing on each one's barrier at `bar`'s offset.
+__device__ __forceinline__ void tensor_box_g2s_multicast(unsigned dst, const void* map, int x,
+                                                         int y, unsigned bar,
+                                                         unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::"
+        "cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
+        : "memory");
+}
+// An arrival on the barrier at `bar`'s offset in the shared memory of block `rank` of the cluster.
+__device__ __forceinline__ void mbar_arrive_in(unsigned bar, unsigned rank) {
+    asm volatile(
+        "{ .reg .b32 r; mapa.shared::cluster.u32 r, %0, %1; "
+        "mbarrier.arrive.shared::cluster.b64 _, [r]; }" ::"r"(bar),
+        "r"(rank)
+        : "memory");
+}
+// This block's rank in its cluster.
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// A barrier of every thread of every block of the cluster.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
 // The same for a 3-D box at (x, y, z).
 __device__ __forceinline__ void tensor_box3_g2s(unsigned dst, const void* map, int x, int y, int z,
                                                 unsigned bar) {

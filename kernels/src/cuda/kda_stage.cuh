@@ -1,0 +1,58 @@
+// The chunk stage of the copy-engine KDA scans (kda_scan_tma.cu, kda_scan_tma_wg.cu): w, q
+// exp(gc), k exp(gc_last - gc) and Aqk as halves of 64 columns, each 64 rows of 128 bytes in the
+// copy engine's 128-byte swizzle; the block's 32 columns of u as plain rows of 64 bytes; exp(gc_last)
+// in f32. One thread brings a chunk in 9 tensor copies and one bulk copy, all counted by `bar`.
+#define KS_CH 64
+#define KS_HALF (KS_CH * 128)  // bytes of a 64-column half of an operand
+#define KS_W 0
+#define KS_Q (KS_W + KS_CH * DK * 2)
+#define KS_K (KS_Q + KS_CH * DK * 2)
+#define KS_A (KS_K + KS_CH * DK * 2)
+#define KS_U (KS_A + KS_CH * KS_CH * 2)
+#define KS_E (KS_U + KS_CH * 32 * 2)
+#define KS_TX (KS_E + DK * 4)              // bytes each chunk brings into each block
+#define KS_STAGE ((KS_TX + 1023) & ~1023)  // swizzled boxes need 1024-byte alignment
+
+#ifdef TESSERA_TMA
+// Chunk rows [row0, row0 + 64) of the products, columns [col0, col0 + 32) of u, into the stage
+// at shared address st.
+__device__ __forceinline__ void kda_stage_copy(unsigned st, unsigned bar, const TensorMap* tm_w,
+                                               const TensorMap* tm_q, const TensorMap* tm_k,
+                                               const TensorMap* tm_a, const TensorMap* tm_u,
+                                               const float* egl, int row0, int col0) {
+    mbar_expect_tx(bar, KS_TX);
+#pragma unroll
+    for (int hf = 0; hf < DK / 64; ++hf) {
+        tensor_box_g2s(st + KS_W + hf * KS_HALF, tm_w, 64 * hf, row0, bar);
+        tensor_box_g2s(st + KS_Q + hf * KS_HALF, tm_q, 64 * hf, row0, bar);
+        tensor_box_g2s(st + KS_K + hf * KS_HALF, tm_k, 64 * hf, row0, bar);
+    }
+    tensor_box_g2s(st + KS_A, tm_a, 0, row0, bar);
+    tensor_box_g2s(st + KS_U, tm_u, col0, row0, bar);
+    bulk_g2s(st + KS_E, egl, DK * 4, bar);
+}
+
+// The same for a block of a cluster of `n` blocks (the V tiles of one head and sequence), which
+// all bring the same chunk: block `rank` issues every n-th of the seven boxes of w, q, k and Aqk
+// into the stages of all n (the barrier of each counts every byte), and its own u and exp(gc_last).
+__device__ __forceinline__ void kda_stage_copy_shared(unsigned st, unsigned bar,
+                                                      const TensorMap* tm_w, const TensorMap* tm_q,
+                                                      const TensorMap* tm_k, const TensorMap* tm_a,
+                                                      const TensorMap* tm_u, const float* egl,
+                                                      int row0, int col0, unsigned rank, unsigned n) {
+    const unsigned short all = (unsigned short)((1u << n) - 1);
+    mbar_expect_tx(bar, KS_TX);
+#pragma unroll
+    for (int hf = 0; hf < DK / 64; ++hf) {
+        if ((3 * hf) % n == rank)
+            tensor_box_g2s_multicast(st + KS_W + hf * KS_HALF, tm_w, 64 * hf, row0, bar, all);
+        if ((3 * hf + 1) % n == rank)
+            tensor_box_g2s_multicast(st + KS_Q + hf * KS_HALF, tm_q, 64 * hf, row0, bar, all);
+        if ((3 * hf + 2) % n == rank)
+            tensor_box_g2s_multicast(st + KS_K + hf * KS_HALF, tm_k, 64 * hf, row0, bar, all);
+    }
+    if (6 % n == rank) tensor_box_g2s_multicast(st + KS_A, tm_a, 0, row0, bar, all);
+    tensor_box_g2s(st + KS_U, tm_u, col0, row0, bar);
+    bulk_g2s(st + KS_E, egl, DK * 4, bar);
+}
+#endif
