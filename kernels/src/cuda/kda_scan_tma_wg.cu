@@ -39,8 +39,8 @@
 #define CW_VN (CW_SB + 2 * CW_SBB)
 #define CW_BAR (CW_VN + 2 * CW_VNB)  // full, empty [CW_STAGES]; ready, freed [2]
 #define CW_THREADS (2 * 128 + 32)
-// Blocks per cluster (1, 2 or 4): the V tiles of a head in one cluster bring the chunk's w, q, k
-// and Aqk once, by multicast copies, instead of each its own.
+// Blocks per cluster (1, 2 or 4; DV / 32 must be a multiple): the V tiles of a head in one
+// cluster bring the chunk's w, q, k and Aqk once, by multicast copies, instead of each its own.
 #ifndef CW_CLUSTER
 #define CW_CLUSTER 1
 #endif

@@ -89,9 +89,6 @@ impl KdaScanTma {
         defines: &[(&str, String)],
         products: TmaProducts,
     ) -> Result<Self, CudaError> {
-        if products == TmaProducts::Warpgroups {
-            return Self::load_wg(dev, defines);
-        }
         let mut defines = defines.to_vec();
         let mut setting =
             |name: &'static str, default: usize| match defines.iter().find(|(k, _)| *k == name) {
@@ -101,46 +98,38 @@ impl KdaScanTma {
                     default
                 }
             };
-        let stages = setting("CL_STAGES", DEFAULT_STAGES);
-        let warps = setting("CL_WARPS", DEFAULT_WARPS);
-        let f = dev
-            .module_for("sm_90a", "kda_scan_tma", KDA_SCAN_TMA_SOURCE, &defines)?
-            .load_function("kda_chunk_scan_tma")?;
-        let smem = smem_bytes(128, stages);
-        let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        f.set_attribute(attr, smem as i32)?;
-        Ok(KdaScanTma {
-            f,
-            smem,
-            threads: 32 * (warps as u32 + 1),
-        })
-    }
-
-    fn load_wg(dev: &CudaDevice, defines: &[(&str, String)]) -> Result<Self, CudaError> {
-        let mut defines = defines.to_vec();
-        let stages = match defines.iter().find(|(k, _)| *k == "CW_STAGES") {
-            Some((_, v)) => v.parse().unwrap_or(DEFAULT_STAGES),
-            None => {
-                defines.push(("CW_STAGES", DEFAULT_STAGES.to_string()));
-                DEFAULT_STAGES
+        let (unit, source, function, smem, threads) = match products {
+            TmaProducts::Warps => {
+                let stages = setting("CL_STAGES", DEFAULT_STAGES);
+                let warps = setting("CL_WARPS", DEFAULT_WARPS);
+                let threads = 32 * (warps as u32 + 1);
+                let smem = smem_bytes(128, stages);
+                (
+                    "kda_scan_tma",
+                    KDA_SCAN_TMA_SOURCE,
+                    "kda_chunk_scan_tma",
+                    smem,
+                    threads,
+                )
+            }
+            TmaProducts::Warpgroups => {
+                let stages = setting("CW_STAGES", DEFAULT_STAGES);
+                let smem = wg_smem_bytes(128, stages);
+                (
+                    "kda_scan_tma_wg",
+                    KDA_SCAN_TMA_WG_SOURCE,
+                    "kda_chunk_scan_tma_wg",
+                    smem,
+                    2 * 128 + 32,
+                )
             }
         };
         let f = dev
-            .module_for(
-                "sm_90a",
-                "kda_scan_tma_wg",
-                KDA_SCAN_TMA_WG_SOURCE,
-                &defines,
-            )?
-            .load_function("kda_chunk_scan_tma_wg")?;
-        let smem = wg_smem_bytes(128, stages);
+            .module_for("sm_90a", unit, source, &defines)?
+            .load_function(function)?;
         let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         f.set_attribute(attr, smem as i32)?;
-        Ok(KdaScanTma {
-            f,
-            smem,
-            threads: 2 * 128 + 32,
-        })
+        Ok(KdaScanTma { f, smem, threads })
     }
 
     /// The scan of a call whose products the prep wrote into `ws`.
