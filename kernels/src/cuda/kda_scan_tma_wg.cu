@@ -51,20 +51,6 @@
 #endif
 
 #ifdef TESSERA_TMA
-// d (64x32 f32) = (acc ? d : 0) + A B with A (64x16) and B (16x32) from shared memory: B K-major,
-// A K-major (TA = 0) or M-major (TA = 1).
-template <int TA>
-__device__ __forceinline__ void cw_mma(float d[16], unsigned long long a, unsigned long long b, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, %19, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
-          "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b), "r"(acc), "n"(TA));
-}
-
 // A descriptor of a 64-row operand in the 128-byte swizzle from shared address a (rows of 128
 // bytes, 8-row atoms 1024 bytes apart; the stride between atoms along M, used by M-major reads,
 // is a half's 8 KB).
@@ -78,7 +64,7 @@ __device__ __forceinline__ unsigned long long sw128_desc(unsigned a) {
 __device__ __forceinline__ void times_state(float d[16], unsigned a, unsigned sb) {
 #pragma unroll
     for (int kk = 0; kk < DK / 16; ++kk)
-        cw_mma<0>(d, sw128_desc(a + (kk / 4) * KS_HALF + (kk % 4) * 32),
+        wgmma_n32<0>(d, sw128_desc(a + (kk / 4) * KS_HALF + (kk % 4) * 32),
                   wg_desc_at(sb + kk * 2 * CW_SPLANE, CW_SPLANE, 128), kk > 0);
 }
 
@@ -228,7 +214,7 @@ extern "C" __global__ void CW_CLUSTER_DIMS __launch_bounds__(CW_THREADS, 1) kda_
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int kk = 0; kk < CH / 16; ++kk)
-                    cw_mma<1>(S[mt], sw128_desc(st + KS_K + mt * KS_HALF + kk * 2 * CW_ATOM),
+                    wgmma_n32<1>(S[mt], sw128_desc(st + KS_K + mt * KS_HALF + kk * 2 * CW_ATOM),
                               wg_desc_at(vn + kk * 2 * CW_SPLANE, CW_SPLANE, 128), 1);
             wg_commit();
             wg_wait0();
@@ -249,7 +235,7 @@ extern "C" __global__ void CW_CLUSTER_DIMS __launch_bounds__(CW_THREADS, 1) kda_
             times_state(O, st + KS_Q, sb);
 #pragma unroll
             for (int kk = 0; kk < CH / 16; ++kk)
-                cw_mma<0>(O, sw128_desc(st + KS_A + kk * 32),
+                wgmma_n32<0>(O, sw128_desc(st + KS_A + kk * 32),
                           wg_desc_at(vn + kk * 2 * CW_SPLANE, CW_SPLANE, 128), 1);
             wg_commit();
             wg_wait0();

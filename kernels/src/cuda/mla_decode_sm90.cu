@@ -43,19 +43,6 @@ struct WgSmem {
     float red[2][WG_HB];
 };
 
-// d (64×32 f32) = (acc ? d : 0) + A·B, A and B K-major from shared memory.
-__device__ __forceinline__ void wgmma_n32(float d[16], unsigned long long a, unsigned long long b,
-                                          int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
-          "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(a), "l"(b), "r"(acc));
-}
-
 // d (64×256 f32) += A·B, A K-major and B N-major from shared memory.
 __device__ __forceinline__ void wgmma_n256_bt(float d[128], unsigned long long a,
                                               unsigned long long b) {

@@ -40,3 +40,18 @@ __device__ __forceinline__ unsigned cm_off(int row, int col, unsigned group) {
 __device__ __forceinline__ void wg_wait1() {
     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
 }
+
+// d (64x32 f32) = (acc ? d : 0) + A B with A (64x16) and B (16x32) from shared memory: B K-major,
+// A K-major (TA = 0) or M-major (TA = 1).
+template <int TA = 0>
+__device__ __forceinline__ void wgmma_n32(float d[16], unsigned long long a, unsigned long long b,
+                                          int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, %19, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+          "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b), "r"(acc), "n"(TA));
+}
