@@ -453,6 +453,33 @@ fn stage_costs(dev: &CudaDevice, s: KdaShape) -> Result<(), CudaError> {
         let us = time_us(dev, 2, 10, || kv.prep(dev, s, &x, 0.088, true, &mut ws))?;
         println!("stage prep T={} skip={skip} ({what}) us={us:.1}", s.seq_len);
     }
+    // The register-operand scan with its products or its copies left out.
+    let mut state = dev
+        .stream()
+        .alloc_zeros::<f32>(s.batch * s.heads * s.dk * s.dv)?;
+    let mut out = dev
+        .stream()
+        .alloc_zeros::<u16>(s.batch * s.seq_len * s.heads * s.dv)?;
+    for (skip, what) in [
+        (0, "all"),
+        (1, "copies only"),
+        (2, "products only"),
+        (6, "the products' MMAs only"),
+        (4, "copies and MMAs only"),
+    ] {
+        let mut kv = KdaKernels::load_with(dev, 128, 128, 32, &[("CR_SKIP", skip.to_string())])?;
+        if kv.set_scan(dev, KdaScanKind::CopyEngineRegisters)? != KdaScanKind::CopyEngineRegisters {
+            break;
+        }
+        kv.prep(dev, s, &x, 0.088, true, &mut ws)?;
+        let us = time_us(dev, 2, 10, || {
+            kv.scan(dev, s, None, &mut state, &mut out, &ws)
+        })?;
+        println!(
+            "stage scan_rs T={} skip={skip} ({what}) us={us:.1}",
+            s.seq_len
+        );
+    }
     Ok(())
 }
 
@@ -516,13 +543,13 @@ fn run() -> Result<usize, CudaError> {
     let mut variants = Vec::new();
     // The mma.sync scan at two V tiles, the warpgroup scan (Hopper), the scan fed by the copy
     // engine (Hopper) at two depths with 4 or 8 compute warps, the same on warpgroup MMAs (the
-    // default there) at two depths; and the default with the prep's NVIDIA-only forms or its
+    // default there) at two depths, and with the left operands in registers at two depths; and the default with the prep's NVIDIA-only forms or its
     // step-6 ordering changed.
-    use KdaScanKind::{CopyEngine, CopyEngineWarpgroup, Threads, Warpgroup};
+    use KdaScanKind::{CopyEngine, CopyEngineRegisters, CopyEngineWarpgroup, Threads, Warpgroup};
     let w4s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "4")];
     let w8s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "8")];
     let w8s3: &[(&str, &str)] = &[("CL_STAGES", "3"), ("CL_WARPS", "8")];
-    let table: [ScanVariant; 16] = [
+    let table: [ScanVariant; 18] = [
         ("vt32.s2", 32, Threads, &[("SCAN_STAGES", "2")]),
         ("vt64.s2", 64, Threads, &[("SCAN_STAGES", "2")]),
         ("wg.s2", 32, Warpgroup, &[("WG_SCAN_STAGES", "2")]),
@@ -533,6 +560,8 @@ fn run() -> Result<usize, CudaError> {
         ("tma_wg.s2", 32, CopyEngineWarpgroup, &[("CW_STAGES", "2")]),
         ("tma_wg.s3", 32, CopyEngineWarpgroup, &[("CW_STAGES", "3")]),
         ("tma_wg.c2", 32, CopyEngineWarpgroup, &[("CW_CLUSTER", "2")]),
+        ("tma_rs.s2", 32, CopyEngineRegisters, &[("CR_STAGES", "2")]),
+        ("tma_rs.s3", 32, CopyEngineRegisters, &[("CR_STAGES", "3")]),
         ("tma_wg.c4", 32, CopyEngineWarpgroup, &[("CW_CLUSTER", "4")]),
         (
             "tma_wg.c4.s3",

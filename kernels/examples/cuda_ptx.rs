@@ -4,9 +4,9 @@
 //!   cargo run -p tessera-kernels --features cuda --example cuda_ptx -- OUT_DIR [sm_90]
 
 use tessera_kernels::cuda::{
-    compile, kda_defines, CONV_SOURCE, KDA_SCAN_SM90_SOURCE, KDA_SCAN_TMA_SOURCE,
-    KDA_SCAN_TMA_WG_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE,
-    MLA_FLASH_SOURCE, MODEL_SOURCE, MOE_SOURCE, SAMPLE_SOURCE,
+    compile, kda_defines, CONV_SOURCE, KDA_SCAN_SM90_SOURCE, KDA_SCAN_TMA_RS_SOURCE,
+    KDA_SCAN_TMA_SOURCE, KDA_SCAN_TMA_WG_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE,
+    MLA_DECODE_SOURCE, MLA_FLASH_SOURCE, MODEL_SOURCE, MOE_SOURCE, SAMPLE_SOURCE,
 };
 
 /// One PTX file to write: its name, the source and the `-D` macros.
@@ -62,6 +62,9 @@ fn main() {
             KDA_SCAN_TMA_WG_SOURCE,
             kda_defines(128, 128, 32).to_vec(),
         ));
+        let mut rs = kda_defines(128, 128, 32).to_vec();
+        rs.push(("KS_VT", "64".to_string()));
+        units.push(("kda_scan_tma_rs_sm90".into(), KDA_SCAN_TMA_RS_SOURCE, rs));
     }
     for (name, source, defines) in units {
         // The warpgroup kernels need the architecture-specific target.

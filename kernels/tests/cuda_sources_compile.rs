@@ -4,9 +4,10 @@
 #![cfg(feature = "cuda")]
 
 use tessera_kernels::cuda::{
-    compile, kda_defines, CudaError, CONV_SOURCE, KDA_SCAN_SM90_SOURCE, KDA_SCAN_TMA_SOURCE,
-    KDA_SCAN_TMA_WG_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE,
-    MLA_FLASH_SOURCE, MODEL_KERNELS, MODEL_SOURCE, MOE_SOURCE, OPS_SOURCE, SAMPLE_SOURCE,
+    compile, kda_defines, CudaError, CONV_SOURCE, KDA_SCAN_SM90_SOURCE, KDA_SCAN_TMA_RS_SOURCE,
+    KDA_SCAN_TMA_SOURCE, KDA_SCAN_TMA_WG_SOURCE, KDA_SOURCE, MLA_DECODE_SM90_SOURCE,
+    MLA_DECODE_SOURCE, MLA_FLASH_SOURCE, MODEL_KERNELS, MODEL_SOURCE, MOE_SOURCE, OPS_SOURCE,
+    SAMPLE_SOURCE,
 };
 
 fn nvrtc_required() -> bool {
@@ -329,6 +330,43 @@ fn kda_warpgroup_copy_engine_scan_compiles_for_hopper_at_both_depths_and_in_clus
             Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
             Err(e) => panic!("{defines:?}: {e}"),
         }
+    }
+}
+
+#[test]
+fn kda_register_operand_scan_compiles_for_hopper_at_both_depths() {
+    for stages in [2, 3] {
+        let mut defines = kda_defines(128, 128, 32).to_vec();
+        defines.push(("CR_STAGES", stages.to_string()));
+        defines.push(("KS_VT", "64".to_string()));
+        match compile(
+            "sm_90a",
+            "kda_scan_tma_rs",
+            KDA_SCAN_TMA_RS_SOURCE,
+            &defines,
+        ) {
+            Ok(ptx) => {
+                let text = ptx.to_src();
+                assert!(text.contains(".entry kda_chunk_scan_tma_rs"));
+                assert!(text.contains("cp.async.bulk.tensor.2d"));
+                assert!(text.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"));
+                assert!(text.contains("ldmatrix.sync.aligned.m8n8.x4.trans"));
+                assert!(text.contains("stmatrix.sync.aligned.m8n8.x4.trans"));
+            }
+            Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
+            Err(e) => panic!("{defines:?}: {e}"),
+        }
+    }
+    // The u tile must be the swizzled 64 columns.
+    if let Err(CudaError::Compile { log, .. }) = compile(
+        "sm_90a",
+        "kda_scan_tma_rs",
+        KDA_SCAN_TMA_RS_SOURCE,
+        &kda_defines(128, 128, 32),
+    ) {
+        assert!(log.contains("V tiles of 64 columns"), "{log}");
+    } else if nvrtc_required() {
+        panic!("KS_VT = 32 compiled");
     }
 }
 

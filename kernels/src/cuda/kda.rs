@@ -25,6 +25,9 @@ pub struct KdaKernels {
     scan_tma: Option<KdaScanTma>,
     /// The same on warpgroup MMAs (`kda_scan_tma_wg.cu`), compiled when first chosen.
     scan_tma_wg: Option<KdaScanTma>,
+    /// The same with the left operands in registers (`kda_scan_tma_rs.cu`), compiled when first
+    /// chosen.
+    scan_tma_rs: Option<KdaScanTma>,
     scan_kind: KdaScanKind,
     /// The `-D` macros the kernels were built with (the warpgroup scan takes the same).
     defines: Vec<(String, String)>,
@@ -54,16 +57,20 @@ pub enum KdaScanKind {
     /// warpgroup for the state and one for the outputs (Hopper, dk = 128, V tiles of 32; the
     /// default where it can be built).
     CopyEngineWarpgroup,
+    /// Warpgroup MMAs with the state held transposed so that every left operand comes from
+    /// registers, one warpgroup per V tile of 64, brought by the copy engine (Hopper, dk = 128).
+    CopyEngineRegisters,
 }
 
 impl KdaScanKind {
-    /// The kind `TESSERA_KDA_SCAN` names (`threads`, `wg`, `tma`, `tma_wg`), if any.
+    /// The kind `TESSERA_KDA_SCAN` names (`threads`, `wg`, `tma`, `tma_wg`, `tma_rs`), if any.
     fn from_env() -> Option<Self> {
         match std::env::var("TESSERA_KDA_SCAN").ok()?.as_str() {
             "threads" => Some(Self::Threads),
             "wg" => Some(Self::Warpgroup),
             "tma" => Some(Self::CopyEngine),
             "tma_wg" => Some(Self::CopyEngineWarpgroup),
+            "tma_rs" => Some(Self::CopyEngineRegisters),
             _ => None,
         }
     }
@@ -293,6 +300,7 @@ impl KdaKernels {
             scan_wg: None,
             scan_tma: None,
             scan_tma_wg: None,
+            scan_tma_rs: None,
             scan_kind: KdaScanKind::Threads,
             scan_wg_smem: wg_scan_smem(dk, kda_scan_stages(extra, "WG_SCAN_STAGES")),
             defines: defines
@@ -310,14 +318,23 @@ impl KdaKernels {
             prep_smem,
             scan_smem,
         };
-        // The copy-engine scan on warpgroup MMAs where it can be built (V tiles of 32; see
-        // benches/RESULTS.md).
-        let default = if v_tile == 32 {
-            KdaScanKind::CopyEngineWarpgroup
-        } else {
-            KdaScanKind::Threads
-        };
-        k.set_scan(dev, KdaScanKind::from_env().unwrap_or(default))?;
+        // The copy-engine scan with register operands where it can be built, else the one on
+        // warpgroup MMAs (both Hopper; see benches/RESULTS.md), else the mma.sync scan.
+        match KdaScanKind::from_env() {
+            Some(kind) => {
+                k.set_scan(dev, kind)?;
+            }
+            None => {
+                for kind in [
+                    KdaScanKind::CopyEngineRegisters,
+                    KdaScanKind::CopyEngineWarpgroup,
+                ] {
+                    if k.set_scan(dev, kind)? == kind {
+                        break;
+                    }
+                }
+            }
+        }
         Ok(k)
     }
 
@@ -524,10 +541,14 @@ impl KdaKernels {
         p: &KdaPacked,
         ws: &KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
-        match (self.scan_kind, &self.scan_tma, &self.scan_tma_wg) {
-            (KdaScanKind::CopyEngine, Some(k), _)
-            | (KdaScanKind::CopyEngineWarpgroup, _, Some(k)) => return k.launch(dev, p, ws),
-            _ => {}
+        let copy_engine = match self.scan_kind {
+            KdaScanKind::CopyEngine => self.scan_tma.as_ref(),
+            KdaScanKind::CopyEngineWarpgroup => self.scan_tma_wg.as_ref(),
+            KdaScanKind::CopyEngineRegisters => self.scan_tma_rs.as_ref(),
+            _ => None,
+        };
+        if let Some(k) = copy_engine {
+            return k.launch(dev, p, ws);
         }
         let (f, columns, threads, smem) = match (&self.scan_wg, self.scan_kind) {
             (Some(f), KdaScanKind::Warpgroup) => (f, WG_SCAN_COLUMNS, 128, self.scan_wg_smem),
@@ -597,20 +618,26 @@ impl KdaKernels {
                 }
                 self.scan_wg.is_some()
             }
-            KdaScanKind::CopyEngine | KdaScanKind::CopyEngineWarpgroup => {
-                let (slot, products) = if kind == KdaScanKind::CopyEngine {
-                    (&mut self.scan_tma, TmaProducts::Warps)
-                } else {
-                    (&mut self.scan_tma_wg, TmaProducts::Warpgroups)
+            KdaScanKind::CopyEngine
+            | KdaScanKind::CopyEngineWarpgroup
+            | KdaScanKind::CopyEngineRegisters => {
+                let (slot, products, columns) = match kind {
+                    KdaScanKind::CopyEngine => {
+                        (&mut self.scan_tma, TmaProducts::Warps, KdaScanTma::COLUMNS)
+                    }
+                    KdaScanKind::CopyEngineWarpgroup => (
+                        &mut self.scan_tma_wg,
+                        TmaProducts::Warpgroups,
+                        KdaScanTma::COLUMNS,
+                    ),
+                    _ => (
+                        &mut self.scan_tma_rs,
+                        TmaProducts::Registers,
+                        KdaScanTma::RS_COLUMNS,
+                    ),
                 };
                 if slot.is_none()
-                    && hopper_scan_available(
-                        dev.arch(),
-                        self.dk,
-                        self.dv,
-                        KdaScanTma::COLUMNS,
-                        &defines,
-                    )
+                    && hopper_scan_available(dev.arch(), self.dk, self.dv, columns, &defines)
                 {
                     *slot = Some(KdaScanTma::load(dev, &defines, products)?);
                 }

@@ -31,7 +31,6 @@
 #ifndef CW_STAGES
 #define CW_STAGES 2
 #endif
-#define CW_ATOM 1024            // 8 rows of 128 bytes: the swizzle's repeat
 #define CW_SPLANE (CW_VT * 16)  // a column group of sb and vn
 #define CW_SBB (DK * CW_VT * 2)  // one sb buffer
 #define CW_VNB (CH * CW_VT * 2)  // one vn buffer
@@ -51,20 +50,12 @@
 #endif
 
 #ifdef TESSERA_TMA
-// A descriptor of a 64-row operand in the 128-byte swizzle from shared address a (rows of 128
-// bytes, 8-row atoms 1024 bytes apart; the stride between atoms along M, used by M-major reads,
-// is a half's 8 KB).
-__device__ __forceinline__ unsigned long long sw128_desc(unsigned a) {
-    return (unsigned long long)((a & 0x3ffffu) >> 4) | ((unsigned long long)(KS_HALF >> 4) << 16) |
-           ((unsigned long long)(CW_ATOM >> 4) << 32) | (1ull << 62);
-}
-
 // d = A S over the DK state rows: A (64 x DK, K-major) in swizzled halves from shared address
 // a, S in bf16 planes from sb.
 __device__ __forceinline__ void times_state(float d[16], unsigned a, unsigned sb) {
 #pragma unroll
     for (int kk = 0; kk < DK / 16; ++kk)
-        wgmma_n32<0>(d, sw128_desc(a + (kk / 4) * KS_HALF + (kk % 4) * 32),
+        wgmma_n32<0>(d, ks_swizzled_desc(a + (kk / 4) * KS_HALF + (kk % 4) * 32),
                   wg_desc_at(sb + kk * 2 * CW_SPLANE, CW_SPLANE, 128), kk > 0);
 }
 
@@ -214,7 +205,7 @@ extern "C" __global__ void CW_CLUSTER_DIMS __launch_bounds__(CW_THREADS, 1) kda_
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int kk = 0; kk < CH / 16; ++kk)
-                    wgmma_n32<1>(S[mt], sw128_desc(st + KS_K + mt * KS_HALF + kk * 2 * CW_ATOM),
+                    wgmma_n32<1>(S[mt], ks_swizzled_desc(st + KS_K + mt * KS_HALF + kk * 2 * KS_ATOM),
                               wg_desc_at(vn + kk * 2 * CW_SPLANE, CW_SPLANE, 128), 1);
             wg_commit();
             wg_wait0();
@@ -235,7 +226,7 @@ extern "C" __global__ void CW_CLUSTER_DIMS __launch_bounds__(CW_THREADS, 1) kda_
             times_state(O, st + KS_Q, sb);
 #pragma unroll
             for (int kk = 0; kk < CH / 16; ++kk)
-                wgmma_n32<0>(O, sw128_desc(st + KS_A + kk * 32),
+                wgmma_n32<0>(O, ks_swizzled_desc(st + KS_A + kk * 32),
                           wg_desc_at(vn + kk * 2 * CW_SPLANE, CW_SPLANE, 128), 1);
             wg_commit();
             wg_wait0();

@@ -1,7 +1,11 @@
-// The chunk stage of the copy-engine KDA scans (kda_scan_tma.cu, kda_scan_tma_wg.cu): w, q
-// exp(gc), k exp(gc_last - gc) and Aqk as halves of 64 columns, each 64 rows of 128 bytes in the
-// copy engine's 128-byte swizzle; the block's 32 columns of u as plain rows of 64 bytes; exp(gc_last)
-// in f32. One thread brings a chunk in 9 tensor copies and one bulk copy, all counted by `bar`.
+// The chunk stage of the copy-engine KDA scans (kda_scan_tma.cu, kda_scan_tma_wg.cu,
+// kda_scan_tma_rs.cu): w, q exp(gc), k exp(gc_last - gc) and Aqk as halves of 64 columns, each 64
+// rows of 128 bytes in the copy engine's 128-byte swizzle; the block's KS_VT columns of u (32: plain
+// rows of 64 bytes; 64: rows of 128 bytes in the swizzle, as the host's map says); exp(gc_last) in
+// f32. One thread brings a chunk in 9 tensor copies and one bulk copy, all counted by `bar`.
+#ifndef KS_VT
+#define KS_VT 32
+#endif
 #define KS_CH 64
 #define KS_HALF (KS_CH * 128)  // bytes of a 64-column half of an operand
 #define KS_W 0
@@ -9,12 +13,22 @@
 #define KS_K (KS_Q + KS_CH * DK * 2)
 #define KS_A (KS_K + KS_CH * DK * 2)
 #define KS_U (KS_A + KS_CH * KS_CH * 2)
-#define KS_E (KS_U + KS_CH * 32 * 2)
+#define KS_E (KS_U + KS_CH * KS_VT * 2)
 #define KS_TX (KS_E + DK * 4)              // bytes each chunk brings into each block
 #define KS_STAGE ((KS_TX + 1023) & ~1023)  // swizzled boxes need 1024-byte alignment
 
+#define KS_ATOM 1024                   // 8 rows of 128 bytes: the swizzle's repeat
+
+// A wgmma descriptor of a 64-row operand of the stage in the 128-byte swizzle from shared address
+// a (rows of 128 bytes, 8-row atoms 1024 bytes apart; the stride between atoms along M or N, used
+// by M- or N-major reads, is a half's 8 KB).
+__device__ __forceinline__ unsigned long long ks_swizzled_desc(unsigned a) {
+    return (unsigned long long)((a & 0x3ffffu) >> 4) | ((unsigned long long)(KS_HALF >> 4) << 16) |
+           ((unsigned long long)(KS_ATOM >> 4) << 32) | (1ull << 62);
+}
+
 #ifdef TESSERA_TMA
-// Chunk rows [row0, row0 + 64) of the products, columns [col0, col0 + 32) of u, into the stage
+// Chunk rows [row0, row0 + 64) of the products, columns [col0, col0 + KS_VT) of u, into the stage
 // at shared address st.
 __device__ __forceinline__ void kda_stage_copy(unsigned st, unsigned bar, const TensorMap* tm_w,
                                                const TensorMap* tm_q, const TensorMap* tm_k,

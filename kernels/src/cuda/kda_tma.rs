@@ -1,6 +1,7 @@
-//! The KDA chunk scans fed by the copy engine (Hopper): `kda_scan_tma.cu` (mma.sync products)
-//! and `kda_scan_tma_wg.cu` (warpgroup MMAs); the prep's products as tensor maps (the 128-byte
-//! swizzle), and the launch.
+//! The KDA chunk scans fed by the copy engine (Hopper): `kda_scan_tma.cu` (mma.sync products),
+//! `kda_scan_tma_wg.cu` (warpgroup MMAs, operands in shared memory) and `kda_scan_tma_rs.cu`
+//! (warpgroup MMAs, the state transposed and the left operands in registers); the prep's
+//! products as tensor maps (the 128-byte swizzle), and the launch.
 
 use cudarc::driver::sys::{CUfunction_attribute, CUtensorMapDataType, CUtensorMapSwizzle};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
@@ -8,7 +9,9 @@ use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use super::kda::{KdaPacked, KdaPrefillWorkspace};
 use super::model_ops::DevPtr;
 use super::tensor_map::{self, TensorMapArg};
-use super::{CudaDevice, CudaError, KDA_SCAN_TMA_SOURCE, KDA_SCAN_TMA_WG_SOURCE};
+use super::{
+    CudaDevice, CudaError, KDA_SCAN_TMA_RS_SOURCE, KDA_SCAN_TMA_SOURCE, KDA_SCAN_TMA_WG_SOURCE,
+};
 use crate::gpu::CHUNK;
 
 /// Chunks in flight per block and compute warps per block, unless the defines say otherwise.
@@ -22,6 +25,9 @@ pub(super) enum TmaProducts {
     Warps,
     /// wgmma by two warpgroups (`kda_chunk_scan_tma_wg`).
     Warpgroups,
+    /// wgmma with the left operands in registers, one warpgroup on V tiles of 64
+    /// (`kda_chunk_scan_tma_rs`).
+    Registers,
 }
 
 /// The compiled copy-engine scan for one configuration.
@@ -30,26 +36,40 @@ pub(super) struct KdaScanTma {
     smem: u32,
     /// The compute warps and the copy warp.
     threads: u32,
+    /// Value columns per block (the V tile; u is read in the 128-byte swizzle at 64).
+    columns: usize,
+}
+
+/// Bytes of one chunk stage (`KS_STAGE` of `kda_stage.cuh`) with `cols` columns of u.
+fn stage_bytes(dk: usize, cols: usize) -> usize {
+    (3 * CHUNK * dk * 2 + CHUNK * CHUNK * 2 + CHUNK * cols * 2 + dk * 4).next_multiple_of(1024)
 }
 
 /// Dynamic shared memory of `kda_chunk_scan_tma`; mirrors the `CL_*` macros (stages rounded up
 /// to 1024 bytes, plus 1024 bytes to align them).
 fn smem_bytes(dk: usize, stages: usize) -> u32 {
-    let stage = 3 * CHUNK * dk * 2 + CHUNK * CHUNK * 2 + CHUNK * KdaScanTma::COLUMNS * 2 + dk * 4;
+    let stage = stage_bytes(dk, KdaScanTma::COLUMNS);
     let rest =
         KdaScanTma::COLUMNS * (dk + 8) * 2 + KdaScanTma::COLUMNS * (CHUNK + 8) * 2 + 2 * stages * 8;
-    (stages * stage.next_multiple_of(1024) + rest + 1024) as u32
+    (stages * stage + rest + 1024) as u32
 }
 
 /// Dynamic shared memory of `kda_chunk_scan_tma_wg`; mirrors the `CW_*` macros (stages rounded
 /// up to 1024 bytes, plus 1024 bytes to align them).
 fn wg_smem_bytes(dk: usize, stages: usize) -> u32 {
     let cols = KdaScanTma::COLUMNS;
-    let stage = 3 * CHUNK * dk * 2 + CHUNK * CHUNK * 2 + CHUNK * cols * 2 + dk * 4;
+    let stage = stage_bytes(dk, cols);
     // Two buffers each of S and v_new in bf16; mbarriers full, empty per stage, ready, freed per
     // buffer.
     let rest = 2 * (dk * cols * 2 + CHUNK * cols * 2) + (2 * stages + 4) * 8;
-    (stages * stage.next_multiple_of(1024) + rest + 1024) as u32
+    (stages * stage + rest + 1024) as u32
+}
+
+/// Dynamic shared memory of `kda_chunk_scan_tma_rs`; mirrors the `CR_*` macros: the stages, each
+/// warp's o tile of 64 token rows of 48 bytes, the mbarriers, and 1024 bytes to align.
+fn rs_smem_bytes(dk: usize, stages: usize) -> u32 {
+    let rest = 4 * CHUNK * 48 + 2 * stages * 8;
+    (stages * stage_bytes(dk, KdaScanTma::RS_COLUMNS) + rest + 1024) as u32
 }
 
 /// The map of a row-major bf16 matrix of `rows` × `cols` read in boxes of `box_rows` ×
@@ -80,10 +100,13 @@ fn matrix_map(
 impl KdaScanTma {
     /// Value columns per block (the scan's V tile).
     pub(super) const COLUMNS: usize = 32;
+    /// The same for [`TmaProducts::Registers`].
+    pub(super) const RS_COLUMNS: usize = 64;
 
     /// Compiles the scan with `defines` (the kda.cu ones; for [`TmaProducts::Warps`],
     /// `CL_STAGES` picks the depth, 2 or 3, and `CL_WARPS` the compute warps, 4 or 8; 2 and 8
-    /// when absent; for [`TmaProducts::Warpgroups`], `CW_STAGES` the depth, 2 when absent).
+    /// when absent; for [`TmaProducts::Warpgroups`], `CW_STAGES` the depth, 2 when absent; for
+    /// [`TmaProducts::Registers`], `CR_STAGES`, 3 when absent).
     pub(super) fn load(
         dev: &CudaDevice,
         defines: &[(&str, String)],
@@ -98,7 +121,7 @@ impl KdaScanTma {
                     default
                 }
             };
-        let (unit, source, function, smem, threads) = match products {
+        let (unit, source, function, smem, threads, columns) = match products {
             TmaProducts::Warps => {
                 let stages = setting("CL_STAGES", DEFAULT_STAGES);
                 let warps = setting("CL_WARPS", DEFAULT_WARPS);
@@ -110,6 +133,7 @@ impl KdaScanTma {
                     "kda_chunk_scan_tma",
                     smem,
                     threads,
+                    Self::COLUMNS,
                 )
             }
             TmaProducts::Warpgroups => {
@@ -121,6 +145,19 @@ impl KdaScanTma {
                     "kda_chunk_scan_tma_wg",
                     smem,
                     2 * 128 + 32,
+                    Self::COLUMNS,
+                )
+            }
+            TmaProducts::Registers => {
+                let stages = setting("CR_STAGES", 3);
+                defines.push(("KS_VT", Self::RS_COLUMNS.to_string()));
+                (
+                    "kda_scan_tma_rs",
+                    KDA_SCAN_TMA_RS_SOURCE,
+                    "kda_chunk_scan_tma_rs",
+                    rs_smem_bytes(128, stages),
+                    128 + 32,
+                    Self::RS_COLUMNS,
                 )
             }
         };
@@ -129,7 +166,12 @@ impl KdaScanTma {
             .load_function(function)?;
         let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         f.set_attribute(attr, smem as i32)?;
-        Ok(KdaScanTma { f, smem, threads })
+        Ok(KdaScanTma {
+            f,
+            smem,
+            threads,
+            columns,
+        })
     }
 
     /// The scan of a call whose products the prep wrote into `ws`.
@@ -142,17 +184,18 @@ impl KdaScanTma {
         let (dk, dv) = (ws.dk(), ws.dv());
         let [w, u, qg, kg, aqk, egl] = ws.product_ptrs(dev);
         let rows = ws.rows();
-        // Both scans read the products in the 128-byte swizzle, u in plain rows.
+        // Every scan reads the products in the 128-byte swizzle, u in plain rows of 32 columns
+        // or swizzled rows of 64.
         let maps = [
             matrix_map(w, rows, dk, CHUNK, 64, true)?,
             matrix_map(qg, rows, dk, CHUNK, 64, true)?,
             matrix_map(kg, rows, dk, CHUNK, 64, true)?,
             matrix_map(aqk, rows, CHUNK, CHUNK, 64, true)?,
-            matrix_map(u, rows, dv, CHUNK, Self::COLUMNS, false)?,
+            matrix_map(u, rows, dv, CHUNK, self.columns, self.columns == 64)?,
         ];
         let cfg = LaunchConfig {
             grid_dim: (
-                (dv / Self::COLUMNS) as u32,
+                (dv / self.columns) as u32,
                 p.heads as u32,
                 p.sequences as u32,
             ),
@@ -176,7 +219,7 @@ impl KdaScanTma {
             .arg(&p.seq_start)
             .arg(&p.chunk_start)
             .arg(&nchunks);
-        // SAFETY: the parameters of kda_chunk_scan_tma (and kda_chunk_scan_tma_wg, the same) in
+        // SAFETY: the parameters of kda_chunk_scan_tma (and of the other two, the same) in
         // order; the maps cover the workspace the prep of the same call filled (`rows` rows of
         // each product), and the state, output and tables are the caller's, as for
         // kda_chunk_scan.
@@ -187,7 +230,7 @@ impl KdaScanTma {
 
 #[cfg(test)]
 mod tests {
-    use super::{smem_bytes, wg_smem_bytes};
+    use super::{rs_smem_bytes, smem_bytes, wg_smem_bytes};
 
     #[test]
     fn three_stages_fit_one_block_per_multiprocessor() {
@@ -203,5 +246,11 @@ mod tests {
             2 * 62464 + 2 * (8192 + 4096) + 64 + 1024
         );
         assert!(wg_smem_bytes(128, 3) <= 227 * 1024);
+    }
+
+    #[test]
+    fn the_register_operand_scan_fits_three_stages() {
+        assert_eq!(rs_smem_bytes(128, 2), 2 * 66560 + 12288 + 32 + 1024);
+        assert!(rs_smem_bytes(128, 3) <= 227 * 1024);
     }
 }

@@ -101,6 +101,18 @@ pub const KDA_SCAN_TMA_WG_SOURCE: &str = concat!(
     include_str!("kda_scan_tma_wg.cu")
 );
 
+/// The KDA chunk scan fed by the copy engine with the state transposed and the left operands in
+/// registers; Hopper only (as above, with `KS_VT` = 64).
+pub const KDA_SCAN_TMA_RS_SOURCE: &str = concat!(
+    include_str!("tma.cuh"),
+    "\n",
+    include_str!("kda_stage.cuh"),
+    "\n",
+    include_str!("wgmma.cuh"),
+    "\n",
+    include_str!("kda_scan_tma_rs.cu")
+);
+
 /// MoE decode for small batches: routing, plan, gate+up+SiTU, down, combine (bf16 and MXFP4).
 pub const MOE_SOURCE: &str = concat!(
     include_str!("moe.cu"),
