@@ -22,8 +22,8 @@ use common::{fill, rel_err, time_us, Checks, Device, Rng, HBM_BYTES_PER_S};
 use tessera_kernels::cpu;
 use tessera_kernels::cuda::{
     base_ptr, bf16_bits, bf16_value, default_cache_dir, CudaDevice, CudaError, CudaSlice,
-    KdaInputs, KdaKernels, KdaPacked, KdaPrefillWorkspace, KdaScanKind, KdaSequenceTables,
-    KdaShape, SegState,
+    KdaInputs, KdaKernels, KdaPacked, KdaPrefillWorkspace, KdaScanKind, KdaSegmentedPrefill,
+    KdaSequenceTables, KdaShape, SegState,
 };
 
 /// Host copies of one random KDA problem: bf16 bits and their exact f32 values.
@@ -400,6 +400,82 @@ fn bench_prefill(
     Ok(())
 }
 
+/// The segmented prefill of one sequence (the scan of a segment beside the prep of the next),
+/// checked bit for bit against the one-call prefill (outputs poisoned first), then timed beside
+/// it.
+fn bench_segmented(
+    dev: &CudaDevice,
+    kernels: &mut KdaKernels,
+    checks: &mut Checks,
+    s: KdaShape,
+) -> Result<(), CudaError> {
+    let policy = kernels.set_segmentation(1, 1);
+    let mut rng = Rng(0x5e9 ^ s.seq_len as u64);
+    let p = Problem::random(s, &mut rng, 0.5, true);
+    let d = p.upload(dev)?;
+    let init = dev.upload(p.state0.as_ref().expect("a problem with a state"))?;
+    drop(p);
+    let x = d.inputs();
+    let scale = 1.0 / (s.dk as f32).sqrt();
+    let pois = Device { dev };
+    let (state_len, out_len) = (s.heads * s.dk * s.dv, s.seq_len * s.heads * s.dv);
+    let mut ws = KdaPrefillWorkspace::new(dev, s)?;
+    let mut state = pois.poisoned_f32(state_len)?;
+    let mut out = pois.poisoned_u16(out_len)?;
+    let one = time_us(dev, 3, 20, || {
+        kernels.prefill(
+            dev,
+            s,
+            &x,
+            scale,
+            true,
+            Some(&init),
+            &mut state,
+            &mut out,
+            &mut ws,
+        )
+    })?;
+    let (o_ref, s_ref) = (dev.download(&out)?, dev.download(&state)?);
+    drop(ws);
+    kernels.set_segmentation(policy.0, policy.1);
+    let kernels = &*kernels;
+    for (n, head_start) in [
+        (2, false),
+        (4, false),
+        (2, true),
+        (4, true),
+        (8, true),
+        (16, true),
+    ] {
+        let mut seg = KdaSegmentedPrefill::new(dev, kernels, s.seq_len, s.heads, n)?;
+        seg.set_head_start(head_start);
+        let n = format!("{n}{}", if head_start { "" } else { ".no_head_start" });
+        let mut state = pois.poisoned_f32(state_len)?;
+        let mut out = pois.poisoned_u16(out_len)?;
+        let run = |state: &mut CudaSlice<f32>, out: &mut CudaSlice<u16>| {
+            kernels.prefill_segmented(dev, s, &x, scale, true, Some(&init), state, out, &seg)
+        };
+        run(&mut state, &mut out)?;
+        let (o, st) = (dev.download(&out)?, dev.download(&state)?);
+        let same_state = st
+            .iter()
+            .zip(&s_ref)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        let differing = o.iter().zip(&o_ref).filter(|(a, b)| a != b).count();
+        let name = format!("kda_prefill.segmented{n}.T{}.bitwise", s.seq_len);
+        checks.report(&name, (differing + usize::from(!same_state)) as f64, 0.0);
+        let us = time_us(dev, 3, 20, || run(&mut state, &mut out))?;
+        println!(
+            "time kda_prefill.segmented{n} B=1 T={} H={} K={} us={us:.1} one_call_us={one:.1} ({} segments)",
+            s.seq_len,
+            s.heads,
+            s.dk,
+            seg.segments()
+        );
+    }
+    Ok(())
+}
+
 fn bench_decode(dev: &CudaDevice, kernels: &mut KdaKernels, batch: usize) -> Result<(), CudaError> {
     let s = KdaShape {
         batch,
@@ -532,6 +608,16 @@ fn run() -> Result<usize, CudaError> {
             check_prefill(&dev, &kernels, &mut checks, name, &p)?;
         }
         check_packed(&dev, &kernels, &mut checks, "kda_prefill.packed", &mut rng)?;
+        // One sequence in segments (three of 4-5 chunks), from a state, against the CPU.
+        let policy = kernels.set_segmentation(3, 4);
+        for (name, s) in [
+            ("kda_prefill.segmented3.B1.T777.H3.state", shape(1, 777, 3)),
+            ("kda_prefill.segmented3.B1.T832.H2.state", shape(1, 832, 2)),
+        ] {
+            let p = Problem::random(s, &mut rng, 1.0, true);
+            check_prefill(&dev, &kernels, &mut checks, name, &p)?;
+        }
+        kernels.set_segmentation(policy.0, policy.1);
         for batch in [1, 5, 64] {
             let p = Problem::random(shape(batch, 1, 4), &mut rng, 0.5, true);
             check_decode(&dev, &mut kernels, &mut checks, &p)?;
@@ -695,6 +781,9 @@ fn run() -> Result<usize, CudaError> {
     };
     for &(b, t) in shapes {
         bench_prefill(&dev, &variants, shape(b, t, 32))?;
+    }
+    for &(_, t) in shapes.iter().filter(|(b, _)| *b == 1) {
+        bench_segmented(&dev, &mut kernels, &mut checks, shape(1, t, 32))?;
     }
     for batch in [1, 64, 256].into_iter().filter(|_| !prefill_only) {
         bench_decode(&dev, &mut kernels, batch)?;

@@ -6,10 +6,12 @@
 //! addresses, row strides and [`KdaSequenceTables`] on the device); [`KdaKernels::prefill`] is
 //! the same call for a uniform batch in slices.
 
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
+use super::kda_segmented::{KdaSegmentedPrefill, Segmentation};
 use super::kda_tma::{KdaScanTma, TmaProducts};
-use super::model_ops::{base_ptr, launch_fn, Arg, DevPtr, SegState};
+use super::kda_workspace::KdaPrefillWorkspace;
+use super::model_ops::{base_ptr, launch_fn_on, Arg, DevPtr, SegState};
 use super::{CudaDevice, CudaError, KDA_SCAN_SM90_SOURCE};
 use crate::gpu::{
     kda_check_config, kda_defines, kda_scan_stages, kda_smem_bytes, KdaShape, CHUNK, KDA_SOURCE,
@@ -42,6 +44,8 @@ pub struct KdaKernels {
     prep_smem: u32,
     scan_smem: u32,
     scan_wg_smem: u32,
+    /// When a prefill of one sequence goes in segments, and their scans' stream.
+    pub(super) segmentation: Segmentation,
 }
 
 /// Which kernel walks the chunks of a prefill (all compute the same; see benches/RESULTS.md).
@@ -99,130 +103,6 @@ pub(super) fn hopper_scan_available(
     arch == "sm_90" && dk == 128 && dv.is_multiple_of(columns) && !plain
 }
 
-/// Scratch of the chunked prefill: the prep's per-chunk products, `[head][chunk]`, for a number
-/// of chunks and heads (reuse it across calls that fit).
-pub struct KdaPrefillWorkspace {
-    chunks: usize,
-    heads: usize,
-    dk: usize,
-    dv: usize,
-    w: CudaSlice<u16>,
-    u: CudaSlice<u16>,
-    qg: CudaSlice<u16>,
-    kg: CudaSlice<u16>,
-    aqk: CudaSlice<u16>,
-    egl: CudaSlice<f32>,
-    /// For a uniform batch ([`Self::new`]): its shape and sequence tables on the device.
-    batch: Option<(KdaShape, BatchTables)>,
-}
-
-/// A uniform batch's [`crate::gpu::KdaSequenceTables`] on the device.
-struct BatchTables {
-    seq_start: CudaSlice<i32>,
-    chunk_start: CudaSlice<i32>,
-    state_off: CudaSlice<i64>,
-}
-
-impl KdaPrefillWorkspace {
-    /// A workspace for calls of one uniform batch shape ([`KdaKernels::prefill`]).
-    pub fn new(dev: &CudaDevice, shape: KdaShape) -> Result<Self, CudaError> {
-        let t = shape.tables();
-        let mut ws = Self::packed(
-            dev,
-            shape.batch * shape.chunks(),
-            shape.heads,
-            shape.dk,
-            shape.dv,
-        )?;
-        let tables = BatchTables {
-            seq_start: dev.upload(&t.seq_start)?,
-            chunk_start: dev.upload(&t.chunk_start)?,
-            state_off: dev.upload(&t.state_off)?,
-        };
-        ws.batch = Some((shape, tables));
-        Ok(ws)
-    }
-
-    /// A workspace for packed calls ([`KdaKernels::prefill_packed`]) of up to `chunks` chunks
-    /// over `heads` heads. Uninitialised: the prep writes every product before the scan reads it.
-    pub fn packed(
-        dev: &CudaDevice,
-        chunks: usize,
-        heads: usize,
-        dk: usize,
-        dv: usize,
-    ) -> Result<Self, CudaError> {
-        let n = (chunks * heads).max(1);
-        let s = dev.stream();
-        // SAFETY: plain numbers; every element the scan reads was written by the prep first.
-        unsafe {
-            Ok(KdaPrefillWorkspace {
-                chunks,
-                heads,
-                dk,
-                dv,
-                w: s.alloc(n * CHUNK * dk)?,
-                u: s.alloc(n * CHUNK * dv)?,
-                qg: s.alloc(n * CHUNK * dk)?,
-                kg: s.alloc(n * CHUNK * dk)?,
-                aqk: s.alloc(n * CHUNK * CHUNK)?,
-                egl: s.alloc(n * dk)?,
-                batch: None,
-            })
-        }
-    }
-
-    /// Device bytes this workspace holds.
-    pub fn bytes(&self) -> usize {
-        2 * (self.w.len() + self.u.len() + self.qg.len() + self.kg.len() + self.aqk.len())
-            + 4 * self.egl.len()
-    }
-
-    /// The prep's outputs and the scan's inputs, in the kernels' parameter order.
-    fn products(&self, dev: &CudaDevice) -> [Arg; 6] {
-        self.product_ptrs(dev).map(Arg::P)
-    }
-
-    /// The addresses of [`Self::products`]: w, u, q·exp(gc), k·exp(gc_last − gc), Aqk, exp(gc_last).
-    pub(super) fn product_ptrs(&self, dev: &CudaDevice) -> [DevPtr; 6] {
-        let s = dev.stream();
-        [
-            base_ptr(s, &self.w),
-            base_ptr(s, &self.u),
-            base_ptr(s, &self.qg),
-            base_ptr(s, &self.kg),
-            base_ptr(s, &self.aqk),
-            base_ptr(s, &self.egl),
-        ]
-    }
-
-    /// Token rows each product holds (chunks × heads × the chunk length).
-    pub(super) fn rows(&self) -> usize {
-        self.w.len() / self.dk
-    }
-
-    pub(super) fn dk(&self) -> usize {
-        self.dk
-    }
-
-    pub(super) fn dv(&self) -> usize {
-        self.dv
-    }
-
-    /// The uniform batch's shape and tables, checked against a call's shape.
-    fn batch_for(&self, shape: &KdaShape) -> Result<&BatchTables, CudaError> {
-        match &self.batch {
-            Some((s, t)) if s == shape => Ok(t),
-            Some((s, _)) => Err(shape_err(format!(
-                "workspace is for {s:?}, call is {shape:?}"
-            ))),
-            None => Err(shape_err(
-                "a packed workspace was passed to a batch call".into(),
-            )),
-        }
-    }
-}
-
 /// One chunked prefill over packed sequences, by device address (the caller owns the extents).
 /// Token row `t` of the call holds q at `q + t·ld_qk + h·dk`, k at `k + t·ld_qk + h·dk`, v at
 /// `v + t·ld_v + h·dv` (bf16; rows of ld elements, multiples of 8), g at `g + (t·heads + h)·dk`
@@ -260,7 +140,7 @@ pub struct KdaInputs<'a> {
     pub beta: &'a CudaSlice<u16>,
 }
 
-fn shape_err(msg: String) -> CudaError {
+pub(super) fn shape_err(msg: String) -> CudaError {
     CudaError::Shape(format!("kda: {msg}"))
 }
 
@@ -317,6 +197,7 @@ impl KdaKernels {
             v_tile,
             prep_smem,
             scan_smem,
+            segmentation: Segmentation::from_env(),
         };
         // The copy-engine scan with register operands where it can be built, else the one on
         // warpgroup MMAs (both Hopper; see benches/RESULTS.md), else the mma.sync scan.
@@ -362,6 +243,36 @@ impl KdaKernels {
         Ok(())
     }
 
+    /// The inputs and outputs of a uniform prefill against its shape.
+    pub(super) fn check_call(
+        &self,
+        shape: &KdaShape,
+        x: &KdaInputs,
+        initial: Option<&CudaSlice<f32>>,
+        final_state: &CudaSlice<f32>,
+        out: &CudaSlice<u16>,
+    ) -> Result<(), CudaError> {
+        self.check(shape, x)?;
+        if final_state.len() != shape.state_len() || out.len() != shape.v_len() {
+            return Err(shape_err("output sizes do not match the shape".into()));
+        }
+        if initial.is_some_and(|s| s.len() != shape.state_len()) {
+            return Err(shape_err(
+                "initial state size does not match the shape".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Head dims the kernels were built for (k, v).
+    pub(super) fn dk(&self) -> usize {
+        self.dk
+    }
+
+    pub(super) fn dv(&self) -> usize {
+        self.dv
+    }
+
     /// Chunked prefill over `batch` sequences of `seq_len` tokens. `initial` (or zeros) is the
     /// state before the first token; `final_state` receives the state after the last; `out`
     /// receives o [B, T, H, DV].
@@ -378,20 +289,34 @@ impl KdaKernels {
         out: &mut CudaSlice<u16>,
         ws: &mut KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
-        self.check(&shape, x)?;
+        self.check_call(&shape, x, initial, final_state, out)?;
         ws.batch_for(&shape)?;
-        if final_state.len() != shape.state_len() || out.len() != shape.v_len() {
-            return Err(shape_err("output sizes do not match the shape".into()));
-        }
-        if let Some(s) = initial {
-            if s.len() != shape.state_len() {
-                return Err(shape_err(
-                    "initial state size does not match the shape".into(),
-                ));
-            }
-        }
         if shape.seq_len == 0 {
             return Ok(());
+        }
+        let segments = self.segments_for(shape.batch, shape.chunks());
+        if segments > 1 {
+            if ws.segmented.as_ref().map(|g| g.segments()) != Some(segments) {
+                ws.segmented = Some(KdaSegmentedPrefill::new(
+                    dev,
+                    self,
+                    shape.seq_len,
+                    shape.heads,
+                    segments,
+                )?);
+            }
+            let seg = ws.segmented.as_ref().expect("made above");
+            return self.prefill_segmented(
+                dev,
+                shape,
+                x,
+                scale,
+                l2norm,
+                initial,
+                final_state,
+                out,
+                seg,
+            );
         }
         let s = dev.stream();
         let src = initial.map_or(0, |i| base_ptr(s, i));
@@ -509,6 +434,17 @@ impl KdaKernels {
         p: &KdaPacked,
         ws: &KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
+        self.launch_prep_on(dev, dev.stream(), p, ws)
+    }
+
+    /// The prep of a call on `stream` (arguments unchecked).
+    pub(super) fn launch_prep_on(
+        &self,
+        dev: &CudaDevice,
+        stream: &CudaStream,
+        p: &KdaPacked,
+        ws: &KdaPrefillWorkspace,
+    ) -> Result<(), CudaError> {
         let cfg = LaunchConfig {
             grid_dim: (p.chunks as u32, p.heads as u32, 1),
             block_dim: (256, 1, 1),
@@ -532,12 +468,23 @@ impl KdaKernels {
         args.extend(ws.products(dev));
         // SAFETY: kda_chunk_prep's parameters in order; the workspace holds p.chunks x p.heads
         // chunks (checked by the callers) and the caller owns the input extents.
-        unsafe { launch_fn(dev, &self.prep, cfg, &args) }
+        unsafe { launch_fn_on(stream, &self.prep, cfg, &args) }
     }
 
     fn launch_scan(
         &self,
         dev: &CudaDevice,
+        p: &KdaPacked,
+        ws: &KdaPrefillWorkspace,
+    ) -> Result<(), CudaError> {
+        self.launch_scan_on(dev, dev.stream(), p, ws)
+    }
+
+    /// The scan of a call on `stream`, after the prep that filled `ws` (arguments unchecked).
+    pub(super) fn launch_scan_on(
+        &self,
+        dev: &CudaDevice,
+        stream: &CudaStream,
         p: &KdaPacked,
         ws: &KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
@@ -548,7 +495,7 @@ impl KdaKernels {
             _ => None,
         };
         if let Some(k) = copy_engine {
-            return k.launch(dev, p, ws);
+            return k.launch(dev, stream, p, ws);
         }
         let (f, columns, threads, smem) = match (&self.scan_wg, self.scan_kind) {
             (Some(f), KdaScanKind::Warpgroup) => (f, WG_SCAN_COLUMNS, 128, self.scan_wg_smem),
@@ -582,7 +529,7 @@ impl KdaKernels {
         ]);
         // SAFETY: the parameters of kda_chunk_scan and kda_chunk_scan_wg (the same) in order;
         // the workspace was filled by the prep of the same call.
-        unsafe { launch_fn(dev, f, cfg, &args) }
+        unsafe { launch_fn_on(stream, f, cfg, &args) }
     }
 
     /// Chooses the kernel that walks the chunks, compiling it on first use where it can be built;

@@ -4,9 +4,10 @@
 //! products as tensor maps (the 128-byte swizzle), and the launch.
 
 use cudarc::driver::sys::{CUfunction_attribute, CUtensorMapDataType, CUtensorMapSwizzle};
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::kda::{KdaPacked, KdaPrefillWorkspace};
+use super::kda::KdaPacked;
+use super::kda_workspace::KdaPrefillWorkspace;
 use super::model_ops::DevPtr;
 use super::tensor_map::{self, TensorMapArg};
 use super::{
@@ -174,10 +175,11 @@ impl KdaScanTma {
         })
     }
 
-    /// The scan of a call whose products the prep wrote into `ws`.
+    /// The scan of a call whose products the prep wrote into `ws`, on `stream`.
     pub(super) fn launch(
         &self,
         dev: &CudaDevice,
+        stream: &CudaStream,
         p: &KdaPacked,
         ws: &KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
@@ -203,8 +205,7 @@ impl KdaScanTma {
             shared_mem_bytes: self.smem,
         };
         let (ld_o, nchunks) = (p.ld_o as i32, p.chunks as i32);
-        let s = dev.stream();
-        let mut launch = s.launch_builder(&self.f);
+        let mut launch = stream.launch_builder(&self.f);
         for m in &maps {
             launch.arg(m);
         }

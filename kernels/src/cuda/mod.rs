@@ -9,7 +9,9 @@
 
 mod conv;
 mod kda;
+mod kda_segmented;
 mod kda_tma;
+mod kda_workspace;
 mod mla;
 mod model_mla;
 mod model_ops;
@@ -33,7 +35,9 @@ pub use crate::gpu::{
     KDA_SOURCE, OPS_SOURCE,
 };
 pub use conv::ShortConv;
-pub use kda::{KdaInputs, KdaKernels, KdaPacked, KdaPrefillWorkspace, KdaScanKind};
+pub use kda::{KdaInputs, KdaKernels, KdaPacked, KdaScanKind};
+pub use kda_segmented::KdaSegmentedPrefill;
+pub use kda_workspace::KdaPrefillWorkspace;
 pub use mla::{
     MlaDecode, MlaDecodeShape, MlaDecodeWorkspace, MlaKernel, MlaPages, MlaTuning, MLA_RANK,
     MLA_ROPE,

@@ -62,10 +62,22 @@ pub(super) unsafe fn launch_fn(
     cfg: LaunchConfig,
     args: &[Arg],
 ) -> Result<(), CudaError> {
+    // SAFETY: the caller's contract.
+    unsafe { launch_fn_on(dev.stream(), f, cfg, args) }
+}
+
+/// [`launch_fn`] on a stream of the caller's choice (same contract; the caller orders it against
+/// the device's stream).
+pub(super) unsafe fn launch_fn_on(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<(), CudaError> {
     if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
         return Ok(());
     }
-    let mut b = dev.stream().launch_builder(f);
+    let mut b = stream.launch_builder(f);
     for a in args {
         match a {
             Arg::P(v) => b.arg(v),

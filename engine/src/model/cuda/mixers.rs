@@ -8,8 +8,8 @@
 //! expanded forms, in a different summation order.
 
 use tessera_kernels::cuda::{
-    CudaDevice, CudaSlice, KdaKernels, KdaPacked, KdaPrefillWorkspace, KdaRecurrent, MlaAbsorbed,
-    NormRows,
+    CudaDevice, CudaSlice, KdaKernels, KdaPacked, KdaPrefillWorkspace, KdaRecurrent,
+    KdaSegmentedPrefill, MlaAbsorbed, NormRows,
 };
 
 use super::super::kda::{KdaLayer, OutGate};
@@ -231,7 +231,6 @@ impl DKda {
         let qkv_b = gpu.to_act(qkv)?;
         let beta_b = gpu.to_act(beta)?;
         let o = gpu.scratch::<u16>(n * p)?;
-        let ws = KdaPrefillWorkspace::packed(&gpu.dev, step.chunks, h, dk, dk)?;
         let base = gpu.p(&qkv_b);
         let call = KdaPacked {
             q: base,
@@ -252,7 +251,15 @@ impl DKda {
             scale: 1.0 / (dk as f32).sqrt(),
             l2norm: false,
         };
-        c.kernels.prefill_packed(&gpu.dev, &call, &ws)?;
+        // One long sequence goes in segments, the scan of each beside the prep of the next.
+        let segments = c.kernels.segments_for(step.segments(), step.chunks);
+        if segments > 1 {
+            let seg = KdaSegmentedPrefill::new(&gpu.dev, &c.kernels, n, h, segments)?;
+            c.kernels.prefill_segmented_packed(&gpu.dev, &call, &seg)?;
+        } else {
+            let ws = KdaPrefillWorkspace::packed(&gpu.dev, step.chunks, h, dk, dk)?;
+            c.kernels.prefill_packed(&gpu.dev, &call, &ws)?;
+        }
         gpu.k.from_bf16(&gpu.dev, gpu.p(&o), gpu.p(core), n * p)?;
         Ok(())
     }
