@@ -439,17 +439,21 @@ fn bench_segmented(
     drop(ws);
     kernels.set_segmentation(policy.0, policy.1);
     let kernels = &*kernels;
-    for (n, head_start) in [
-        (2, false),
-        (4, false),
-        (2, true),
-        (4, true),
-        (8, true),
-        (16, true),
-    ] {
-        let mut seg = KdaSegmentedPrefill::new(dev, kernels, s.seq_len, s.heads, n)?;
+    // Segment sizes in proportion to the weights; the head start off for one of them.
+    let splits: [(&str, &[usize], bool); 9] = [
+        ("2.no_head_start", &[1, 1], false),
+        ("2", &[1, 1], true),
+        ("2.short_last", &[3, 1], true),
+        ("4.even", &[1, 1, 1, 1], true),
+        ("3.short_last", &[2, 2, 1], true),
+        ("4", &[3, 3, 3, 1], true),
+        ("4.shortest_last", &[4, 4, 4, 1], true),
+        ("5", &[3, 3, 3, 3, 1], true),
+        ("8.even", &[1; 8], true),
+    ];
+    for (n, weights, head_start) in splits {
+        let mut seg = KdaSegmentedPrefill::with_weights(dev, kernels, s.seq_len, s.heads, weights)?;
         seg.set_head_start(head_start);
-        let n = format!("{n}{}", if head_start { "" } else { ".no_head_start" });
         let mut state = pois.poisoned_f32(state_len)?;
         let mut out = pois.poisoned_u16(out_len)?;
         let run = |state: &mut CudaSlice<f32>, out: &mut CudaSlice<u16>| {

@@ -78,7 +78,8 @@ struct Segment {
 impl KdaSegmentedPrefill {
     /// A segmented prefill by `kernels` of one sequence of `tokens` tokens over `heads` heads in
     /// `segments` segments of whole chunks (fewer when there are fewer chunks;
-    /// [`KdaKernels::segments_for`] says how many pay).
+    /// [`KdaKernels::segments_for`] says how many pay). The last is a third of the others: its
+    /// scan has no prep beside it.
     pub fn new(
         dev: &CudaDevice,
         kernels: &KdaKernels,
@@ -86,13 +87,32 @@ impl KdaSegmentedPrefill {
         heads: usize,
         segments: usize,
     ) -> Result<Self, CudaError> {
+        let n = segments.max(1);
+        let mut weights = vec![3; n];
+        weights[n - 1] = 1;
+        Self::with_weights(dev, kernels, tokens, heads, &weights)
+    }
+
+    /// The same with segment sizes in proportion to `weights` (each at least one chunk; a
+    /// segment that would be empty is left out).
+    pub fn with_weights(
+        dev: &CudaDevice,
+        kernels: &KdaKernels,
+        tokens: usize,
+        heads: usize,
+        weights: &[usize],
+    ) -> Result<Self, CudaError> {
         let (dk, dv) = (kernels.dk(), kernels.dv());
         let chunks = tokens.div_ceil(CHUNK);
-        let n = segments.clamp(1, chunks.max(1));
-        let mut list = Vec::with_capacity(n);
-        let mut c0 = 0;
-        for i in 0..n {
-            let c1 = chunks * (i + 1) / n;
+        let total: usize = weights.iter().sum::<usize>().max(1);
+        let mut list = Vec::with_capacity(weights.len());
+        let (mut c0, mut cum) = (0, 0);
+        for w in weights {
+            cum += w;
+            let c1 = chunks * cum / total;
+            if c1 == c0 {
+                continue;
+            }
             let (tok0, tok1) = (c0 * CHUNK, (c1 * CHUNK).min(tokens));
             list.push(Segment {
                 tok0,
@@ -103,6 +123,12 @@ impl KdaSegmentedPrefill {
             });
             c0 = c1;
         }
+        if list.is_empty() {
+            return Err(CudaError::Shape(format!(
+                "kda: a segmented prefill of {tokens} tokens has no chunk"
+            )));
+        }
+        let n = list.len();
         let s = dev.stream();
         let carried = (1..n)
             .map(|_| s.alloc_zeros::<f32>(heads * dk * dv))
