@@ -103,6 +103,12 @@ const MAX_ATTEMPTS: usize = 4;
 /// Bound on the clean-up RPCs (release, cancel) so a dead worker cannot hold a request task.
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Bound on a reservation's release, which runs in a task of its own: as long as a decode
+/// worker's default reservation lasts, so that a busy worker still frees the pages when it
+/// gets to the call (a shorter bound drops the call, and the pages wait for the reservation to
+/// expire).
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Prefill errors that say the transfer into the decode worker failed: the next attempt avoids
 /// that decode worker (the prefill worker answered, so it is alive).
 const DECODE_SIDE_CODES: [v1::ErrorCode; 5] = [
@@ -284,7 +290,7 @@ impl Flow {
                         wire_id: run.wire_id.clone(),
                     };
                     if self.tx.is_closed() {
-                        self.release(&placed).await;
+                        self.release_in_background(&placed);
                         return Err(Stop::Cancelled.into());
                     }
                     return Ok(placed);
@@ -392,7 +398,7 @@ impl Flow {
         };
         if emitted.is_err() || reason.is_some() {
             // Decode never starts: give its pages back.
-            self.release(placed).await;
+            self.release_in_background(placed);
         }
         emitted?;
         let Some(reason) = reason else {
@@ -435,7 +441,7 @@ impl Flow {
         let started = tokio::select! {
             r = client.start_decode(decode.request(msg)) => r,
             _ = self.tx.closed() => {
-                self.release(placed).await;
+                self.release_in_background(placed);
                 return Err(Stop::Cancelled.into());
             }
         };
@@ -584,12 +590,8 @@ impl Flow {
         }
     }
 
-    async fn release(&self, placed: &Placed) {
-        release_on(&placed.decode, &placed.wire_id, &placed.reply).await;
-    }
-
-    /// [`Self::release`] without waiting: after a failure the worker may answer slowly or never,
-    /// and the request moves on to other workers meanwhile.
+    /// Frees a reservation in a task of its own: the request is over (or moves on to other
+    /// workers), and the worker may answer slowly or never.
     fn release_in_background(&self, placed: &Placed) {
         let decode = placed.decode.0.clone();
         let (id, reply) = (placed.wire_id.clone(), placed.reply.clone());
@@ -606,12 +608,17 @@ async fn release_on(decode: &Worker, request_id: &str, reply: &v1::ReserveReply)
         reservation_id: reply.reservation_id.clone(),
     };
     let mut c = decode.decode_client();
-    let _ = tokio::time::timeout(CLEANUP_TIMEOUT, c.release_reservation(decode.request(msg))).await;
-    cancel_on(decode, request_id).await;
+    let _ = tokio::time::timeout(RELEASE_TIMEOUT, c.release_reservation(decode.request(msg))).await;
+    cancel_within(decode, request_id, RELEASE_TIMEOUT).await;
 }
 
 /// `Cancel` on one worker (idempotent; errors ignored).
 async fn cancel_on(w: &Worker, request_id: &str) {
+    cancel_within(w, request_id, CLEANUP_TIMEOUT).await;
+}
+
+/// [`cancel_on`] with its own bound.
+async fn cancel_within(w: &Worker, request_id: &str, bound: Duration) {
     let msg = v1::CancelRequest {
         request_id: request_id.to_string(),
         target_incarnation: 0,
@@ -625,5 +632,5 @@ async fn cancel_on(w: &Worker, request_id: &str) {
             Role::Encoder => Ok(()),
         }
     };
-    let _ = tokio::time::timeout(CLEANUP_TIMEOUT, call).await;
+    let _ = tokio::time::timeout(bound, call).await;
 }
