@@ -322,8 +322,8 @@ impl KdaKernels {
         let src = initial.map_or(0, |i| base_ptr(s, i));
         let (dst, o) = (base_ptr(s, final_state), base_ptr(s, out));
         let p = self.batch_call(dev, shape, Some(x), scale, l2norm, (src, dst, o), ws)?;
-        self.launch_prep(dev, &p, ws)?;
-        self.launch_scan(dev, &p, ws)
+        self.launch_prep_on(dev, dev.stream(), &p, ws)?;
+        self.launch_scan_on(dev, dev.stream(), &p, ws)
     }
 
     /// The parallel half of [`Self::prefill`]: per-chunk products into `ws` (arguments unchecked;
@@ -338,7 +338,7 @@ impl KdaKernels {
         ws: &mut KdaPrefillWorkspace,
     ) -> Result<(), CudaError> {
         let p = self.batch_call(dev, shape, Some(x), scale, l2norm, (0, 0, 0), ws)?;
-        self.launch_prep(dev, &p, ws)
+        self.launch_prep_on(dev, dev.stream(), &p, ws)
     }
 
     /// The sequential half of [`Self::prefill`]: the state walks the chunks prepared in `ws`.
@@ -355,7 +355,7 @@ impl KdaKernels {
         let src = initial.map_or(0, |i| base_ptr(s, i));
         let (dst, o) = (base_ptr(s, final_state), base_ptr(s, out));
         let p = self.batch_call(dev, shape, None, 0.0, false, (src, dst, o), ws)?;
-        self.launch_scan(dev, &p, ws)
+        self.launch_scan_on(dev, dev.stream(), &p, ws)
     }
 
     /// A uniform batch as a packed call (the workspace holds its tables); `(src, dst, out)`:
@@ -424,17 +424,8 @@ impl KdaKernels {
         if p.sequences == 0 || p.chunks == 0 {
             return Ok(());
         }
-        self.launch_prep(dev, p, ws)?;
-        self.launch_scan(dev, p, ws)
-    }
-
-    fn launch_prep(
-        &self,
-        dev: &CudaDevice,
-        p: &KdaPacked,
-        ws: &KdaPrefillWorkspace,
-    ) -> Result<(), CudaError> {
-        self.launch_prep_on(dev, dev.stream(), p, ws)
+        self.launch_prep_on(dev, dev.stream(), p, ws)?;
+        self.launch_scan_on(dev, dev.stream(), p, ws)
     }
 
     /// The prep of a call on `stream` (arguments unchecked).
@@ -469,15 +460,6 @@ impl KdaKernels {
         // SAFETY: kda_chunk_prep's parameters in order; the workspace holds p.chunks x p.heads
         // chunks (checked by the callers) and the caller owns the input extents.
         unsafe { launch_fn_on(stream, &self.prep, cfg, &args) }
-    }
-
-    fn launch_scan(
-        &self,
-        dev: &CudaDevice,
-        p: &KdaPacked,
-        ws: &KdaPrefillWorkspace,
-    ) -> Result<(), CudaError> {
-        self.launch_scan_on(dev, dev.stream(), p, ws)
     }
 
     /// The scan of a call on `stream`, after the prep that filled `ws` (arguments unchecked).
