@@ -351,6 +351,18 @@ fn check_decode(
     Ok(())
 }
 
+/// A prefill's final state and o for shape `s`, zeroed.
+fn prefill_outputs(
+    dev: &CudaDevice,
+    s: KdaShape,
+) -> Result<(CudaSlice<f32>, CudaSlice<u16>), CudaError> {
+    let stream = dev.stream();
+    Ok((
+        stream.alloc_zeros::<f32>(s.batch * s.heads * s.dk * s.dv)?,
+        stream.alloc_zeros::<u16>(s.batch * s.seq_len * s.heads * s.dv)?,
+    ))
+}
+
 fn bench_prefill(
     dev: &CudaDevice,
     variants: &[(String, KdaKernels)],
@@ -362,12 +374,7 @@ fn bench_prefill(
     let d = p.upload(dev)?;
     drop(p);
     let setup = t0.elapsed().as_secs_f64();
-    let mut state = dev
-        .stream()
-        .alloc_zeros::<f32>(s.batch * s.heads * s.dk * s.dv)?;
-    let mut out = dev
-        .stream()
-        .alloc_zeros::<u16>(s.batch * s.seq_len * s.heads * s.dv)?;
+    let (mut state, mut out) = prefill_outputs(dev, s)?;
     let mut ws = KdaPrefillWorkspace::new(dev, s)?;
     let x = d.inputs();
     let scale = 1.0 / (s.dk as f32).sqrt();
@@ -534,12 +541,7 @@ fn stage_costs(dev: &CudaDevice, s: KdaShape) -> Result<(), CudaError> {
         println!("stage prep T={} skip={skip} ({what}) us={us:.1}", s.seq_len);
     }
     // The register-operand scan with its products or its copies left out.
-    let mut state = dev
-        .stream()
-        .alloc_zeros::<f32>(s.batch * s.heads * s.dk * s.dv)?;
-    let mut out = dev
-        .stream()
-        .alloc_zeros::<u16>(s.batch * s.seq_len * s.heads * s.dv)?;
+    let (mut state, mut out) = prefill_outputs(dev, s)?;
     for (skip, what) in [
         (0, "all"),
         (1, "copies only"),
@@ -716,10 +718,7 @@ fn run() -> Result<usize, CudaError> {
         };
         let p = Problem::random(s, &mut rng, 0.5, false);
         let d = p.upload(&dev)?;
-        let mut state = dev.stream().alloc_zeros::<f32>(s.heads * s.dk * s.dv)?;
-        let mut out = dev
-            .stream()
-            .alloc_zeros::<u16>(s.seq_len * s.heads * s.dv)?;
+        let (mut state, mut out) = prefill_outputs(&dev, s)?;
         let mut ws = KdaPrefillWorkspace::new(&dev, s)?;
         for _ in 0..2 {
             kv.prefill(

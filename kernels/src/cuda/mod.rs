@@ -94,28 +94,28 @@ pub const KDA_SCAN_TMA_SOURCE: &str = concat!(
     include_str!("kda_scan_tma.cu")
 );
 
+/// A KDA chunk scan on warpgroup MMAs fed by the copy engine: the copies, the stage, the wgmma
+/// helpers and the scan's own source.
+macro_rules! kda_warpgroup_scan_source {
+    ($scan:literal) => {
+        concat!(
+            include_str!("tma.cuh"),
+            "\n",
+            include_str!("kda_stage.cuh"),
+            "\n",
+            include_str!("wgmma.cuh"),
+            "\n",
+            include_str!($scan)
+        )
+    };
+}
+
 /// The KDA chunk scan fed by the copy engine, on warpgroup MMAs; Hopper only (as above).
-pub const KDA_SCAN_TMA_WG_SOURCE: &str = concat!(
-    include_str!("tma.cuh"),
-    "\n",
-    include_str!("kda_stage.cuh"),
-    "\n",
-    include_str!("wgmma.cuh"),
-    "\n",
-    include_str!("kda_scan_tma_wg.cu")
-);
+pub const KDA_SCAN_TMA_WG_SOURCE: &str = kda_warpgroup_scan_source!("kda_scan_tma_wg.cu");
 
 /// The KDA chunk scan fed by the copy engine with the state transposed and the left operands in
 /// registers; Hopper only (as above, with `KS_VT` = 64).
-pub const KDA_SCAN_TMA_RS_SOURCE: &str = concat!(
-    include_str!("tma.cuh"),
-    "\n",
-    include_str!("kda_stage.cuh"),
-    "\n",
-    include_str!("wgmma.cuh"),
-    "\n",
-    include_str!("kda_scan_tma_rs.cu")
-);
+pub const KDA_SCAN_TMA_RS_SOURCE: &str = kda_warpgroup_scan_source!("kda_scan_tma_rs.cu");
 
 /// MoE decode for small batches: routing, plan, gate+up+SiTU, down, combine (bf16 and MXFP4).
 pub const MOE_SOURCE: &str = concat!(
