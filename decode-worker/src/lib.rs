@@ -115,6 +115,55 @@ impl DecodeService {
         &self.info
     }
 
+    /// Reserves pages for a prompt and registers the reservation until it is started, released,
+    /// cancelled or expires.
+    async fn reserve(
+        self: &Arc<Self>,
+        req: v1::ReserveRequest,
+        inflight: InflightGuard,
+    ) -> Result<v1::ReserveReply, Status> {
+        let prompt_len = req.prompt_token_ids.len();
+        let engine = self.engine.clone();
+        let r = tokio::task::spawn_blocking(move || engine.reserve(prompt_len))
+            .await
+            .map_err(internal)?
+            .map_err(|e| {
+                let mut d = v1::ErrorDetail::new(v1::ErrorCode::OutOfPages, e.to_string());
+                d.retryable = true;
+                d.into_status()
+            })?;
+        let ttl = match req.ttl_ms {
+            0 => DEFAULT_TTL,
+            ms => Duration::from_millis(ms as u64).min(MAX_TTL),
+        };
+        let id = r.id;
+        let reply = v1::ReserveReply {
+            reservation_id: id.to_string(),
+            incarnation_id: self.info.incarnation_id,
+            cached_tokens: 0,
+            mla_page_ids: r.mla_pages.iter().map(|p| p.0).collect(),
+            kda_state_page_ids: r.kda_pages.iter().map(|p| p.0).collect(),
+            ttl_ms: ttl.as_millis() as u32,
+        };
+        self.pending.lock().unwrap().insert(
+            id,
+            Pending {
+                request_id: req.request_id,
+                reservation: r,
+                inflight,
+            },
+        );
+        let me = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(ttl).await;
+            if me.drop_pending(id).await.is_some() {
+                me.expired.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(reservation = id, "reservation expired; pages freed");
+            }
+        });
+        Ok(reply)
+    }
+
     /// Frees a pending reservation (TTL, release, cancel). Returns its page count when found.
     async fn drop_pending(&self, id: u64) -> Option<usize> {
         let p = self.pending.lock().unwrap().remove(&id)?;
@@ -206,49 +255,16 @@ impl DecodeWorker for DecodeGrpc {
         let inflight = self.drain.admit(&self.info.worker_id)?;
         let req = request.into_inner();
         runtime::check_target(&self.info, req.target_incarnation)?;
-        let prompt_len = req.prompt_token_ids.len();
-        if prompt_len == 0 {
+        if req.prompt_token_ids.is_empty() {
             return Err(err(v1::ErrorCode::InvalidArgument, "empty prompt"));
         }
-        let engine = self.engine.clone();
-        let r = tokio::task::spawn_blocking(move || engine.reserve(prompt_len))
+        // The reservation and its registration (with its expiry) run in a task of their own: a
+        // caller that goes away mid-call cannot leave pages reserved that nothing frees.
+        let me = self.0.clone();
+        tokio::spawn(async move { me.reserve(req, inflight).await })
             .await
             .map_err(internal)?
-            .map_err(|e| {
-                let mut d = v1::ErrorDetail::new(v1::ErrorCode::OutOfPages, e.to_string());
-                d.retryable = true;
-                d.into_status()
-            })?;
-        let ttl = match req.ttl_ms {
-            0 => DEFAULT_TTL,
-            ms => Duration::from_millis(ms as u64).min(MAX_TTL),
-        };
-        let id = r.id;
-        let reply = v1::ReserveReply {
-            reservation_id: id.to_string(),
-            incarnation_id: self.info.incarnation_id,
-            cached_tokens: 0,
-            mla_page_ids: r.mla_pages.iter().map(|p| p.0).collect(),
-            kda_state_page_ids: r.kda_pages.iter().map(|p| p.0).collect(),
-            ttl_ms: ttl.as_millis() as u32,
-        };
-        self.pending.lock().unwrap().insert(
-            id,
-            Pending {
-                request_id: req.request_id,
-                reservation: r,
-                inflight,
-            },
-        );
-        let me = self.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(ttl).await;
-            if me.drop_pending(id).await.is_some() {
-                me.expired.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(reservation = id, "reservation expired; pages freed");
-            }
-        });
-        Ok(Response::new(reply))
+            .map(Response::new)
     }
 
     async fn release_reservation(
