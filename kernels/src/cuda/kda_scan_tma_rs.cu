@@ -24,8 +24,7 @@
 #define CR_STAGES 3
 #endif
 // Timing aid: a bit mask of the scan's work to leave out (1: the products, 2: the copies, 4:
-// everything between the products).
-// Results are wrong unless 0.
+// everything between the products). Results are wrong unless 0.
 #ifndef CR_SKIP
 #define CR_SKIP 0
 #endif
