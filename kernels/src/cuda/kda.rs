@@ -140,6 +140,46 @@ pub struct KdaInputs<'a> {
     pub beta: &'a CudaSlice<u16>,
 }
 
+/// A uniform batch of `shape` as a packed call of `chunks` chunks: inputs `x` (none: zero
+/// addresses, for a scan alone), `(scale, l2norm)`, `(src, dst, out)` the initial state (0:
+/// zeros), the final state and o, and `(seq_start, chunk_start, state_off)` the device tables.
+pub(super) fn uniform_call(
+    dev: &CudaDevice,
+    shape: KdaShape,
+    x: Option<&KdaInputs>,
+    (scale, l2norm): (f32, bool),
+    (src, dst, out): (DevPtr, DevPtr, DevPtr),
+    (seq_start, chunk_start, state_off): (DevPtr, DevPtr, DevPtr),
+    chunks: usize,
+) -> KdaPacked {
+    let s = dev.stream();
+    let p = |b: Option<DevPtr>| b.unwrap_or(0);
+    KdaPacked {
+        q: p(x.map(|x| base_ptr(s, x.q))),
+        k: p(x.map(|x| base_ptr(s, x.k))),
+        ld_qk: shape.heads * shape.dk,
+        v: p(x.map(|x| base_ptr(s, x.v))),
+        ld_v: shape.heads * shape.dv,
+        g: p(x.map(|x| base_ptr(s, x.g))),
+        beta: p(x.map(|x| base_ptr(s, x.beta))),
+        out,
+        ld_o: shape.heads * shape.dv,
+        seq_start,
+        chunk_start,
+        sequences: shape.batch,
+        chunks,
+        heads: shape.heads,
+        state: SegState {
+            src,
+            dst,
+            src_off: state_off,
+            dst_off: state_off,
+        },
+        scale,
+        l2norm,
+    }
+}
+
 pub(super) fn shape_err(msg: String) -> CudaError {
     CudaError::Shape(format!("kda: {msg}"))
 }
@@ -373,32 +413,20 @@ impl KdaKernels {
     ) -> Result<KdaPacked, CudaError> {
         let t = ws.batch_for(&shape)?;
         let s = dev.stream();
-        let off = base_ptr(s, &t.state_off);
-        let p = |b: Option<DevPtr>| b.unwrap_or(0);
-        Ok(KdaPacked {
-            q: p(x.map(|x| base_ptr(s, x.q))),
-            k: p(x.map(|x| base_ptr(s, x.k))),
-            ld_qk: shape.heads * shape.dk,
-            v: p(x.map(|x| base_ptr(s, x.v))),
-            ld_v: shape.heads * shape.dv,
-            g: p(x.map(|x| base_ptr(s, x.g))),
-            beta: p(x.map(|x| base_ptr(s, x.beta))),
-            out,
-            ld_o: shape.heads * shape.dv,
-            seq_start: base_ptr(s, &t.seq_start),
-            chunk_start: base_ptr(s, &t.chunk_start),
-            sequences: shape.batch,
-            chunks: ws.chunks,
-            heads: shape.heads,
-            state: SegState {
-                src,
-                dst,
-                src_off: off,
-                dst_off: off,
-            },
-            scale,
-            l2norm,
-        })
+        let tables = (
+            base_ptr(s, &t.seq_start),
+            base_ptr(s, &t.chunk_start),
+            base_ptr(s, &t.state_off),
+        );
+        Ok(uniform_call(
+            dev,
+            shape,
+            x,
+            (scale, l2norm),
+            (src, dst, out),
+            tables,
+            ws.chunks,
+        ))
     }
 
     /// Chunked prefill over packed sequences (see [`KdaPacked`]); `ws` must hold at least

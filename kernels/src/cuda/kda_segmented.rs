@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::kda::{KdaInputs, KdaKernels, KdaPacked};
+use super::kda::{shape_err, uniform_call, KdaInputs, KdaKernels, KdaPacked};
 use super::kda_workspace::KdaPrefillWorkspace;
 use super::model_ops::{base_ptr, DevPtr, SegState};
 use super::{CudaDevice, CudaError};
@@ -124,8 +124,8 @@ impl KdaSegmentedPrefill {
             c0 = c1;
         }
         if list.is_empty() {
-            return Err(CudaError::Shape(format!(
-                "kda: a segmented prefill of {tokens} tokens has no chunk"
+            return Err(shape_err(format!(
+                "a segmented prefill of {tokens} tokens has no chunk"
             )));
         }
         let n = list.len();
@@ -209,9 +209,9 @@ impl KdaKernels {
         seg: &KdaSegmentedPrefill,
     ) -> Result<(), CudaError> {
         if p.sequences != 1 || p.heads != seg.heads || (self.dk(), self.dv()) != (seg.dk, seg.dv) {
-            return Err(CudaError::Shape(format!(
-                "kda: a segmented prefill for one sequence of {} heads (dk {}, dv {}) called \
-                 with {} sequences of {} heads (dk {}, dv {})",
+            return Err(shape_err(format!(
+                "a segmented prefill for one sequence of {} heads (dk {}, dv {}) called with {} \
+                 sequences of {} heads (dk {}, dv {})",
                 seg.heads,
                 seg.dk,
                 seg.dv,
@@ -225,7 +225,7 @@ impl KdaKernels {
         let no_timing = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
         let zero = base_ptr(main, &seg.zero_off);
         let last = seg.segments.len() - 1;
-        // With a head start: the event after the marker that precedes the last scan.
+        // With a head start: the event after the marker that precedes the previous segment's scan.
         let mut started = None;
         for (i, sg) in seg.segments.iter().enumerate() {
             let t = sg.tok0;
@@ -258,7 +258,7 @@ impl KdaKernels {
                 ..*p
             };
             if let Some(marked) = started.take() {
-                // The last segment's scan is next on its stream: it reaches the GPU first.
+                // The previous segment's scan is next on its stream: it reaches the GPU first.
                 main.wait(&marked)?;
             }
             self.launch_prep_on(dev, main, &pi, &sg.ws)?;
@@ -297,37 +297,26 @@ impl KdaKernels {
         seg: &KdaSegmentedPrefill,
     ) -> Result<(), CudaError> {
         if shape.batch != 1 || shape.seq_len != seg.tokens {
-            return Err(CudaError::Shape(format!(
-                "kda: a segmented prefill of one sequence of {} tokens called with {shape:?}",
+            return Err(shape_err(format!(
+                "a segmented prefill of one sequence of {} tokens called with {shape:?}",
                 seg.tokens
             )));
         }
         self.check_call(&shape, x, initial, final_state, out)?;
         let s = dev.stream();
-        let p = KdaPacked {
-            q: base_ptr(s, x.q),
-            k: base_ptr(s, x.k),
-            ld_qk: shape.heads * shape.dk,
-            v: base_ptr(s, x.v),
-            ld_v: shape.heads * shape.dv,
-            g: base_ptr(s, x.g),
-            beta: base_ptr(s, x.beta),
-            out: base_ptr(s, out),
-            ld_o: shape.heads * shape.dv,
-            seq_start: 0,
-            chunk_start: 0,
-            sequences: 1,
-            chunks: shape.chunks(),
-            heads: shape.heads,
-            state: SegState {
-                src: initial.map_or(0, |i| base_ptr(s, i)),
-                dst: base_ptr(s, final_state),
-                src_off: base_ptr(s, &seg.zero_off),
-                dst_off: base_ptr(s, &seg.zero_off),
-            },
-            scale,
-            l2norm,
-        };
+        let src = initial.map_or(0, |i| base_ptr(s, i));
+        let (dst, o) = (base_ptr(s, final_state), base_ptr(s, out));
+        let zero = base_ptr(s, &seg.zero_off);
+        // The segments bring their own sequence tables.
+        let p = uniform_call(
+            dev,
+            shape,
+            Some(x),
+            (scale, l2norm),
+            (src, dst, o),
+            (0, 0, zero),
+            shape.chunks(),
+        );
         self.prefill_segmented_packed(dev, &p, seg)
     }
 }
