@@ -577,11 +577,19 @@ fn run() -> Result<usize, CudaError> {
     let quick = std::env::args().any(|a| a == "--quick");
     let prefill_only = std::env::args().any(|a| a == "--prefill-only");
     let plain = std::env::args().any(|a| a == "--plain-helpers");
-    let base: Vec<(&str, String)> = if plain {
+    let mut base: Vec<(&str, String)> = if plain {
         vec![("TESSERA_PLAIN_HELPERS", "1".to_string())]
     } else {
         Vec::new()
     };
+    // `--defines K=V,...`: macros for the default kernels too (the segmented bench uses those).
+    let defines = arg_after("--defines").unwrap_or_default();
+    base.extend(
+        defines
+            .split(',')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k, v.to_string())),
+    );
     let dev = CudaDevice::open(0, default_cache_dir())?;
     println!("device {} ({})", dev.name(), dev.arch());
     let t = Instant::now();
@@ -641,7 +649,7 @@ fn run() -> Result<usize, CudaError> {
     let w4s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "4")];
     let w8s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "8")];
     let w8s3: &[(&str, &str)] = &[("CL_STAGES", "3"), ("CL_WARPS", "8")];
-    let table: [ScanVariant; 18] = [
+    let table: [ScanVariant; 24] = [
         ("vt32.s2", 32, Threads, &[("SCAN_STAGES", "2")]),
         ("vt64.s2", 64, Threads, &[("SCAN_STAGES", "2")]),
         ("wg.s2", 32, Warpgroup, &[("WG_SCAN_STAGES", "2")]),
@@ -654,6 +662,31 @@ fn run() -> Result<usize, CudaError> {
         ("tma_wg.c2", 32, CopyEngineWarpgroup, &[("CW_CLUSTER", "2")]),
         ("tma_rs.s2", 32, CopyEngineRegisters, &[("CR_STAGES", "2")]),
         ("tma_rs.s3", 32, CopyEngineRegisters, &[("CR_STAGES", "3")]),
+        (
+            "tma_rs.s3u",
+            32,
+            CopyEngineRegisters,
+            &[("CR_STAGES", "3"), ("CR_O_IN_U", "1")],
+        ),
+        // Two warpgroups a block (128 value columns), the o tiles apart or in the stages.
+        (
+            "tma_rs2.s2",
+            32,
+            CopyEngineRegisters,
+            &[("CR_WG", "2"), ("CR_STAGES", "2")],
+        ),
+        (
+            "tma_rs2.s2u",
+            32,
+            CopyEngineRegisters,
+            &[("CR_WG", "2"), ("CR_STAGES", "2"), ("CR_O_IN_U", "1")],
+        ),
+        (
+            "tma_rs2.s3u",
+            32,
+            CopyEngineRegisters,
+            &[("CR_WG", "2"), ("CR_STAGES", "3"), ("CR_O_IN_U", "1")],
+        ),
         ("tma_wg.c4", 32, CopyEngineWarpgroup, &[("CW_CLUSTER", "4")]),
         (
             "tma_wg.c4.s3",
@@ -661,6 +694,9 @@ fn run() -> Result<usize, CudaError> {
             CopyEngineWarpgroup,
             &[("CW_CLUSTER", "4"), ("CW_STAGES", "3")],
         ),
+        // The w/u products with 1 or 2 column blocks in flight per warp (default 4).
+        ("prep.tt1", 32, CopyEngineRegisters, &[("KDA_TT_NB", "1")]),
+        ("prep.tt2", 32, CopyEngineRegisters, &[("KDA_TT_NB", "2")]),
         // The prep without one of its NVIDIA-only forms or orderings each.
         (
             "prep.scalar_inv",

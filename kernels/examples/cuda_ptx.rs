@@ -62,9 +62,18 @@ fn main() {
             KDA_SCAN_TMA_WG_SOURCE,
             kda_defines(128, 128, 32).to_vec(),
         ));
-        let mut rs = kda_defines(128, 128, 32).to_vec();
-        rs.push(("KS_VT", "64".to_string()));
-        units.push(("kda_scan_tma_rs_sm90".into(), KDA_SCAN_TMA_RS_SOURCE, rs));
+        // The register-operand scan with one warpgroup, and with two (o tiles in the stages).
+        for (name, extra) in [
+            ("kda_scan_tma_rs_sm90", &[("KS_VT", "64")][..]),
+            (
+                "kda_scan_tma_rs2_sm90",
+                &[("KS_VT", "128"), ("CR_WG", "2"), ("CR_O_IN_U", "1")][..],
+            ),
+        ] {
+            let mut rs = kda_defines(128, 128, 32).to_vec();
+            rs.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+            units.push((name.into(), KDA_SCAN_TMA_RS_SOURCE, rs));
+        }
     }
     for (name, source, defines) in units {
         // The warpgroup kernels need the architecture-specific target.

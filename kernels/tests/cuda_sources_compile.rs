@@ -63,6 +63,21 @@ fn the_prep_compiles_with_its_nvidia_only_forms_left_out() {
 }
 
 #[test]
+fn the_prep_compiles_with_one_two_or_four_column_blocks_in_flight() {
+    for dk in [64, 128] {
+        for nb in ["1", "2", "4"] {
+            let mut defines = kda_defines(dk, 128, 32).to_vec();
+            defines.push(("KDA_TT_NB", nb.to_string()));
+            match compile("sm_80", "kda", KDA_SOURCE, &defines) {
+                Ok(ptx) => assert!(ptx.to_src().contains(".entry kda_chunk_prep")),
+                Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
+                Err(e) => panic!("dk={dk} KDA_TT_NB={nb}: {e}"),
+            }
+        }
+    }
+}
+
+#[test]
 fn the_prep_compiles_with_every_step_six_ordering() {
     for early in ["0", "1", "2"] {
         for one_phase in ["0", "1"] {
@@ -334,11 +349,14 @@ fn kda_warpgroup_copy_engine_scan_compiles_for_hopper_at_both_depths_and_in_clus
 }
 
 #[test]
-fn kda_register_operand_scan_compiles_for_hopper_at_both_depths() {
-    for stages in [2, 3] {
+fn kda_register_operand_scan_compiles_for_hopper_with_one_or_two_warpgroups() {
+    // (warpgroups, stages, o tiles in the stages)
+    for (warpgroups, stages, o_in_u) in [(1, 2, 0), (1, 3, 0), (1, 3, 1), (2, 2, 0), (2, 3, 1)] {
         let mut defines = kda_defines(128, 128, 32).to_vec();
         defines.push(("CR_STAGES", stages.to_string()));
-        defines.push(("KS_VT", "64".to_string()));
+        defines.push(("CR_WG", warpgroups.to_string()));
+        defines.push(("CR_O_IN_U", o_in_u.to_string()));
+        defines.push(("KS_VT", (64 * warpgroups).to_string()));
         match compile(
             "sm_90a",
             "kda_scan_tma_rs",
@@ -352,21 +370,28 @@ fn kda_register_operand_scan_compiles_for_hopper_at_both_depths() {
                 assert!(text.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"));
                 assert!(text.contains("ldmatrix.sync.aligned.m8n8.x4.trans"));
                 assert!(text.contains("stmatrix.sync.aligned.m8n8.x4.trans"));
+                assert_eq!(text.contains("setmaxnreg.inc"), warpgroups == 2);
+                assert_eq!(text.contains("fence.proxy.async"), o_in_u == 1);
             }
             Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
             Err(e) => panic!("{defines:?}: {e}"),
         }
     }
-    // The u tile must be the swizzled 64 columns.
-    if let Err(CudaError::Compile { log, .. }) = compile(
-        "sm_90a",
-        "kda_scan_tma_rs",
-        KDA_SCAN_TMA_RS_SOURCE,
-        &kda_defines(128, 128, 32),
-    ) {
-        assert!(log.contains("V tiles of 64 columns"), "{log}");
-    } else if nvrtc_required() {
-        panic!("KS_VT = 32 compiled");
+    // The u tile must be the swizzled 64 columns a warpgroup.
+    for (warpgroups, ks_vt) in [(1, "32"), (2, "64")] {
+        let mut defines = kda_defines(128, 128, 32).to_vec();
+        defines.push(("CR_WG", warpgroups.to_string()));
+        defines.push(("KS_VT", ks_vt.to_string()));
+        if let Err(CudaError::Compile { log, .. }) = compile(
+            "sm_90a",
+            "kda_scan_tma_rs",
+            KDA_SCAN_TMA_RS_SOURCE,
+            &defines,
+        ) {
+            assert!(log.contains("warpgroups of 64 columns"), "{log}");
+        } else if nvrtc_required() {
+            panic!("{warpgroups} warpgroups with KS_VT = {ks_vt} compiled");
+        }
     }
 }
 

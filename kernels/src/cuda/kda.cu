@@ -70,6 +70,11 @@
 #ifndef KDA_WU_ONE_PHASE
 #define KDA_WU_ONE_PHASE 1
 #endif
+// Column blocks of 8 that each warp of the w/u products (t_times) keeps in flight at once: their
+// chains of 4 dependent MMAs interleave (1, 2 or 4).
+#ifndef KDA_TT_NB
+#define KDA_TT_NB 4
+#endif
 // Step 5's outputs written by the warps that the inverse leaves idle (needs KDA_INV_TC).
 #if !KDA_INV_TC
 #undef KDA_OVERLAP_OUT
@@ -137,9 +142,10 @@ __device__ __forceinline__ void tf32_block_product(float (&acc)[2][4], const flo
 #define X_BK 0
 
 // T (bf16, this block's) times rhs [CH][ncol] (row-major, leading dimension ncol + 8), written
-// row-major to dst [CH][ncol]; 8 warps = 4 row tiles x 2 column halves. Each warp's 16 x ncol/2
-// tile goes through its own piece of `scratch` so that global stores are whole 16-byte pieces
-// (every thread of the block calls this: LANE_SYNC is a block barrier under HIP).
+// row-major to dst [CH][ncol]; 8 warps = 4 row tiles x 2 column halves, KDA_TT_NB column blocks
+// of 8 at a time (ncol / 2 a multiple of 8 KDA_TT_NB). Each warp's 16 x ncol/2 tile goes through
+// its own piece of `scratch` so that global stores are whole 16-byte pieces (every thread of the
+// block calls this: LANE_SYNC is a block barrier under HIP).
 __device__ __forceinline__ void t_times(const bf16_t* tb, const bf16_t* rhs, int ncol, bf16_t* dst,
                                         bf16_t* scratch) {
     const int warp = threadIdx.x >> LANE_BITS, lane = threadIdx.x & LANE_MASK, g8 = lane >> 2, t4 = lane & 3;
@@ -148,16 +154,21 @@ __device__ __forceinline__ void t_times(const bf16_t* tb, const bf16_t* rhs, int
     unsigned a[CH / 16][4];
 #pragma unroll
     for (int ks_ = 0; ks_ < CH / 16; ++ks_) load_a_frag(a[ks_], tb, TLD, mt * 16, ks_ * 16);
-    for (int n0 = 0; n0 < wcols; n0 += 8) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int n0 = 0; n0 < wcols; n0 += 8 * KDA_TT_NB) {
+        float acc[KDA_TT_NB][4] = {};
 #pragma unroll
-        for (int ks_ = 0; ks_ < CH / 16; ++ks_) {
-            unsigned bb[2];
-            load_b_frag_kn(bb, rhs, ncol + 8, ks_ * 16, half * wcols + n0);
-            mma_bf16_16816(acc, a[ks_], bb);
+        for (int ks_ = 0; ks_ < CH / 16; ++ks_)
+#pragma unroll
+            for (int nb = 0; nb < KDA_TT_NB; ++nb) {
+                unsigned bb[2];
+                load_b_frag_kn(bb, rhs, ncol + 8, ks_ * 16, half * wcols + n0 + 8 * nb);
+                mma_bf16_16816(acc[nb], a[ks_], bb);
+            }
+#pragma unroll
+        for (int nb = 0; nb < KDA_TT_NB; ++nb) {
+            *(unsigned*)(sc + g8 * sld + n0 + 8 * nb + 2 * t4) = pack_bf16x2(acc[nb][0], acc[nb][1]);
+            *(unsigned*)(sc + (g8 + 8) * sld + n0 + 8 * nb + 2 * t4) = pack_bf16x2(acc[nb][2], acc[nb][3]);
         }
-        *(unsigned*)(sc + g8 * sld + n0 + 2 * t4) = pack_bf16x2(acc[0], acc[1]);
-        *(unsigned*)(sc + (g8 + 8) * sld + n0 + 2 * t4) = pack_bf16x2(acc[2], acc[3]);
     }
     LANE_SYNC();
     for (int e = lane; e < 16 * (wcols / 8); e += LANES) {

@@ -590,7 +590,7 @@ impl KdaKernels {
                     _ => (
                         &mut self.scan_tma_rs,
                         TmaProducts::Registers,
-                        KdaScanTma::RS_COLUMNS,
+                        KdaScanTma::rs_block_columns(&defines),
                     ),
                 };
                 if slot.is_none()

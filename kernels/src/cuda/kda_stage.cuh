@@ -2,10 +2,12 @@
 // kda_scan_tma_rs.cu): w, q exp(gc), k exp(gc_last - gc) and Aqk as halves of 64 columns, each 64
 // rows of 128 bytes in the copy engine's 128-byte swizzle; the block's KS_VT columns of u (32: plain
 // rows of 64 bytes; 64: rows of 128 bytes in the swizzle, as the host's map says); exp(gc_last) in
-// f32. One thread brings a chunk in 9 tensor copies and one bulk copy, all counted by `bar`.
+// f32. One thread brings a chunk in 8 + KS_VT / KS_UBOX tensor copies and one bulk copy, all
+// counted by `bar`.
 #ifndef KS_VT
 #define KS_VT 32
 #endif
+#define KS_UBOX (KS_VT < 64 ? KS_VT : 64)  // columns of u per box (the swizzle's 128 bytes at most)
 #define KS_CH 64
 #define KS_HALF (KS_CH * 128)  // bytes of a 64-column half of an operand
 #define KS_W 0
@@ -28,6 +30,15 @@ __device__ __forceinline__ unsigned long long ks_swizzled_desc(unsigned a) {
 }
 
 #ifdef TESSERA_TMA
+// Columns [col0, col0 + KS_VT) of u, chunk rows [row0, row0 + 64), into the stage at shared
+// address st: one box per KS_UBOX columns, each 64 rows.
+__device__ __forceinline__ void kda_stage_copy_u(unsigned st, unsigned bar, const TensorMap* tm_u,
+                                                 int row0, int col0) {
+#pragma unroll
+    for (int ub = 0; ub < KS_VT / KS_UBOX; ++ub)
+        tensor_box_g2s(st + KS_U + ub * KS_CH * KS_UBOX * 2, tm_u, col0 + ub * KS_UBOX, row0, bar);
+}
+
 // Chunk rows [row0, row0 + 64) of the products, columns [col0, col0 + KS_VT) of u, into the stage
 // at shared address st.
 __device__ __forceinline__ void kda_stage_copy(unsigned st, unsigned bar, const TensorMap* tm_w,
@@ -42,7 +53,7 @@ __device__ __forceinline__ void kda_stage_copy(unsigned st, unsigned bar, const 
         tensor_box_g2s(st + KS_K + hf * KS_HALF, tm_k, 64 * hf, row0, bar);
     }
     tensor_box_g2s(st + KS_A, tm_a, 0, row0, bar);
-    tensor_box_g2s(st + KS_U, tm_u, col0, row0, bar);
+    kda_stage_copy_u(st, bar, tm_u, row0, col0);
     bulk_g2s(st + KS_E, egl, DK * 4, bar);
 }
 
@@ -66,7 +77,7 @@ __device__ __forceinline__ void kda_stage_copy_shared(unsigned st, unsigned bar,
             tensor_box_g2s_multicast(st + KS_K + hf * KS_HALF, tm_k, 64 * hf, row0, bar, all);
     }
     if (6 % n == rank) tensor_box_g2s_multicast(st + KS_A, tm_a, 0, row0, bar, all);
-    tensor_box_g2s(st + KS_U, tm_u, col0, row0, bar);
+    kda_stage_copy_u(st, bar, tm_u, row0, col0);
     bulk_g2s(st + KS_E, egl, DK * 4, bar);
 }
 #endif

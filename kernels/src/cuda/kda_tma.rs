@@ -26,7 +26,7 @@ pub(super) enum TmaProducts {
     Warps,
     /// wgmma by two warpgroups (`kda_chunk_scan_tma_wg`).
     Warpgroups,
-    /// wgmma with the left operands in registers, one warpgroup on V tiles of 64
+    /// wgmma with the left operands in registers, one or two warpgroups each on 64 value columns
     /// (`kda_chunk_scan_tma_rs`).
     Registers,
 }
@@ -66,11 +66,25 @@ fn wg_smem_bytes(dk: usize, stages: usize) -> u32 {
     (stages * stage + rest + 1024) as u32
 }
 
-/// Dynamic shared memory of `kda_chunk_scan_tma_rs`; mirrors the `CR_*` macros: the stages, each
-/// warp's o tile of 64 token rows of 48 bytes, the mbarriers, and 1024 bytes to align.
-fn rs_smem_bytes(dk: usize, stages: usize) -> u32 {
-    let rest = 4 * CHUNK * 48 + 2 * stages * 8;
-    (stages * stage_bytes(dk, KdaScanTma::RS_COLUMNS) + rest + 1024) as u32
+/// Dynamic shared memory of `kda_chunk_scan_tma_rs` with `warpgroups` of 64 columns; mirrors the
+/// `CR_*` macros: the stages, each compute warp's o tile of 64 token rows of 48 bytes (none when
+/// the tiles lie in the stages' u columns, `o_in_u`), the mbarriers, and 1024 bytes to align.
+fn rs_smem_bytes(dk: usize, stages: usize, warpgroups: usize, o_in_u: bool) -> u32 {
+    let tiles = if o_in_u {
+        0
+    } else {
+        4 * warpgroups * CHUNK * 48
+    };
+    let stage = stage_bytes(dk, KdaScanTma::RS_COLUMNS * warpgroups);
+    (stages * stage + tiles + 2 * stages * 8 + 1024) as u32
+}
+
+/// The value `name` takes in `defines`, if it is there and a number.
+fn define(defines: &[(&str, String)], name: &str) -> Option<usize> {
+    defines
+        .iter()
+        .find(|(k, _)| *k == name)
+        .and_then(|(_, v)| v.parse().ok())
 }
 
 /// The map of a row-major bf16 matrix of `rows` × `cols` read in boxes of `box_rows` ×
@@ -101,13 +115,20 @@ fn matrix_map(
 impl KdaScanTma {
     /// Value columns per block (the scan's V tile).
     pub(super) const COLUMNS: usize = 32;
-    /// The same for [`TmaProducts::Registers`].
+    /// The same for a warpgroup of [`TmaProducts::Registers`].
     pub(super) const RS_COLUMNS: usize = 64;
+
+    /// Value columns per block of [`TmaProducts::Registers`] built with `defines` (`CR_WG`
+    /// warpgroups, 1 when absent, of [`Self::RS_COLUMNS`]).
+    pub(super) fn rs_block_columns(defines: &[(&str, String)]) -> usize {
+        Self::RS_COLUMNS * define(defines, "CR_WG").unwrap_or(1)
+    }
 
     /// Compiles the scan with `defines` (the kda.cu ones; for [`TmaProducts::Warps`],
     /// `CL_STAGES` picks the depth, 2 or 3, and `CL_WARPS` the compute warps, 4 or 8; 2 and 8
     /// when absent; for [`TmaProducts::Warpgroups`], `CW_STAGES` the depth, 2 when absent; for
-    /// [`TmaProducts::Registers`], `CR_STAGES`, 3 when absent).
+    /// [`TmaProducts::Registers`], `CR_STAGES`, 3 when absent, `CR_WG` the warpgroups, 1 or 2,
+    /// and `CR_O_IN_U` whether the o tiles lie in the stages).
     pub(super) fn load(
         dev: &CudaDevice,
         defines: &[(&str, String)],
@@ -151,14 +172,18 @@ impl KdaScanTma {
             }
             TmaProducts::Registers => {
                 let stages = setting("CR_STAGES", 3);
-                defines.push(("KS_VT", Self::RS_COLUMNS.to_string()));
+                let warpgroups = setting("CR_WG", 1);
+                let o_in_u = setting("CR_O_IN_U", 0) != 0;
+                let columns = Self::RS_COLUMNS * warpgroups;
+                defines.push(("KS_VT", columns.to_string()));
                 (
                     "kda_scan_tma_rs",
                     KDA_SCAN_TMA_RS_SOURCE,
                     "kda_chunk_scan_tma_rs",
-                    rs_smem_bytes(128, stages),
-                    128 + 32,
-                    Self::RS_COLUMNS,
+                    rs_smem_bytes(128, stages, warpgroups, o_in_u),
+                    // one copy warp beside one warpgroup, a copy warpgroup beside two
+                    if warpgroups == 1 { 160 } else { 384 },
+                    columns,
                 )
             }
         };
@@ -187,13 +212,14 @@ impl KdaScanTma {
         let [w, u, qg, kg, aqk, egl] = ws.product_ptrs(dev);
         let rows = ws.rows();
         // Every scan reads the products in the 128-byte swizzle, u in plain rows of 32 columns
-        // or swizzled rows of 64.
+        // or swizzled rows of 64 (boxes of 64 columns for a block of more).
+        let u_box = self.columns.min(64);
         let maps = [
             matrix_map(w, rows, dk, CHUNK, 64, true)?,
             matrix_map(qg, rows, dk, CHUNK, 64, true)?,
             matrix_map(kg, rows, dk, CHUNK, 64, true)?,
             matrix_map(aqk, rows, CHUNK, CHUNK, 64, true)?,
-            matrix_map(u, rows, dv, CHUNK, self.columns, self.columns == 64)?,
+            matrix_map(u, rows, dv, CHUNK, u_box, u_box == 64)?,
         ];
         let cfg = LaunchConfig {
             grid_dim: (
@@ -251,7 +277,22 @@ mod tests {
 
     #[test]
     fn the_register_operand_scan_fits_three_stages() {
-        assert_eq!(rs_smem_bytes(128, 2), 2 * 66560 + 12288 + 32 + 1024);
-        assert!(rs_smem_bytes(128, 3) <= 227 * 1024);
+        assert_eq!(
+            rs_smem_bytes(128, 2, 1, false),
+            2 * 66560 + 12288 + 32 + 1024
+        );
+        assert!(rs_smem_bytes(128, 3, 1, false) <= 227 * 1024);
+    }
+
+    #[test]
+    fn two_warpgroups_fit_three_stages_only_with_the_o_tiles_in_them() {
+        assert_eq!(
+            rs_smem_bytes(128, 2, 2, false),
+            2 * 74752 + 24576 + 32 + 1024
+        );
+        assert!(rs_smem_bytes(128, 2, 2, false) <= 227 * 1024);
+        assert!(rs_smem_bytes(128, 3, 2, false) > 227 * 1024);
+        assert_eq!(rs_smem_bytes(128, 3, 2, true), 3 * 74752 + 48 + 1024);
+        assert!(rs_smem_bytes(128, 3, 2, true) <= 227 * 1024);
     }
 }
