@@ -649,7 +649,7 @@ fn run() -> Result<usize, CudaError> {
     let w4s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "4")];
     let w8s2: &[(&str, &str)] = &[("CL_STAGES", "2"), ("CL_WARPS", "8")];
     let w8s3: &[(&str, &str)] = &[("CL_STAGES", "3"), ("CL_WARPS", "8")];
-    let table: [ScanVariant; 24] = [
+    let table: [ScanVariant; 27] = [
         ("vt32.s2", 32, Threads, &[("SCAN_STAGES", "2")]),
         ("vt64.s2", 64, Threads, &[("SCAN_STAGES", "2")]),
         ("wg.s2", 32, Warpgroup, &[("WG_SCAN_STAGES", "2")]),
@@ -697,6 +697,28 @@ fn run() -> Result<usize, CudaError> {
         // The w/u products with 1 or 2 column blocks in flight per warp (default 4).
         ("prep.tt1", 32, CopyEngineRegisters, &[("KDA_TT_NB", "1")]),
         ("prep.tt2", 32, CopyEngineRegisters, &[("KDA_TT_NB", "2")]),
+        // Shared-memory layouts of the prep (defaults: steps 5 and 6 on pieces of two runs of 4
+        // columns, the decays' rows padded by 8, the inverse's operands padded for
+        // conflict-free fragment reads): one run of 8 columns, rows padded by 4, the inverse
+        // as before.
+        (
+            "prep.pieces8",
+            32,
+            CopyEngineRegisters,
+            &[("KDA_SPLIT_PIECES", "0")],
+        ),
+        (
+            "prep.gld4",
+            32,
+            CopyEngineRegisters,
+            &[("KDA_GLD_PAD", "4")],
+        ),
+        (
+            "prep.inv_pads0",
+            32,
+            CopyEngineRegisters,
+            &[("KDA_INV_PADS", "0")],
+        ),
         // The prep without one of its NVIDIA-only forms or orderings each.
         (
             "prep.scalar_inv",

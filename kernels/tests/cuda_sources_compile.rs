@@ -63,11 +63,19 @@ fn the_prep_compiles_with_its_nvidia_only_forms_left_out() {
 }
 
 #[test]
-fn the_prep_compiles_with_one_two_or_four_column_blocks_in_flight() {
+fn the_prep_compiles_with_one_two_or_four_column_blocks_in_flight_and_either_padding() {
     for dk in [64, 128] {
         for nb in ["1", "2", "4"] {
             let mut defines = kda_defines(dk, 128, 32).to_vec();
             defines.push(("KDA_TT_NB", nb.to_string()));
+            defines.push((
+                "KDA_SPLIT_PIECES",
+                if nb == "2" { "0" } else { "1" }.to_string(),
+            ));
+            defines.push((
+                "KDA_INV_PADS",
+                if nb == "4" { "0" } else { "1" }.to_string(),
+            ));
             match compile("sm_80", "kda", KDA_SOURCE, &defines) {
                 Ok(ptx) => assert!(ptx.to_src().contains(".entry kda_chunk_prep")),
                 Err(CudaError::NoNvrtc) if !nvrtc_required() => return,

@@ -34,10 +34,24 @@
 #define CH 64
 #define SUB 16
 #define NSUB (CH / SUB)
-#define GLD (DK + 4)
+// Row padding of the prep's f32 decays: 8 puts the rows of a warp's 8 x (4 lanes x 2 floats)
+// reads in the block products on distinct banks (4 left them two to a bank).
+#ifndef KDA_GLD_PAD
+#define KDA_GLD_PAD 8
+#endif
+#define GLD (DK + KDA_GLD_PAD)
 #define OLD (DK + 8)
 #define TLD (CH + 8)
-#define ALD (CH + 1)
+// Leading dimensions of A (f32), of T (f32) and of each inverse warp's 16 x 16 scratch: with
+// KDA_INV_PADS the tf32 fragment reads of the inverse fall on distinct banks (A as the left
+// operand: rows 4 banks apart; T and the scratch as right operands: rows 8 apart); without, the
+// rows are 1 bank apart (and the scratch 16).
+#ifndef KDA_INV_PADS
+#define KDA_INV_PADS 1
+#endif
+#define ALD (CH + (KDA_INV_PADS ? 4 : 1))
+#define TFLD (CH + (KDA_INV_PADS ? 8 : 1))
+#define XLD (SUB + (KDA_INV_PADS ? 8 : 0))
 #define ULD (VT + 8)
 #define SPAN_LIMIT 60.0f
 // Timing aid: a bit mask of kda_chunk_prep stages to leave out (1: block products, 2: inverse,
@@ -69,6 +83,12 @@
 #endif
 #ifndef KDA_WU_ONE_PHASE
 #define KDA_WU_ONE_PHASE 1
+#endif
+// Steps 5 and 6 take a row's 8 columns of a thread as two runs of 4, [c, c + 4) and [c + DK/2,
+// c + DK/2 + 4) (1), so that 8 neighbouring threads read 128 contiguous bytes of f32 decays (one
+// shared-memory wavefront); or as one run [c, c + 8) (0: 256 bytes, two wavefronts).
+#ifndef KDA_SPLIT_PIECES
+#define KDA_SPLIT_PIECES 1
 #endif
 // Column blocks of 8 that each warp of the w/u products (t_times) keeps in flight at once: their
 // chains of 4 dependent MMAs interleave (1, 2 or 4).
@@ -138,7 +158,7 @@ __device__ __forceinline__ void tf32_block_product(float (&acc)[2][4], const flo
 #define P_AF (P_FLAG + 16)
 #define P_X (P_AF + CH * ALD * 4)
 #define X_TF 0
-#define X_XS (X_TF + CH * ALD * 4)
+#define X_XS (X_TF + CH * TFLD * 4)
 #define X_BK 0
 
 // T (bf16, this block's) times rhs [CH][ncol] (row-major, leading dimension ncol + 8), written
@@ -178,8 +198,35 @@ __device__ __forceinline__ void t_times(const bf16_t* tb, const bf16_t* rhs, int
     LANE_SYNC();
 }
 
-// One 16-byte piece of bf16 values times r·exp(e) elementwise (e: the piece's eight exponents),
-// rounded back to bf16.
+// Piece e (of CH * DK / 8) of a [CH][DK] matrix: its row, and the first column of each of its two
+// runs of 4 (see KDA_SPLIT_PIECES).
+struct Piece {
+    int row, c0, c1;
+};
+__device__ __forceinline__ Piece piece_of(int e) {
+    const int row = e / (DK / 8), p = e % (DK / 8);
+    return KDA_SPLIT_PIECES ? Piece{row, 4 * p, 4 * p + DK / 2} : Piece{row, 8 * p, 8 * p + 4};
+}
+// A piece's 8 bf16 values from (or to) a row, and its 8 f32 values as two float4.
+__device__ __forceinline__ uint4 ld_piece(const bf16_t* row, Piece pc) {
+#if KDA_SPLIT_PIECES
+    const uint2 a = *(const uint2*)(row + pc.c0), b = *(const uint2*)(row + pc.c1);
+    return make_uint4(a.x, a.y, b.x, b.y);
+#else
+    return *(const uint4*)(row + pc.c0);
+#endif
+}
+__device__ __forceinline__ void st_piece(bf16_t* row, Piece pc, uint4 w) {
+#if KDA_SPLIT_PIECES
+    *(uint2*)(row + pc.c0) = make_uint2(w.x, w.y);
+    *(uint2*)(row + pc.c1) = make_uint2(w.z, w.w);
+#else
+    *(uint4*)(row + pc.c0) = w;
+#endif
+}
+
+// One piece of bf16 values times r·exp(e) elementwise (e: the piece's eight exponents as two
+// float4), rounded back to bf16.
 __device__ __forceinline__ uint4 scale_exp8(uint4 w, float r, float4 ea, float4 eb) {
     uint4 o;
     o.x = pack_bf16x2(lo_bf(w.x) * r * kda_exp(ea.x), hi_bf(w.x) * r * kda_exp(ea.y));
@@ -196,20 +243,21 @@ __device__ __forceinline__ void prep_outputs(int t, int n, const bf16_t* qs, con
                                              const float* gcs, const float* rq, const float* rk,
                                              bf16_t* qg, bf16_t* kg, float* egl) {
     for (int e = t; e < CH * DK / 8; e += n) {
-        const int j = e / (DK / 8), c = (e % (DK / 8)) * 8;
-        const uint4 qw = *(const uint4*)(qs + j * OLD + c);
-        const float4 ga = *(const float4*)(gcs + j * GLD + c), gb = *(const float4*)(gcs + j * GLD + c + 4);
-        *(uint4*)(qg + j * DK + c) = scale_exp8(qw, rq[j], ga, gb);
+        const Piece pc = piece_of(e);
+        const int j = pc.row;
+        const float4 ga = *(const float4*)(gcs + j * GLD + pc.c0), gb = *(const float4*)(gcs + j * GLD + pc.c1);
+        st_piece(qg + j * DK, pc, scale_exp8(ld_piece(qs + j * OLD, pc), rq[j], ga, gb));
     }
     for (int e = t; e < CH * DK / 8; e += n) {
-        const int j = e / (DK / 8), c = (e % (DK / 8)) * 8;
-        const uint4 kw = *(const uint4*)(ks + j * OLD + c);
-        const float4 ga = *(const float4*)(gcs + j * GLD + c), gb = *(const float4*)(gcs + j * GLD + c + 4);
-        const float4 la = *(const float4*)(gcs + (CH - 1) * GLD + c);
-        const float4 lb = *(const float4*)(gcs + (CH - 1) * GLD + c + 4);
-        *(uint4*)(kg + j * DK + c) = scale_exp8(
-            kw, rk[j], make_float4(la.x - ga.x, la.y - ga.y, la.z - ga.z, la.w - ga.w),
-            make_float4(lb.x - gb.x, lb.y - gb.y, lb.z - gb.z, lb.w - gb.w));
+        const Piece pc = piece_of(e);
+        const int j = pc.row;
+        const float4 ga = *(const float4*)(gcs + j * GLD + pc.c0), gb = *(const float4*)(gcs + j * GLD + pc.c1);
+        const float4 la = *(const float4*)(gcs + (CH - 1) * GLD + pc.c0);
+        const float4 lb = *(const float4*)(gcs + (CH - 1) * GLD + pc.c1);
+        st_piece(kg + j * DK, pc,
+                 scale_exp8(ld_piece(ks + j * OLD, pc), rk[j],
+                            make_float4(la.x - ga.x, la.y - ga.y, la.z - ga.z, la.w - ga.w),
+                            make_float4(lb.x - gb.x, lb.y - gb.y, lb.z - gb.z, lb.w - gb.w)));
     }
     for (int d = t; d < DK; d += n) egl[d] = kda_exp(gcs[(CH - 1) * GLD + d]);
 }
@@ -413,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     //    column), then off-diagonal blocks by distance: T_IJ = -T_II sum_{K=J..I-1} A_IK T_KJ.
     float* tf = (float*)(x + X_TF);
     if (!(PREP_SKIP & 2)) {
-    for (int e = tid; e < CH * ALD; e += 256) tf[e] = 0.f;
+    for (int e = tid; e < CH * TFLD; e += 256) tf[e] = 0.f;
     __syncthreads();
     if (tid < NSUB * SUB) {
         // Diagonal block tid/16, column c = tid%16 held in registers. Entries above the diagonal
@@ -428,7 +476,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
             t[i] = s;
         }
 #pragma unroll
-        for (int i = 0; i < SUB; ++i) tf[(f + i) * ALD + f + c] = t[i];
+        for (int i = 0; i < SUB; ++i) tf[(f + i) * TFLD + f + c] = t[i];
     }
     __syncthreads();
 #if KDA_INV_TC
@@ -437,27 +485,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
         // f32 sums): warp J takes block (J + dist, J); xs = sum_K A_IK T_KJ goes through the
         // warp's scratch into T_IJ = -T_II xs. Warps 0..NSUB-2 do it (a barrier of their own
         // between distances); with KDA_OVERLAP_OUT the others write step 5's outputs meanwhile.
-        float* xs = (float*)(x + X_XS) + warp * SUB * SUB;
+        float* xs = (float*)(x + X_XS) + warp * SUB * XLD;
         for (int dist = 1; warp < NSUB - 1 && dist < NSUB; ++dist) {
             const int J = warp, I = J + dist;
             if (I < NSUB) {
                 float acc[2][4] = {};
                 for (int kb = J; kb < I; ++kb)
-                    tf32_block_product(acc, af + I * SUB * ALD + kb * SUB, ALD, tf + kb * SUB * ALD + J * SUB, ALD);
+                    tf32_block_product(acc, af + I * SUB * ALD + kb * SUB, ALD, tf + kb * SUB * TFLD + J * SUB, TFLD);
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        xs[(g8 + 8 * (e >> 1)) * SUB + nt * 8 + 2 * t4 + (e & 1)] = acc[nt][e];
+                        xs[(g8 + 8 * (e >> 1)) * XLD + nt * 8 + 2 * t4 + (e & 1)] = acc[nt][e];
                         acc[nt][e] = 0.f;
                     }
                 __syncwarp();
-                tf32_block_product(acc, tf + I * SUB * ALD + I * SUB, ALD, xs, SUB);
+                tf32_block_product(acc, tf + I * SUB * TFLD + I * SUB, TFLD, xs, XLD);
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        tf[(I * SUB + g8 + 8 * (e >> 1)) * ALD + J * SUB + nt * 8 + 2 * t4 + (e & 1)] = -acc[nt][e];
+                        tf[(I * SUB + g8 + 8 * (e >> 1)) * TFLD + J * SUB + nt * 8 + 2 * t4 + (e & 1)] = -acc[nt][e];
             }
             asm volatile("bar.sync 2, %0;" ::"n"((NSUB - 1) * LANES) : "memory");
         }
@@ -480,7 +528,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
                 for (int kb = J; kb < I; ++kb) {
 #pragma unroll
                     for (int m = 0; m < SUB; ++m)
-                        acc[m & 3] += af[(I * SUB + r) * ALD + kb * SUB + m] * tf[(kb * SUB + m) * ALD + J * SUB + cc];
+                        acc[m & 3] += af[(I * SUB + r) * ALD + kb * SUB + m] * tf[(kb * SUB + m) * TFLD + J * SUB + cc];
                 }
                 xs[o] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
             }
@@ -490,8 +538,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
                 const float* xb = xs + J * SUB * SUB;
                 float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-                for (int m = 0; m < SUB; ++m) acc[m & 3] += tf[(I * SUB + r) * ALD + I * SUB + m] * xb[m * SUB + cc];
-                tf[(I * SUB + r) * ALD + J * SUB + cc] = -((acc[0] + acc[1]) + (acc[2] + acc[3]));
+                for (int m = 0; m < SUB; ++m) acc[m & 3] += tf[(I * SUB + r) * TFLD + I * SUB + m] * xb[m * SUB + cc];
+                tf[(I * SUB + r) * TFLD + J * SUB + cc] = -((acc[0] + acc[1]) + (acc[2] + acc[3]));
             }
             __syncthreads();
         }
@@ -501,7 +549,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     bf16_t* tb = (bf16_t*)(smem + P_AF);  // af is dead now
     for (int e = tid; e < CH * CH / 2; e += 256) {
         const int i = e / (CH / 2), j = (e % (CH / 2)) * 2;
-        *(unsigned*)(tb + i * TLD + j) = pack_bf16x2(tf[i * ALD + j], tf[i * ALD + j + 1]);
+        *(unsigned*)(tb + i * TLD + j) = pack_bf16x2(tf[i * TFLD + j], tf[i * TFLD + j + 1]);
     }
     __syncthreads();
 
@@ -522,10 +570,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_chunk_prep(
     // beta v overwrites q, which step 5 may still be reading in this phase.
     if (KDA_WU_ONE_PHASE && (!KDA_OVERLAP_OUT || (PREP_SKIP & 2))) __syncthreads();
     for (int e = tid; e < CH * DK / 8; e += 256) {
-        const int j = e / (DK / 8), n = (e % (DK / 8)) * 8;
-        const uint4 kw = *(const uint4*)(ks + j * OLD + n);
-        const float4 ga = *(const float4*)(gcs + j * GLD + n), gb = *(const float4*)(gcs + j * GLD + n + 4);
-        *(uint4*)(bk + j * (DK + 8) + n) = scale_exp8(kw, rk[j] * bs[j], ga, gb);
+        const Piece pc = piece_of(e);
+        const int j = pc.row;
+        const float4 ga = *(const float4*)(gcs + j * GLD + pc.c0), gb = *(const float4*)(gcs + j * GLD + pc.c1);
+        st_piece(bk + j * (DK + 8), pc, scale_exp8(ld_piece(ks + j * OLD, pc), rk[j] * bs[j], ga, gb));
     }
     auto stage_bv = [&]() {
         if (KDA_V_EARLY == 0 && !KDA_WU_ONE_PHASE) load_v();

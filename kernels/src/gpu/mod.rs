@@ -162,9 +162,12 @@ pub(crate) fn kda_check_config(dk: usize, dv: usize, v_tile: usize) -> Result<()
 /// Dynamic shared memory of the two KDA prefill kernels; mirrors the layout macros of `kda.cu`.
 pub(crate) fn kda_smem_bytes(dk: usize, dv: usize, vt: usize, stages: usize) -> (u32, u32) {
     let (ch, sub) = (CHUNK, 16);
-    let (gld, old, tld, ald, uld) = (dk + 4, dk + 8, ch + 8, ch + 1, vt + 8);
+    // (The padding `KDA_GLD_PAD` and `KDA_INV_PADS` give by default; with less the prep uses
+    // less than this.)
+    let (gld, old, tld, ald, uld) = (dk + 8, dk + 8, ch + 8, ch + 4, vt + 8);
+    let (tfld, xld) = (ch + 8, sub + 8);
     let p_x = ch * gld * 4 + 2 * ch * old * 2 + 3 * ch * 4 + 16 + ch * ald * 4;
-    let inverse = ch * ald * 4 + (ch / sub - 1) * sub * sub * 4;
+    let inverse = ch * tfld * 4 + (ch / sub - 1) * sub * xld * 4;
     let staged = ch * old * 2;
     debug_assert!(
         ch * (dv + 8) * 2 <= 2 * ch * old * 2,
@@ -208,6 +211,14 @@ pub fn bf16_value(b: u16) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_prep_blocks_fit_a_hopper_multiprocessor() {
+        // 228 KB a multiprocessor, 1 KB of it reserved for each resident block.
+        let (prep, _) = kda_smem_bytes(128, 128, 32, 2);
+        assert_eq!(prep, 87824 + 23040);
+        assert!(2 * (prep + 1024) <= 228 * 1024);
+    }
 
     #[test]
     fn sequence_tables_count_tokens_and_chunks() {
