@@ -207,7 +207,8 @@ __device__ __forceinline__ Piece piece_of(int e) {
     const int row = e / (DK / 8), p = e % (DK / 8);
     return KDA_SPLIT_PIECES ? Piece{row, 4 * p, 4 * p + DK / 2} : Piece{row, 8 * p, 8 * p + 4};
 }
-// A piece's 8 bf16 values from (or to) a row, and its 8 f32 values as two float4.
+// A piece's 8 bf16 values from (or to) a row of bf16 (its f32 values, where a caller needs them,
+// are two float4 at c0 and c1).
 __device__ __forceinline__ uint4 ld_piece(const bf16_t* row, Piece pc) {
 #if KDA_SPLIT_PIECES
     const uint2 a = *(const uint2*)(row + pc.c0), b = *(const uint2*)(row + pc.c1);
@@ -237,8 +238,8 @@ __device__ __forceinline__ uint4 scale_exp8(uint4 w, float r, float4 ea, float4 
 }
 
 // Step 5 of kda_chunk_prep: the outputs that need no product (q exp(gc), k exp(gc_last - gc) and
-// exp(gc_last)), row-major in 16-byte pieces straight from registers, by the n threads numbered
-// t = 0..n-1.
+// exp(gc_last)), row-major by pieces of 8 values (piece_of) straight from registers, by the n
+// threads numbered t = 0..n-1.
 __device__ __forceinline__ void prep_outputs(int t, int n, const bf16_t* qs, const bf16_t* ks,
                                              const float* gcs, const float* rq, const float* rk,
                                              bf16_t* qg, bf16_t* kg, float* egl) {
