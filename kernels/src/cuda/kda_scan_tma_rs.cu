@@ -15,10 +15,10 @@
 // and no barrier is needed inside the warpgroup. o goes out through a small per-warp tile
 // (stmatrix.trans: the accumulator holds o transposed).
 //
-// With two warpgroups a block covers 128 value columns, so a head's scan holds half as many
-// multiprocessors (each block fills one with its stages) for about the same time per chunk: the
-// second warpgroup's products fill the tensor cores' gaps between the first's. That leaves more
-// multiprocessors to a prep running beside the scan (the segmented prefill).
+// With two warpgroups (a build setting) a block covers 128 value columns, so a head's scan holds
+// half as many multiprocessors (each block fills one with its stages), each about 1.5x as long
+// per chunk: the two warpgroups' products share its tensor cores. That pays where the grid of
+// one-warpgroup blocks needs more than one wave (benches/RESULTS.md).
 
 #ifndef CR_WG
 #define CR_WG 1

@@ -13,7 +13,7 @@ use super::tensor_map::{self, TensorMapArg};
 use super::{
     CudaDevice, CudaError, KDA_SCAN_TMA_RS_SOURCE, KDA_SCAN_TMA_SOURCE, KDA_SCAN_TMA_WG_SOURCE,
 };
-use crate::gpu::CHUNK;
+use crate::gpu::{define_value, CHUNK};
 
 /// Chunks in flight per block and compute warps per block, unless the defines say otherwise.
 const DEFAULT_STAGES: usize = 2;
@@ -79,14 +79,6 @@ fn rs_smem_bytes(dk: usize, stages: usize, warpgroups: usize, o_in_u: bool) -> u
     (stages * stage + tiles + 2 * stages * 8 + 1024) as u32
 }
 
-/// The value `name` takes in `defines`, if it is there and a number.
-fn define(defines: &[(&str, String)], name: &str) -> Option<usize> {
-    defines
-        .iter()
-        .find(|(k, _)| *k == name)
-        .and_then(|(_, v)| v.parse().ok())
-}
-
 /// The map of a row-major bf16 matrix of `rows` × `cols` read in boxes of `box_rows` ×
 /// `box_cols`, in the 128-byte swizzle when `swizzled` (boxes of 64 columns).
 fn matrix_map(
@@ -121,7 +113,7 @@ impl KdaScanTma {
     /// Value columns per block of [`TmaProducts::Registers`] built with `defines` (`CR_WG`
     /// warpgroups, 1 when absent, of [`Self::RS_COLUMNS`]).
     pub(super) fn rs_block_columns(defines: &[(&str, String)]) -> usize {
-        Self::RS_COLUMNS * define(defines, "CR_WG").unwrap_or(1)
+        Self::RS_COLUMNS * define_value(defines, "CR_WG").unwrap_or(1)
     }
 
     /// Compiles the scan with `defines` (the kda.cu ones; for [`TmaProducts::Warps`],

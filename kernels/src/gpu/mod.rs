@@ -183,14 +183,18 @@ pub(crate) fn kda_smem_bytes(dk: usize, dv: usize, vt: usize, stages: usize) -> 
     (prep as u32, scan as u32)
 }
 
-/// A scan pipeline depth from a set of extra `-D` macros: the value of `name` (`SCAN_STAGES` for
-/// kda.cu's scan, `WG_SCAN_STAGES` for the warpgroup scan), 2 when absent.
-pub(crate) fn kda_scan_stages(extra: &[(&str, String)], name: &str) -> usize {
+/// The value of the `-D` macro `name` in `extra`, if it is there and a number.
+pub(crate) fn define_value(extra: &[(&str, String)], name: &str) -> Option<usize> {
     extra
         .iter()
         .find(|(k, _)| *k == name)
         .and_then(|(_, v)| v.parse().ok())
-        .unwrap_or(2)
+}
+
+/// A scan pipeline depth from a set of extra `-D` macros: the value of `name` (`SCAN_STAGES` for
+/// kda.cu's scan, `WG_SCAN_STAGES` for the warpgroup scan), 2 when absent.
+pub(crate) fn kda_scan_stages(extra: &[(&str, String)], name: &str) -> usize {
+    define_value(extra, name).unwrap_or(2)
 }
 
 /// f32 → bf16 bits, round to nearest even (NaN stays NaN).
