@@ -62,7 +62,8 @@ pub enum KdaScanKind {
     /// default where it can be built).
     CopyEngineWarpgroup,
     /// Warpgroup MMAs with the state held transposed so that every left operand comes from
-    /// registers, one warpgroup per V tile of 64, brought by the copy engine (Hopper, dk = 128).
+    /// registers, one warpgroup per 64 value columns (two a block with `CR_WG=2`), brought by the
+    /// copy engine (Hopper, dk = 128).
     CopyEngineRegisters,
 }
 

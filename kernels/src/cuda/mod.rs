@@ -114,7 +114,7 @@ macro_rules! kda_warpgroup_scan_source {
 pub const KDA_SCAN_TMA_WG_SOURCE: &str = kda_warpgroup_scan_source!("kda_scan_tma_wg.cu");
 
 /// The KDA chunk scan fed by the copy engine with the state transposed and the left operands in
-/// registers; Hopper only (as above, with `KS_VT` = 64).
+/// registers; Hopper only (as above, with `KS_VT` the block's value columns, 64 a warpgroup).
 pub const KDA_SCAN_TMA_RS_SOURCE: &str = kda_warpgroup_scan_source!("kda_scan_tma_rs.cu");
 
 /// MoE decode for small batches: routing, plan, gate+up+SiTU, down, combine (bf16 and MXFP4).
