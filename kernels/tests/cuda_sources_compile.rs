@@ -417,6 +417,19 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
             ],
             vec![("MOE_TC_SPAN_MXFP4", "1".to_string())],
             vec![("MOE_TC_ROLL", "0".to_string())],
+            vec![
+                ("MOE_TC_PF_PASSES", "2".to_string()),
+                ("MOE_TC_L2_FETCH", "256".to_string()),
+            ],
+            vec![
+                ("MOE_TC_DOWN_TILES_BF16", "2".to_string()),
+                ("MOE_TC_DOWN_TILES_MXFP4", "2".to_string()),
+            ],
+            vec![
+                ("MOE_TC_PF_PASSES", "1".to_string()),
+                ("MOE_TC_SPAN_MXFP4", "1".to_string()),
+                ("MOE_TC_L2_FETCH", "64".to_string()),
+            ],
         ],
         &[
             "moe_plan",
@@ -444,6 +457,8 @@ fn moe_copy_engine_projections_compile() {
             ("MOE_TC_TMA", "1".to_string()),
             ("MOE_TMA_CHUNK", chunk.to_string()),
             ("MOE_TMA_STAGES", stages.to_string()),
+            // Copy-engine down warps take one tile whatever this asks.
+            ("MOE_TC_DOWN_TILES_MXFP4", "2".to_string()),
         ];
         for (arch, bulk) in [("sm_90", true), ("sm_80", false)] {
             match compile(arch, "moe", MOE_SOURCE, &defines) {

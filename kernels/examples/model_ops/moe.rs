@@ -59,6 +59,20 @@ pub(crate) fn variants(
             let label = format!("_tc_h{code}b{bf16}x{x}");
             specs.push((label, MoePath::TensorCores, None, tuning));
         }
+        // Weight lines asked of L2 some passes ahead, and larger L2 fetches per load.
+        for (passes, fetch) in [(1, 128), (4, 128), (0, 0), (0, 256)] {
+            let tuning = set(&[("MOE_TC_PF_PASSES", passes), ("MOE_TC_L2_FETCH", fetch)]);
+            let label = format!("_tc_pf{passes}l2f{fetch}");
+            specs.push((label, MoePath::TensorCores, None, tuning));
+        }
+        // Down warps on one or two row tiles, both formats.
+        for tiles in [1, 2] {
+            let tuning = set(&[
+                ("MOE_TC_DOWN_TILES_BF16", tiles),
+                ("MOE_TC_DOWN_TILES_MXFP4", tiles),
+            ]);
+            specs.push((format!("_tc_dt{tiles}"), MoePath::TensorCores, None, tuning));
+        }
         // The copy-engine ring for MXFP4: (vectors per row and stage, stages, blocks per SM).
         for (chunk, stages, blocks) in [(8, 2, 4), (8, 3, 3), (8, 4, 2), (16, 2, 2)] {
             let tuning = set(&[

@@ -137,6 +137,10 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
 }
+// Asks L2 for the 128-byte line holding p (a hint: nothing waits for it).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
 // The same, writing zeros instead when `valid` is false (nothing is read then); `_at` takes the
 // shared-memory address already converted.
 __device__ __forceinline__ void cp_async16_zfill_at(unsigned dst, const void* src, bool valid) {
@@ -187,6 +191,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     *(uint4*)dst = *(const uint4*)src;
 }
+__device__ __forceinline__ void prefetch_l2(const void*) {}
 __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
     *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
 }

@@ -41,10 +41,6 @@ static_assert(MLA_THREADS / MLA_HB == 8, "softmax maps 8 threads to a head");
 #define MLA_COALESCED 0
 #endif
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 struct MlaSmem {
     bf16_t q[MLA_HB * QLD];
     bf16_t kv[2][MLA_BN * QLD];

@@ -11,12 +11,21 @@ use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKerne
 use super::tensor_map::{self, TensorMapArg};
 use super::{CudaDevice, CudaError, MOE_SOURCE};
 use crate::cpu::MoeRouting;
+use crate::gpu::define_value;
 
 const WARPS: usize = 4;
 const COLS_PER_WARP: usize = 2;
 const COLS: usize = WARPS * COLS_PER_WARP;
-/// Warps per block of the tensor-core projections; each owns 16 output rows.
+/// Warps per block of the tensor-core projections; each owns 16 output rows of gate/up.
 const TC_WARPS: usize = 4;
+/// Row tiles of 16 a warp of the tensor-core down projection owns, bf16 and MXFP4
+/// (`MOE_TC_DOWN_TILES_*` in moe_tc.cu): two tiles keep as many bytes in flight as gate/up.
+/// MXFP4 down at two tiles: 107 against 117 µs at K3's batch 1, 675 against 728 at batch 8;
+/// bf16 the same either way (benches/RESULTS.md).
+const DOWN_TILES: [(&str, usize); 2] = [
+    ("MOE_TC_DOWN_TILES_BF16", 1),
+    ("MOE_TC_DOWN_TILES_MXFP4", 2),
+];
 /// Most dynamic shared memory a copy-engine MXFP4 projection block may take.
 const TMA_MAX_SHARED: usize = 200 * 1024;
 /// Most tokens one decode call takes (and so most tokens one expert serves).
@@ -177,6 +186,8 @@ struct Projections {
     down: CudaFunction,
     /// Warps of one kernel resident on the device at once (the tensor-core kernels' wave).
     wave_warps: [usize; 2],
+    /// Output rows of one warp of the tensor-core down kernel (16 per row tile).
+    down_rows: usize,
 }
 
 /// Input parts the tensor-core projections split each row tile's sum into (1, 2 or 4): the
@@ -208,6 +219,18 @@ pub fn tc_ksplit(tiles: usize, wave: usize, mxfp4: bool) -> usize {
         }
     }
     best
+}
+
+/// Output rows of one warp of the tensor-core down kernel for bf16 or MXFP4 experts, from the
+/// build's `-D` macros: 32 when they ask for two row tiles, except for MXFP4 through the copy
+/// engine (whose warps take one).
+fn tc_down_rows(defines: &[(&str, String)], mxfp4: bool, copy_engine: bool) -> usize {
+    let two = define_value(defines, DOWN_TILES[usize::from(mxfp4)].0) == Some(2);
+    if two && !(mxfp4 && copy_engine) {
+        32
+    } else {
+        16
+    }
 }
 
 /// Warps of a tensor-core projection kernel resident on the device at once, with `smem` bytes of
@@ -312,6 +335,11 @@ impl MoeDecode {
             ("MOE_MAXT", MOE_MAX_BATCH.to_string()),
             ("ROUTE_PER_THREAD", per_thread.to_string()),
         ];
+        for (name, tiles) in DOWN_TILES {
+            if define_value(tuning, name).is_none() {
+                defines.push((name, tiles.to_string()));
+            }
+        }
         defines.extend(tuning.iter().cloned());
         let tma = TmaRing::from_defines(&defines, dev.arch());
         let m = dev.module("moe", MOE_SOURCE, &defines)?;
@@ -325,10 +353,16 @@ impl MoeDecode {
                 gate_up.set_attribute(attr, TMA_MAX_SHARED as i32)?;
                 down.set_attribute(attr, TMA_MAX_SHARED as i32)?;
             }
+            let down_rows = if path == "tc_" {
+                tc_down_rows(&defines, format == "mxfp4", tma.is_some())
+            } else {
+                16
+            };
             Ok(Projections {
                 wave_warps: [wave(&gate_up)?, wave(&down)?],
                 gate_up,
                 down,
+                down_rows,
             })
         };
         Ok(MoeDecode {
@@ -497,16 +531,17 @@ impl MoeDecode {
             }
         }
         // Input parts per row tile (tensor cores; the column kernels take no such argument).
+        let tile_rows = [16, kernels.down_rows];
         let ksplit = |rows: usize, which: usize| -> i32 {
-            let tiles = rows.div_ceil(16) * max_active as usize;
+            let tiles = rows.div_ceil(tile_rows[which]) * max_active as usize;
             self.ksplit
                 .unwrap_or_else(|| tc_ksplit(tiles, waves[which], mxfp4)) as i32
         };
         let (ks_gate_up, ks_down) = (ksplit(d.di, 0), ksplit(d.din, 1));
-        let cfg = |rows: usize, ks: i32, smem: usize| {
+        let cfg = |rows: usize, which: usize, ks: i32, smem: usize| {
             let (per_block, warps) = match path {
                 MoePath::Columns => (COLS, WARPS),
-                MoePath::TensorCores => (16 * TC_WARPS / ks as usize, TC_WARPS),
+                MoePath::TensorCores => (tile_rows[which] * TC_WARPS / ks as usize, TC_WARPS),
             };
             LaunchConfig {
                 grid_dim: (rows.div_ceil(per_block) as u32, max_active, 1),
@@ -556,7 +591,7 @@ impl MoeDecode {
         // SAFETY: the argument list matches `moe_gate_up_{,tc_}{bf16,mxfp4}` (ksplit in 1, 2, 4
         // for the tensor-core ones); weights hold `experts` experts (checked), the plan names at
         // most `max_active` experts, h holds `pairs` rows.
-        unsafe { launch.launch(cfg(d.di, ks_gate_up, smem[0])) }?;
+        unsafe { launch.launch(cfg(d.di, 0, ks_gate_up, smem[0])) }?;
         let mut launch = s.launch_builder(&kernels.down);
         match experts {
             MoeExperts::Bf16 { down, .. } => launch.arg(*down),
@@ -578,7 +613,7 @@ impl MoeDecode {
             launch.arg(&m[2]);
         }
         // SAFETY: as above for `moe_down_{,tc_}{bf16,mxfp4}`; y holds `pairs` rows of `din`.
-        unsafe { launch.launch(cfg(d.din, ks_down, smem[1])) }?;
+        unsafe { launch.launch(cfg(d.din, 1, ks_down, smem[1])) }?;
         let mut launch = s.launch_builder(&self.combine);
         launch
             .arg(&ws.y)
@@ -642,7 +677,25 @@ fn check_weights(experts: &MoeExperts, d: &MoeDims) -> Result<(), CudaError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{tc_ksplit, TmaRing};
+    use super::{tc_down_rows, tc_ksplit, TmaRing, DOWN_TILES};
+
+    #[test]
+    fn down_warps_take_two_tiles_when_asked_and_not_through_the_copy_engine() {
+        let defaults: Vec<(&str, String)> = DOWN_TILES
+            .iter()
+            .map(|&(k, v)| (k, v.to_string()))
+            .collect();
+        assert_eq!(tc_down_rows(&defaults, false, false), 16);
+        assert_eq!(tc_down_rows(&defaults, true, false), 32);
+        assert_eq!(tc_down_rows(&defaults, true, true), 16);
+        let both = vec![
+            ("MOE_TC_DOWN_TILES_BF16", "2".to_string()),
+            ("MOE_TC_DOWN_TILES_MXFP4", "1".to_string()),
+        ];
+        assert_eq!(tc_down_rows(&both, false, true), 32);
+        assert_eq!(tc_down_rows(&both, true, false), 16);
+        assert_eq!(tc_down_rows(&[], true, false), 16);
+    }
 
     #[test]
     fn copy_engine_ring_only_on_request_and_hopper() {

@@ -21,6 +21,16 @@
 #ifndef MOE_TC_SPAN_MXFP4
 #define MOE_TC_SPAN_MXFP4 2
 #endif
+// Row tiles of 16 a warp of the down projection takes at once, per format (1 or 2; the host
+// passes its own choice, `DOWN_TILES` in moe.rs). Two tiles are the down projection's weights
+// as two matrices sharing the inputs, the gate/up kernel's bytes in flight and registers: with
+// one, a down warp has half of gate/up's bytes on their way.
+#ifndef MOE_TC_DOWN_TILES_BF16
+#define MOE_TC_DOWN_TILES_BF16 1
+#endif
+#ifndef MOE_TC_DOWN_TILES_MXFP4
+#define MOE_TC_DOWN_TILES_MXFP4 2
+#endif
 // L1 policy (see ld_hinted) of the weight loads, MXFP4 codes and bf16, and whether the input
 // loads are evicted last (MOE_TC_X_HINT 1). The weights stream through once while every warp of
 // the token group reads the inputs again: MXFP4 codes evicted first leave the inputs in L1 (the
@@ -34,25 +44,50 @@
 #ifndef MOE_TC_X_HINT
 #define MOE_TC_X_HINT 0
 #endif
+// Bytes L2 fetches around each weight load on a miss (0: its default; 64, 128 or 256: the
+// load's `.L2::64B` / `.L2::128B` / `.L2::256B`). 128 (a row's whole pass of MXFP4 codes) gained
+// 2-4% at batch 1-4 and nothing above; 256 (the next pass along) lost 3-7%.
+#ifndef MOE_TC_L2_FETCH
+#define MOE_TC_L2_FETCH 128
+#endif
+#if MOE_TC_L2_FETCH == 256
+#define MOE_L2_FETCH ".L2::256B"
+#elif MOE_TC_L2_FETCH == 128
+#define MOE_L2_FETCH ".L2::128B"
+#elif MOE_TC_L2_FETCH == 64
+#define MOE_L2_FETCH ".L2::64B"
+#else
+#define MOE_L2_FETCH ""
+#endif
+// Passes ahead of its loads whose weight lines a warp asks L2 for (0: none): those bytes are
+// then on their way with no register or shared memory holding them.
+#ifndef MOE_TC_PF_PASSES
+#define MOE_TC_PF_PASSES 0
+#endif
 // A read-only 16-byte load with an L1 policy: 0 the default (`__ldg`), 1 no allocation in L1,
-// 2 evicted first, 3 evicted last.
+// 2 evicted first, 3 evicted last (each with MOE_TC_L2_FETCH).
 __device__ __forceinline__ uint4 ld_hinted(const uint4* p, int hint) {
     uint4 v;
     switch (hint) {
     case 1:
-        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        asm("ld.global.nc.L1::no_allocate" MOE_L2_FETCH ".v4.u32 {%0,%1,%2,%3}, [%4];"
             : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
         break;
     case 2:
-        asm("ld.global.nc.L1::evict_first.v4.u32 {%0,%1,%2,%3}, [%4];"
+        asm("ld.global.nc.L1::evict_first" MOE_L2_FETCH ".v4.u32 {%0,%1,%2,%3}, [%4];"
             : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
         break;
     case 3:
-        asm("ld.global.nc.L1::evict_last.v4.u32 {%0,%1,%2,%3}, [%4];"
+        asm("ld.global.nc.L1::evict_last" MOE_L2_FETCH ".v4.u32 {%0,%1,%2,%3}, [%4];"
             : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
         break;
     default:
+#if MOE_TC_L2_FETCH
+        asm("ld.global.nc" MOE_L2_FETCH ".v4.u32 {%0,%1,%2,%3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#else
         v = __ldg(p);
+#endif
     }
     return v;
 }
@@ -73,6 +108,7 @@ __device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
 // single-factor range, see Mxfp4Tc).
 struct Bf16Tc {
     static constexpr int SPAN = MOE_TC_SPAN_BF16;
+    static constexpr int DOWN_TILES = MOE_TC_DOWN_TILES_BF16;
     static constexpr int PER_VEC = 8;  // inputs per 16-byte vector
     static constexpr int REGS = 4;     // bf16 pairs a vector decodes into
     static constexpr bool SCALED = false;
@@ -85,6 +121,10 @@ struct Bf16Tc {
     const uint4* rows;
     __device__ __forceinline__ Row row(size_t r, int in_dim, int v) const {
         return Row{rows + r * (in_dim / PER_VEC) + v};
+    }
+    // The same weights from row n on.
+    __device__ __forceinline__ Bf16Tc from_row(int n, int in_dim) const {
+        return Bf16Tc{rows + (size_t)n * (in_dim / PER_VEC)};
     }
     __device__ __forceinline__ static Vec load(const Row& r, int i) {
         return Vec{ld_hinted(r.p + i, MOE_TC_BF16_HINT)};
@@ -111,6 +151,7 @@ __device__ __forceinline__ void spread_x(unsigned x[4]) {
 
 struct Mxfp4Tc {
     static constexpr int SPAN = MOE_TC_SPAN_MXFP4;
+    static constexpr int DOWN_TILES = MOE_TC_DOWN_TILES_MXFP4;
     static constexpr int PER_VEC = 32;  // one scale group
     static constexpr int REGS = 16;
     static constexpr bool SCALED = true;
@@ -127,6 +168,10 @@ struct Mxfp4Tc {
     __device__ __forceinline__ Row row(size_t r, int in_dim, int v) const {
         const size_t at = r * (in_dim / PER_VEC) + v;
         return Row{rows + at, scales + at};
+    }
+    __device__ __forceinline__ Mxfp4Tc from_row(int n, int in_dim) const {
+        const size_t at = (size_t)n * (in_dim / PER_VEC);
+        return Mxfp4Tc{rows + at, scales + at};
     }
     __device__ __forceinline__ static Vec load(const Row& r, int i) {
         return Vec{ld_hinted(r.p + i, MOE_TC_CODE_HINT), __ldg(r.s + i)};
@@ -227,6 +272,22 @@ __device__ __forceinline__ void tc_mma_pass(typename W::Vec (&wl)[M][W::SPAN],
     }
 }
 
+// Asks L2 for the pass starting at vector v of the warp's rows lo/hi of the M matrices: a pass
+// is 128-byte lines of 4 · W::SPAN vectors per row, which the 4 lanes of a row pair share.
+template <typename W, int M>
+__device__ __forceinline__ void tc_prefetch_pass(const W (&w)[M], size_t lo, size_t hi,
+                                                 int in_dim, int v, int t) {
+    constexpr int LINES = W::SPAN > 2 ? W::SPAN / 2 : 1, N = 2 * M * LINES;  // lines a row pass
+#pragma unroll
+    for (int j = 0; j < (N + 3) / 4; ++j) {
+        const int i = t + 4 * j, m = i / (2 * LINES), line = i % LINES;
+        const size_t r = (i / LINES) & 1 ? hi : lo;
+#pragma unroll
+        for (int mm = 0; mm < M; ++mm)
+            if (i < N && m == mm) prefetch_l2(w[mm].row(r, in_dim, v).p + 8 * line);
+    }
+}
+
 // c[m] += W_m[rows lo/hi] · x over input vectors [vbeg, vend), for M weight matrices sharing the
 // inputs. Lane t takes W::SPAN consecutive vectors of each row per pass, so a row is read in runs
 // of 4 · W::SPAN vectors (256 bytes at span 4) while the warp has 16 rows in flight. Whole passes
@@ -259,6 +320,11 @@ __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
                 }
         };
         load_pass();
+        // Whole passes only: a pass past the range may be past the weights.
+#pragma unroll
+        for (int d = 1; d <= MOE_TC_PF_PASSES; ++d)
+            if (v0 + (d + 1) * STEP <= vend)
+                tc_prefetch_pass<W, M>(w, lo, hi, in_dim, v0 + d * STEP, t);
 #pragma unroll
         for (int u = 0; u < W::SPAN; ++u) in[u] = true;
 #pragma unroll 1
@@ -266,6 +332,8 @@ __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
 #pragma unroll
             for (int u = 0; u < W::SPAN; ++u) xv[u] = xp + u * XV;
             const bool more = v0 + 2 * STEP <= vend;
+            if (MOE_TC_PF_PASSES > 0 && v0 + (MOE_TC_PF_PASSES + 2) * STEP <= vend)
+                tc_prefetch_pass<W, M>(w, lo, hi, in_dim, v0 + (MOE_TC_PF_PASSES + 1) * STEP, t);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 W::advance(rl[m], STEP);
@@ -303,16 +371,16 @@ __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
     }
 }
 
-// A block's warps split over row tiles and input ranges: with `ksplit` parts, warp w takes row
-// tile w / ksplit of the block and input part w % ksplit, and the parts' sums meet in shared
-// memory. Few active experts (batch 1) make few row tiles, too few to fill every multiprocessor
-// evenly: splitting the input multiplies the warps without changing the bytes.
+// A block's warps split over row tiles (of `tile_rows`) and input ranges: with `ksplit` parts,
+// warp w takes row tile w / ksplit of the block and input part w % ksplit, and the parts' sums
+// meet in shared memory. Few active experts (batch 1) make few row tiles, too few to fill every
+// multiprocessor evenly: splitting the input multiplies the warps without changing the bytes.
 struct TcSplit {
     int part, tile_row0, vbeg, vend;
-    __device__ __forceinline__ TcSplit(int ksplit, int vecs) {
+    __device__ __forceinline__ TcSplit(int ksplit, int vecs, int tile_rows = 16) {
         const int warp = threadIdx.x >> 5, per = (vecs + ksplit - 1) / ksplit;
         part = warp % ksplit;
-        tile_row0 = (blockIdx.x * (MOE_TC_WARPS / ksplit) + warp / ksplit) * 16;
+        tile_row0 = (blockIdx.x * (MOE_TC_WARPS / ksplit) + warp / ksplit) * tile_rows;
         vbeg = min(part * per, vecs);
         vend = min(vbeg + per, vecs);
     }
@@ -355,26 +423,29 @@ __device__ __forceinline__ void tc_store_pass(float (&c)[M][4], int ksplit, int 
     }
 }
 
-// One projection of the active expert blockIdx.y on the tensor cores: this warp's 16 of its
-// `out_rows` output rows (or its input part of them) over `in_dim` inputs, for the expert's tokens
-// 8 at a time. `input(pair)` is a (token, slot) pair's input row; `store(pair, row, c, j)` writes
-// element j of the sums c of the M matrices for that pair and row.
+// One projection of the active expert blockIdx.y on the tensor cores: this warp's `tile_rows` of
+// its `out_rows` output rows (or its input part of them) over `in_dim` inputs, for the expert's
+// tokens 8 at a time. `input(pair)` is a (token, slot) pair's input row; `store(pair, row, c, j)`
+// writes element j of the sums c of the M matrices for that pair and row. The M matrices are
+// either M projections of the same 16 rows (tile_rows 16) or M stacked tiles of 16 rows of one
+// projection (tile_rows 16 M, matrix m the weights from row 16 m on).
 template <typename W, int M, typename Input, typename Store>
 __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restrict__ n_active,
                                            const int* __restrict__ act_expert,
                                            const int* __restrict__ act_count,
                                            const int* __restrict__ act_pairs, int out_rows,
-                                           int in_dim, int ksplit, Input input, Store store) {
+                                           int in_dim, int ksplit, int tile_rows, Input input,
+                                           Store store) {
     const int a = blockIdx.y;
     if (a >= *n_active) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const TcSplit sp(ksplit, in_dim / W::PER_VEC);
+    const TcSplit sp(ksplit, in_dim / W::PER_VEC, tile_rows);
     const int row0 = sp.tile_row0;
     if (ksplit == 1 && row0 >= out_rows) return;
     const bool rows_in = row0 < out_rows;
     const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
     const int* pairs = act_pairs + a * MOE_MAXT;
-    const size_t lo = (size_t)e * out_rows + min(row0, out_rows - 16) + g, hi = lo + 8;
+    const size_t lo = (size_t)e * out_rows + min(row0, out_rows - tile_rows) + g, hi = lo + 8;
     for (int t0 = 0; t0 < nt; t0 += 8) {
         // Token g of this pass (a missing one reads a present token's inputs: its column of
         // the product is never written).
@@ -558,7 +629,7 @@ __device__ __forceinline__ void tc_project_any(const W (&w)[M], const void* cons
         return;
     }
 #endif
-    tc_project<W, M>(w, n_active, act_expert, act_count, act_pairs, out_rows, in_dim, ksplit,
+    tc_project<W, M>(w, n_active, act_expert, act_count, act_pairs, out_rows, in_dim, ksplit, 16,
                      input, store);
 }
 
@@ -588,11 +659,21 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                         const int* __restrict__ act_pairs, float* __restrict__ y,
                                         int din, int di, int ksplit,
                                         const void* const (&tmaps)[1]) {
-    const W w[1] = {wd};
-    tc_project_any<W, 1>(
-        w, tmaps, n_active, act_expert, act_count, act_pairs, din, di, ksplit,
-        [&](int pair) { return h + (size_t)pair * di; },
-        [&](int pair, int row, const float (&c)[1][4], int j) { y[(size_t)pair * din + row] = c[0][j]; });
+    auto input = [&](int pair) { return h + (size_t)pair * di; };
+    if constexpr (W::DOWN_TILES == 2 && !(MOE_TMA_ON && W::SCALED)) {
+        const W w[2] = {wd, wd.from_row(16, di)};
+        tc_project<W, 2>(w, n_active, act_expert, act_count, act_pairs, din, di, ksplit, 32, input,
+                         [&](int pair, int row, const float (&c)[2][4], int j) {
+                             y[(size_t)pair * din + row] = c[0][j];
+                             y[(size_t)pair * din + row + 16] = c[1][j];
+                         });
+    } else {
+        const W w[1] = {wd};
+        tc_project_any<W, 1>(w, tmaps, n_active, act_expert, act_count, act_pairs, din, di, ksplit,
+                             input, [&](int pair, int row, const float (&c)[1][4], int j) {
+                                 y[(size_t)pair * din + row] = c[0][j];
+                             });
+    }
 }
 
 // The same four projections on the tensor cores (block: MOE_TC_WARPS warps of 16 rows each).
