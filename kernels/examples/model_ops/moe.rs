@@ -60,7 +60,7 @@ pub(crate) fn variants(
             specs.push((label, MoePath::TensorCores, None, tuning));
         }
         // Weight lines asked of L2 some passes ahead, and larger L2 fetches per load.
-        for (passes, fetch) in [(1, 128), (4, 128), (0, 0), (0, 256)] {
+        for (passes, fetch) in [(1, 0), (4, 0), (0, 128), (0, 256)] {
             let tuning = set(&[("MOE_TC_PF_PASSES", passes), ("MOE_TC_L2_FETCH", fetch)]);
             let label = format!("_tc_pf{passes}l2f{fetch}");
             specs.push((label, MoePath::TensorCores, None, tuning));

@@ -45,10 +45,10 @@
 #define MOE_TC_X_HINT 0
 #endif
 // Bytes L2 fetches around each weight load on a miss (0: its default; 64, 128 or 256: the
-// load's `.L2::64B` / `.L2::128B` / `.L2::256B`). 128 (a row's whole pass of MXFP4 codes) gained
-// 2-4% at batch 1-4 and nothing above; 256 (the next pass along) lost 3-7%.
+// load's `.L2::64B` / `.L2::128B` / `.L2::256B`). 128 (a row's whole pass of MXFP4 codes) timed
+// the same as the default; 256 (the next pass along) lost 3-7%.
 #ifndef MOE_TC_L2_FETCH
-#define MOE_TC_L2_FETCH 128
+#define MOE_TC_L2_FETCH 0
 #endif
 #if MOE_TC_L2_FETCH == 256
 #define MOE_L2_FETCH ".L2::256B"
