@@ -60,7 +60,8 @@
 #define MOE_L2_FETCH ""
 #endif
 // Passes ahead of its loads whose weight lines a warp asks L2 for (0: none): those bytes are
-// then on their way with no register or shared memory holding them.
+// then on their way with no register or shared memory holding them. Measured slower at every
+// depth (1 pass: MXFP4 45% of the floor at batch 1 against 50%): the requests only queue.
 #ifndef MOE_TC_PF_PASSES
 #define MOE_TC_PF_PASSES 0
 #endif
