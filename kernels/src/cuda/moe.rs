@@ -20,8 +20,8 @@ const COLS: usize = WARPS * COLS_PER_WARP;
 const TC_WARPS: usize = 4;
 /// Row tiles of 16 a warp of the tensor-core down projection owns, bf16 and MXFP4
 /// (`MOE_TC_DOWN_TILES_*` in moe_tc.cu): two tiles keep as many bytes in flight as gate/up.
-/// MXFP4 down at two tiles: 107 against 117 µs at K3's batch 1, 675 against 728 at batch 8;
-/// bf16 the same either way (benches/RESULTS.md).
+/// MXFP4 expert pass with two down tiles: 106.8 against 114.5 µs at K3's batch 1, 658.7 against
+/// 699.3 at batch 8 (same call); bf16 the same either way (benches/RESULTS.md).
 const DOWN_TILES: [(&str, usize); 2] = [
     ("MOE_TC_DOWN_TILES_BF16", 1),
     ("MOE_TC_DOWN_TILES_MXFP4", 2),
