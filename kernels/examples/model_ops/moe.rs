@@ -73,6 +73,13 @@ pub(crate) fn variants(
             ]);
             specs.push((format!("_tc_dt{tiles}"), MoePath::TensorCores, None, tuning));
         }
+        // Down and combine launched plainly, not as dependents.
+        specs.push((
+            "_tc_dep0".into(),
+            MoePath::TensorCores,
+            None,
+            set(&[("MOE_TC_DEPENDENT", 0)]),
+        ));
         // The copy-engine ring for MXFP4: (vectors per row and stage, stages, blocks per SM).
         for (chunk, stages, blocks) in [(8, 2, 4), (8, 3, 3), (8, 4, 2), (16, 2, 2)] {
             let tuning = set(&[
@@ -342,7 +349,6 @@ pub(crate) fn bench_moe(
     batches: &[usize],
     iters: usize,
 ) -> Result<(), CudaError> {
-    let mut rng = Rng(99);
     let dims = MoeDims {
         experts: 896,
         top_k: 16,
@@ -402,6 +408,8 @@ pub(crate) fn bench_moe(
                  warps; registers {regs_gu} / {regs_d}, local bytes {local_gu} / {local_d}"
             );
             for &batch in batches {
+                // The same routing and inputs for every variant at this batch.
+                let mut rng = Rng(99 + batch as u64);
                 let logits =
                     dev.upload(&fill(batch * dims.experts, rng.next_u64(), |r| r.normal()))?;
                 let x = dev.upload(&bf16_vec(batch * dims.din, &mut rng, 1.0))?;

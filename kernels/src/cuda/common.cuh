@@ -218,6 +218,20 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 #endif
 
+// Programmatic dependent launch (sm_90; no-ops elsewhere, and when the kernel was launched
+// plainly): `grid_dep_launch` lets the next kernel of the stream, if launched as dependent,
+// start once every block of this one has called it; `grid_dep_wait` waits until the kernel this
+// one depends on has finished and its writes are visible.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(TESSERA_PLAIN_HELPERS)
+__device__ __forceinline__ void grid_dep_launch() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+#else
+__device__ __forceinline__ void grid_dep_launch() {}
+__device__ __forceinline__ void grid_dep_wait() {}
+#endif
+
 // Online softmax (base 2) with 8 consecutive lanes per row, as the MLA attention kernels keep
 // it: the row's max and sum over its 8 lanes, then lane 0 of the 8 folds the tile into the row's
 // running max `m`, sum `l` and the factor `alpha` its accumulators are rescaled by. `at` is the

@@ -12,6 +12,7 @@ mod kda;
 mod kda_segmented;
 mod kda_tma;
 mod kda_workspace;
+mod launch;
 mod mla;
 mod model_mla;
 mod model_ops;

@@ -451,6 +451,8 @@ moe_down_mxfp4(const unsigned char* __restrict__ down_packed,
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const float* __restrict__ y, const float* __restrict__ weight,
             bf16_t* __restrict__ out, int din, int top_k) {
+    // Launched as dependent of the down projection on the tensor-core path: y is its output.
+    grid_dep_wait();
     const int b = blockIdx.y, n = blockIdx.x * 256 + threadIdx.x;
     if (n >= din) return;
     float s = 0.0f;

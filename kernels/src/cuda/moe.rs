@@ -8,6 +8,7 @@
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
+use super::launch::RawLaunch;
 use super::tensor_map::{self, TensorMapArg};
 use super::{CudaDevice, CudaError, MOE_SOURCE};
 use crate::cpu::MoeRouting;
@@ -233,6 +234,12 @@ fn tc_down_rows(defines: &[(&str, String)], mxfp4: bool, copy_engine: bool) -> u
     }
 }
 
+/// Whether the tensor-core down projection and the combine go out as dependent launches: on
+/// sm_90 and newer unless the build says `MOE_TC_DEPENDENT=0` (moe_tc.cu).
+fn dependent_launches(defines: &[(&str, String)], arch: &str) -> bool {
+    define_value(defines, "MOE_TC_DEPENDENT") != Some(0) && super::sm90_or_newer(arch)
+}
+
 /// Warps of a tensor-core projection kernel resident on the device at once, with `smem` bytes of
 /// dynamic shared memory per block.
 fn tc_wave_warps(f: &CudaFunction, sms: usize, smem: usize) -> Result<usize, CudaError> {
@@ -256,6 +263,9 @@ pub struct MoeDecode {
     ksplit: Option<usize>,
     /// MXFP4 tensor-core weights through shared memory by the copy engine (`MOE_TC_TMA`).
     tma: Option<TmaRing>,
+    /// The tensor-core down projection and the combine launched as dependents of the kernel
+    /// before them (`MOE_TC_DEPENDENT`, sm_90 and newer; not with the copy-engine ring).
+    dependent: bool,
     combine: CudaFunction,
 }
 
@@ -342,6 +352,7 @@ impl MoeDecode {
         }
         defines.extend(tuning.iter().cloned());
         let tma = TmaRing::from_defines(&defines, dev.arch());
+        let dependent = dependent_launches(&defines, dev.arch());
         let m = dev.module("moe", MOE_SOURCE, &defines)?;
         let sms = dev.sm_count()?;
         let proj = |path: &str, format: &str| -> Result<Projections, CudaError> {
@@ -376,6 +387,7 @@ impl MoeDecode {
             path: moe_path_from_env(),
             ksplit: moe_ksplit_from_env(),
             tma,
+            dependent,
             combine: m.load_function("moe_combine")?,
         })
     }
@@ -592,42 +604,47 @@ impl MoeDecode {
         // for the tensor-core ones); weights hold `experts` experts (checked), the plan names at
         // most `max_active` experts, h holds `pairs` rows.
         unsafe { launch.launch(cfg(d.di, 0, ks_gate_up, smem[0])) }?;
-        let mut launch = s.launch_builder(&kernels.down);
+        // Down and combine may start while the kernel before them runs (see `dependent`).
+        let overlap = tc && self.dependent && ring.is_none();
+        let mut launch = RawLaunch::new();
         match experts {
-            MoeExperts::Bf16 { down, .. } => launch.arg(*down),
-            MoeExperts::Mxfp4 { down, .. } => launch.arg(down.0).arg(down.1),
+            MoeExperts::Bf16 { down, .. } => launch.slice(down, s),
+            MoeExperts::Mxfp4 { down, .. } => launch.slice(down.0, s).slice(down.1, s),
         };
         launch
-            .arg(&ws.h)
-            .arg(&ws.n_active)
-            .arg(&ws.act_expert)
-            .arg(&ws.act_count)
-            .arg(&ws.act_pairs)
-            .arg(&mut ws.y)
-            .arg(&din_i)
-            .arg(&di_i);
+            .slice(&ws.h, s)
+            .slice(&ws.n_active, s)
+            .slice(&ws.act_expert, s)
+            .slice(&ws.act_count, s)
+            .slice(&ws.act_pairs, s)
+            .slice_mut(&mut ws.y, s)
+            .value(din_i)
+            .value(di_i);
         if tc {
-            launch.arg(&ks_down);
+            launch.value(ks_down);
         }
         if let Some(m) = &maps {
-            launch.arg(&m[2]);
+            launch.by_ref(&m[2]);
         }
         // SAFETY: as above for `moe_down_{,tc_}{bf16,mxfp4}`; y holds `pairs` rows of `din`.
-        unsafe { launch.launch(cfg(d.din, 1, ks_down, smem[1])) }?;
-        let mut launch = s.launch_builder(&self.combine);
+        // Launched as dependent only on the tensor-core path, whose kernels wait for gate/up
+        // before they read h.
+        unsafe { launch.launch(s, &kernels.down, cfg(d.din, 1, ks_down, smem[1]), overlap) }?;
+        let mut launch = RawLaunch::new();
         launch
-            .arg(&ws.y)
-            .arg(&ws.weight)
-            .arg(out)
-            .arg(&din_i)
-            .arg(&k_i);
+            .slice(&ws.y, s)
+            .slice(&ws.weight, s)
+            .slice_mut(out, s)
+            .value(din_i)
+            .value(k_i);
         let ccfg = LaunchConfig {
             grid_dim: (d.din.div_ceil(256) as u32, batch as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the argument list matches `moe_combine`; y and weight hold `pairs` rows.
-        unsafe { launch.launch(ccfg) }?;
+        // SAFETY: the argument list matches `moe_combine` (which waits for the down kernel
+        // before it reads y); y and weight hold `pairs` rows.
+        unsafe { launch.launch(s, &self.combine, ccfg, overlap) }?;
         Ok(())
     }
 }
@@ -677,7 +694,17 @@ fn check_weights(experts: &MoeExperts, d: &MoeDims) -> Result<(), CudaError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{tc_down_rows, tc_ksplit, TmaRing, DOWN_TILES};
+    use super::{dependent_launches, tc_down_rows, tc_ksplit, TmaRing, DOWN_TILES};
+
+    #[test]
+    fn dependent_launches_on_hopper_unless_switched_off() {
+        let set = |v: &str| vec![("MOE_TC_DEPENDENT", v.to_string())];
+        assert!(dependent_launches(&[], "sm_90"));
+        assert!(dependent_launches(&set("1"), "sm_100"));
+        assert!(!dependent_launches(&set("0"), "sm_90"));
+        assert!(!dependent_launches(&[], "sm_80"));
+        assert!(!dependent_launches(&set("1"), "sm_89"));
+    }
 
     #[test]
     fn down_warps_take_two_tiles_when_asked_and_not_through_the_copy_engine() {

@@ -65,6 +65,14 @@
 #ifndef MOE_TC_PF_PASSES
 #define MOE_TC_PF_PASSES 0
 #endif
+// The down projection and the combine as dependent launches (sm_90, see grid_dep_wait; the host
+// reads this setting too): the down kernel's blocks start in the slots gate/up's last wave
+// frees and wait for gate/up there, before they read its output; the launch gap between the
+// kernels goes. Asking L2 for the first bytes of each weight row while waiting was slower (the
+// same bytes requested twice by every later wave's warps).
+#ifndef MOE_TC_DEPENDENT
+#define MOE_TC_DEPENDENT 1
+#endif
 // A read-only 16-byte load with an L1 policy: 0 the default (`__ldg`), 1 no allocation in L1,
 // 2 evicted first, 3 evicted last (each with MOE_TC_L2_FETCH).
 __device__ __forceinline__ uint4 ld_hinted(const uint4* p, int hint) {
@@ -429,8 +437,9 @@ __device__ __forceinline__ void tc_store_pass(float (&c)[M][4], int ksplit, int 
 // tokens 8 at a time. `input(pair)` is a (token, slot) pair's input row; `store(pair, row, c, j)`
 // writes element j of the sums c of the M matrices for that pair and row. The M matrices are
 // either M projections of the same 16 rows (tile_rows 16) or M stacked tiles of 16 rows of one
-// projection (tile_rows 16 M, matrix m the weights from row 16 m on).
-template <typename W, int M, typename Input, typename Store>
+// projection (tile_rows 16 M, matrix m the weights from row 16 m on). A `dependent` projection
+// (the down kernel as a dependent launch) reads its inputs only past grid_dep_wait.
+template <typename W, int M, bool DEPENDENT = false, typename Input, typename Store>
 __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restrict__ n_active,
                                            const int* __restrict__ act_expert,
                                            const int* __restrict__ act_count,
@@ -447,6 +456,8 @@ __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restric
     const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
     const int* pairs = act_pairs + a * MOE_MAXT;
     const size_t lo = (size_t)e * out_rows + min(row0, out_rows - tile_rows) + g, hi = lo + 8;
+    // Blocks that returned above write nothing: the combine waits only for those that do.
+    if constexpr (DEPENDENT) grid_dep_wait();
     for (int t0 = 0; t0 < nt; t0 += 8) {
         // Token g of this pass (a missing one reads a present token's inputs: its column of
         // the product is never written).
@@ -615,8 +626,9 @@ __device__ __forceinline__ void tc_project_tma(const Mxfp4Tc (&w)[M],
 }
 #endif
 
-// tc_project, or for MXFP4 weights with MOE_TC_TMA on sm_90, tc_project_tma.
-template <typename W, int M, typename Input, typename Store>
+// tc_project, or for MXFP4 weights with MOE_TC_TMA on sm_90, tc_project_tma (which the host
+// never launches as dependent).
+template <typename W, int M, bool DEPENDENT = false, typename Input, typename Store>
 __device__ __forceinline__ void tc_project_any(const W (&w)[M], const void* const (&tmaps)[M],
                                                const int* __restrict__ n_active,
                                                const int* __restrict__ act_expert,
@@ -630,8 +642,8 @@ __device__ __forceinline__ void tc_project_any(const W (&w)[M], const void* cons
         return;
     }
 #endif
-    tc_project<W, M>(w, n_active, act_expert, act_count, act_pairs, out_rows, in_dim, ksplit, 16,
-                     input, store);
+    tc_project<W, M, DEPENDENT>(w, n_active, act_expert, act_count, act_pairs, out_rows, in_dim,
+                                ksplit, 16, input, store);
 }
 
 template <typename W>
@@ -660,20 +672,22 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                         const int* __restrict__ act_pairs, float* __restrict__ y,
                                         int din, int di, int ksplit,
                                         const void* const (&tmaps)[1]) {
+    constexpr bool DEP = MOE_TC_DEPENDENT;
     auto input = [&](int pair) { return h + (size_t)pair * di; };
     if constexpr (W::DOWN_TILES == 2 && !(MOE_TMA_ON && W::SCALED)) {
         const W w[2] = {wd, wd.from_row(16, di)};
-        tc_project<W, 2>(w, n_active, act_expert, act_count, act_pairs, din, di, ksplit, 32, input,
-                         [&](int pair, int row, const float (&c)[2][4], int j) {
-                             y[(size_t)pair * din + row] = c[0][j];
-                             y[(size_t)pair * din + row + 16] = c[1][j];
-                         });
+        tc_project<W, 2, DEP>(w, n_active, act_expert, act_count, act_pairs, din, di, ksplit, 32,
+                              input, [&](int pair, int row, const float (&c)[2][4], int j) {
+                                  y[(size_t)pair * din + row] = c[0][j];
+                                  y[(size_t)pair * din + row + 16] = c[1][j];
+                              });
     } else {
         const W w[1] = {wd};
-        tc_project_any<W, 1>(w, tmaps, n_active, act_expert, act_count, act_pairs, din, di, ksplit,
-                             input, [&](int pair, int row, const float (&c)[1][4], int j) {
-                                 y[(size_t)pair * din + row] = c[0][j];
-                             });
+        tc_project_any<W, 1, DEP>(w, tmaps, n_active, act_expert, act_count, act_pairs, din, di,
+                                  ksplit, input,
+                                  [&](int pair, int row, const float (&c)[1][4], int j) {
+                                      y[(size_t)pair * din + row] = c[0][j];
+                                  });
     }
 }
 
@@ -682,6 +696,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCK
 moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
                     const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
                     int di, int top_k, float b1, float b2, int ksplit) {
+    grid_dep_launch();
     const void* const tmaps[2] = {nullptr, nullptr};
     gate_up_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
                Bf16Tc{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert, act_count,
@@ -695,6 +710,7 @@ moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
                      const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
                      PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
                      float b2, int ksplit TMA_PARAMS_2) {
+    grid_dep_launch();
     TMA_MAPS_2
     gate_up_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
                Mxfp4Tc{reinterpret_cast<const uint4*>(up_packed), up_scale}, x, n_active,
@@ -704,6 +720,7 @@ moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_down_tc_bf16(const bf16_t* __restrict__ w_down, const bf16_t* __restrict__ h, PLAN_ARGS,
                  float* __restrict__ y, int din, int di, int ksplit) {
+    grid_dep_launch();
     const void* const tmaps[1] = {nullptr};
     down_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_down)}, h, n_active, act_expert, act_count,
             act_pairs, y, din, di, ksplit, tmaps);
@@ -714,6 +731,7 @@ moe_down_tc_mxfp4(const unsigned char* __restrict__ down_packed,
                   const unsigned char* __restrict__ down_scale, const bf16_t* __restrict__ h,
                   PLAN_ARGS, float* __restrict__ y, int din, int di,
                   int ksplit TMA_PARAMS_1) {
+    grid_dep_launch();
     TMA_MAPS_1
     down_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(down_packed), down_scale}, h, n_active,
             act_expert, act_count, act_pairs, y, din, di, ksplit, tmaps);
