@@ -432,7 +432,6 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
             ],
         ],
         &[
-            "moe_plan",
             "moe_route",
             "moe_gate_up_bf16",
             "moe_gate_up_mxfp4",

@@ -5,9 +5,9 @@
 // moe_route: one block per token. scores = sigmoid(logits), choice = scores + bias; the top_k
 //   experts by choice (NaN as -inf, ties to the lower index), written in descending order and
 //   weighted by their scores, renormalised by (sum + 1e-20) in slot order, times `scaling` — the
-//   CPU backend's route_sigmoid_grouped with one group (K3's n_group = 1).
-// moe_plan: one block. The distinct experts of the batch in ascending order, each with its
-//   (token, slot) pairs in pair order: every expert's weights are then read once per step.
+//   CPU backend's route_sigmoid_grouped with one group (K3's n_group = 1). The last block to
+//   finish then makes the plan: the distinct experts of the batch in ascending order, each with
+//   its (token, slot) pairs: every expert's weights are then read once per step.
 // moe_gate_up_*: block (column tile, active expert); a warp per output column streams the gate
 //   and up rows of that column (16-byte vectors over the input) against the inputs of the
 //   expert's tokens, then h = situ(gate, up) in bf16 for each (token, slot) pair.
@@ -88,10 +88,54 @@ __device__ __forceinline__ unsigned block_excl_scan(unsigned v, unsigned* s_warp
     return before + incl - v;
 }
 
+// The plan, by the 256 threads of one block: n_active, then per active expert a: expert id,
+// token count, and the pair ids (b·k+slot) of idx[0..pairs) (other blocks' writes: read from L2).
+// Experts are numbered in ascending order by a block-wide scan (each thread owns a run of
+// consecutive experts); pairs join their expert's list through shared-memory counters, so the
+// order within a list is arbitrary — every pair's output is computed on its own, whatever its
+// place in the list. s_slot and s_count hold `experts` ints each.
+#define PLAN_THREADS ROUTE_THREADS
+#define PLAN_OUT_ARGS                                                                          \
+    int *__restrict__ n_active, int *__restrict__ act_expert, int *__restrict__ act_count,      \
+        int *__restrict__ act_pairs
+__device__ __forceinline__ void plan_block(const unsigned* idx, int pairs, int experts,
+                                           int* __restrict__ n_active, int* __restrict__ act_expert,
+                                           int* __restrict__ act_count, int* __restrict__ act_pairs,
+                                           int* s_slot, int* s_count, unsigned* s_warp) {
+    const int tid = threadIdx.x;
+    for (int e = tid; e < experts; e += PLAN_THREADS) s_slot[e] = 0;
+    __syncthreads();
+    for (int p = tid; p < pairs; p += PLAN_THREADS) s_slot[__ldcg(idx + p)] = 1;
+    __syncthreads();
+    const int per = (experts + PLAN_THREADS - 1) / PLAN_THREADS, e0 = tid * per;
+    int mine = 0;
+    for (int e = e0; e < min(e0 + per, experts); ++e) mine += s_slot[e];
+    unsigned total;
+    int n = (int)block_excl_scan<PLAN_THREADS>((unsigned)mine, s_warp, total);
+    for (int e = e0; e < min(e0 + per, experts); ++e) {
+        if (s_slot[e]) {
+            act_expert[n] = e;
+            s_count[n] = 0;
+            s_slot[e] = n++;
+        } else {
+            s_slot[e] = -1;
+        }
+    }
+    if (tid == PLAN_THREADS - 1) *n_active = n;
+    __syncthreads();
+    for (int p = tid; p < pairs; p += PLAN_THREADS) {
+        const int a = s_slot[__ldcg(idx + p)];
+        const int c = atomicAdd(&s_count[a], 1);
+        if (c < MOE_MAXT) act_pairs[a * MOE_MAXT + c] = p;
+    }
+    __syncthreads();
+    for (int a = tid; a < (int)total; a += PLAN_THREADS) act_count[a] = s_count[a];
+}
+
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
           unsigned* __restrict__ idx, float* __restrict__ weight, int experts, int top_k,
-          int renormalize, float scaling) {
+          int renormalize, float scaling, unsigned* __restrict__ done, PLAN_OUT_ARGS) {
     constexpr int CAP = ROUTE_THREADS * ROUTE_PER_THREAD;
     __shared__ unsigned hist[256];
     __shared__ unsigned s_warp[ROUTE_THREADS / 32];
@@ -101,6 +145,7 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
     __shared__ float s_score[CAP];
     __shared__ unsigned s_idx[CAP];
     __shared__ float s_w[CAP];
+    __shared__ bool s_last;
     const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* lg = logits + (size_t)b * experts;
     const float ninf = -__int_as_float(0x7f800000);
@@ -199,48 +244,17 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
             weight[(size_t)b * top_k + j] = w * scaling;
         }
     }
-}
-
-// plan: n_active, then per active expert a: expert id, token count, and the pair ids (b·k+slot).
-// Experts are numbered in ascending order by a block-wide scan (each thread owns a run of
-// consecutive experts); pairs join their expert's list through shared-memory counters, so the
-// order within a list is arbitrary — every pair's output is computed on its own, whatever its
-// place in the list.
-#define PLAN_THREADS 256
-extern "C" __global__ void __launch_bounds__(PLAN_THREADS)
-moe_plan(const unsigned* __restrict__ idx, int pairs, int experts, int* __restrict__ n_active,
-         int* __restrict__ act_expert, int* __restrict__ act_count, int* __restrict__ act_pairs) {
-    extern __shared__ int s_slot[];  // [experts]: 1 if used, then its active index (or -1)
-    __shared__ unsigned s_warp[PLAN_THREADS / 32];
-    __shared__ int s_count[1024];  // MAX_EXPERTS
-    const int tid = threadIdx.x;
-    for (int e = tid; e < experts; e += PLAN_THREADS) s_slot[e] = 0;
+    // The last block to finish plans the pass over every token's choices (`done` counts the
+    // finished blocks and is back at zero for the next call), in the route's shared arrays.
+    __threadfence();
     __syncthreads();
-    for (int p = tid; p < pairs; p += PLAN_THREADS) s_slot[idx[p]] = 1;
+    if (tid == 0) s_last = atomicAdd(done, 1u) == gridDim.x - 1;
     __syncthreads();
-    const int per = (experts + PLAN_THREADS - 1) / PLAN_THREADS, e0 = tid * per;
-    int mine = 0;
-    for (int e = e0; e < min(e0 + per, experts); ++e) mine += s_slot[e];
-    unsigned total;
-    int n = (int)block_excl_scan<PLAN_THREADS>((unsigned)mine, s_warp, total);
-    for (int e = e0; e < min(e0 + per, experts); ++e) {
-        if (s_slot[e]) {
-            act_expert[n] = e;
-            s_count[n] = 0;
-            s_slot[e] = n++;
-        } else {
-            s_slot[e] = -1;
-        }
-    }
-    if (tid == PLAN_THREADS - 1) *n_active = n;
-    __syncthreads();
-    for (int p = tid; p < pairs; p += PLAN_THREADS) {
-        const int a = s_slot[idx[p]];
-        const int c = atomicAdd(&s_count[a], 1);
-        if (c < MOE_MAXT) act_pairs[a * MOE_MAXT + c] = p;
-    }
-    __syncthreads();
-    for (int a = tid; a < (int)total; a += PLAN_THREADS) act_count[a] = s_count[a];
+    if (!s_last) return;
+    __threadfence();
+    plan_block(idx, (int)gridDim.x * top_k, experts, n_active, act_expert, act_count, act_pairs,
+               s_exp, reinterpret_cast<int*>(s_key), s_warp);
+    if (tid == 0) *done = 0u;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -453,6 +467,7 @@ moe_combine(const float* __restrict__ y, const float* __restrict__ weight,
             bf16_t* __restrict__ out, int din, int top_k) {
     // Launched as dependent of the down projection on the tensor-core path: y is its output.
     grid_dep_wait();
+    grid_dep_launch();
     const int b = blockIdx.y, n = blockIdx.x * 256 + threadIdx.x;
     if (n >= din) return;
     float s = 0.0f;

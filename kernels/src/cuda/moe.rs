@@ -116,6 +116,8 @@ pub struct MoeWorkspace {
     dims: MoeDims,
     pub idx: CudaSlice<u32>,
     pub weight: CudaSlice<f32>,
+    /// Routing blocks finished in the current call (the last one plans; back to 0 after).
+    route_done: CudaSlice<u32>,
     n_active: CudaSlice<i32>,
     act_expert: CudaSlice<i32>,
     act_count: CudaSlice<i32>,
@@ -135,6 +137,7 @@ impl MoeWorkspace {
             dims,
             idx: s.alloc_zeros(pairs.max(1))?,
             weight: s.alloc_zeros(pairs.max(1))?,
+            route_done: s.alloc_zeros(1)?,
             n_active: s.alloc_zeros(1)?,
             act_expert: s.alloc_zeros(pairs.max(1))?,
             act_count: s.alloc_zeros(pairs.max(1))?,
@@ -199,7 +202,11 @@ struct Projections {
 /// MXFP4 rows are split in two at most, and only when all tiles fit in a wave and a half: each
 /// warp keeps its next pass in flight during the current one, which a split leaves fewer passes
 /// to do, and the parts' sum through shared memory cost more than a fuller last wave gave back
-/// (K3 at batch 2 and 4: 234 and 429 µs unsplit against 242 and 438 µs split).
+/// (K3 at batch 2 and 4: 234 and 429 µs unsplit against 242 and 438 µs split). Fewer tiles than
+/// a wave are split whatever the fill: whole, they leave warp slots (and their bytes in flight)
+/// empty, and as a dependent launch the second wave of parts fills the slots the kernel before
+/// frees (K3's down projection at batch 1, 1792 tiles of 32 rows: expert pass 103.1 µs split
+/// against 107.1 whole).
 pub fn tc_ksplit(tiles: usize, wave: usize, mxfp4: bool) -> usize {
     let fill = |ks: usize| {
         let waves = (tiles * ks) as f64 / wave.max(1) as f64;
@@ -207,7 +214,7 @@ pub fn tc_ksplit(tiles: usize, wave: usize, mxfp4: bool) -> usize {
     };
     if mxfp4 {
         let short = 2 * tiles < 3 * wave;
-        return if short && fill(2) > fill(1) + 0.05 {
+        return if tiles < wave || (short && fill(2) > fill(1) + 0.05) {
             2
         } else {
             1
@@ -234,7 +241,7 @@ fn tc_down_rows(defines: &[(&str, String)], mxfp4: bool, copy_engine: bool) -> u
     }
 }
 
-/// Whether the tensor-core down projection and the combine go out as dependent launches: on
+/// Whether the tensor-core projections and the combine go out as dependent launches: on
 /// sm_90 and newer unless the build says `MOE_TC_DEPENDENT=0` (moe_tc.cu).
 fn dependent_launches(defines: &[(&str, String)], arch: &str) -> bool {
     define_value(defines, "MOE_TC_DEPENDENT") != Some(0) && super::sm90_or_newer(arch)
@@ -252,8 +259,8 @@ fn tc_wave_warps(f: &CudaFunction, sms: usize, smem: usize) -> Result<usize, Cud
 pub struct MoeDecode {
     /// Most experts `moe_route` was compiled for (256 threads of up to 4 each).
     route_experts: usize,
+    /// Routing, and the plan by its last block.
     route: CudaFunction,
-    plan: CudaFunction,
     /// [bf16, mxfp4] × [columns, tensor cores].
     projections: [[Projections; 2]; 2],
     /// A fixed path, or `None` for the default (from [`moe_path_from_env`] at load).
@@ -263,8 +270,9 @@ pub struct MoeDecode {
     ksplit: Option<usize>,
     /// MXFP4 tensor-core weights through shared memory by the copy engine (`MOE_TC_TMA`).
     tma: Option<TmaRing>,
-    /// The tensor-core down projection and the combine launched as dependents of the kernel
-    /// before them (`MOE_TC_DEPENDENT`, sm_90 and newer; not with the copy-engine ring).
+    /// The tensor-core projections and the combine launched as dependents of the kernel before
+    /// them (`MOE_TC_DEPENDENT`, sm_90 and newer; down and combine not with the copy-engine
+    /// ring).
     dependent: bool,
     combine: CudaFunction,
 }
@@ -379,7 +387,6 @@ impl MoeDecode {
         Ok(MoeDecode {
             route_experts: per_thread * ROUTE_THREADS,
             route: m.load_function("moe_route")?,
-            plan: m.load_function("moe_plan")?,
             projections: [
                 [proj("", "bf16")?, proj("tc_", "bf16")?],
                 [proj("", "mxfp4")?, proj("tc_", "mxfp4")?],
@@ -468,37 +475,20 @@ impl MoeDecode {
             .arg(&e_i)
             .arg(&k_i)
             .arg(&renorm)
-            .arg(&routing.scaling);
+            .arg(&routing.scaling)
+            .arg(&mut ws.route_done)
+            .arg(&mut ws.n_active)
+            .arg(&mut ws.act_expert)
+            .arg(&mut ws.act_count)
+            .arg(&mut ws.act_pairs);
         let cfg = LaunchConfig {
             grid_dim: (batch as u32, 1, 1),
             block_dim: (ROUTE_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the argument list matches `moe_route`; logits hold `batch` rows of
-        // `experts` (≤ 1024, checked by `check_dims`), idx/weight `batch · top_k` values.
-        unsafe { launch.launch(cfg) }?;
-        self.plan(dev, ws)
-    }
-
-    fn plan(&self, dev: &CudaDevice, ws: &mut MoeWorkspace) -> Result<(), CudaError> {
-        let dims = ws.dims;
-        let (pairs_i, e_i) = ((ws.batch * dims.top_k) as i32, dims.experts as i32);
-        let mut launch = dev.stream().launch_builder(&self.plan);
-        launch
-            .arg(&ws.idx)
-            .arg(&pairs_i)
-            .arg(&e_i)
-            .arg(&mut ws.n_active)
-            .arg(&mut ws.act_expert)
-            .arg(&mut ws.act_count)
-            .arg(&mut ws.act_pairs);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 4 * dims.experts as u32,
-        };
-        // SAFETY: the argument list matches `moe_plan`; idx holds `pairs` expert ids below
-        // `experts` (written by `moe_route`), the plan arrays `pairs` entries (× 16 pairs).
+        // `experts` (≤ 1024, checked by `check_dims`), idx/weight `batch · top_k` values, the
+        // plan arrays `batch · top_k` entries (× 64 pairs), route_done one counter at zero.
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
@@ -561,27 +551,29 @@ impl MoeDecode {
                 shared_mem_bytes: smem as u32,
             }
         };
-        let mut launch = s.launch_builder(&kernels.gate_up);
+        let mut launch = RawLaunch::new();
         match experts {
-            MoeExperts::Bf16 { gate, up, .. } => launch.arg(*gate).arg(*up),
-            MoeExperts::Mxfp4 { gate, up, .. } => {
-                launch.arg(gate.0).arg(gate.1).arg(up.0).arg(up.1)
-            }
+            MoeExperts::Bf16 { gate, up, .. } => launch.slice(gate, s).slice(up, s),
+            MoeExperts::Mxfp4 { gate, up, .. } => launch
+                .slice(gate.0, s)
+                .slice(gate.1, s)
+                .slice(up.0, s)
+                .slice(up.1, s),
         };
         launch
-            .arg(x)
-            .arg(&ws.n_active)
-            .arg(&ws.act_expert)
-            .arg(&ws.act_count)
-            .arg(&ws.act_pairs)
-            .arg(&mut ws.h)
-            .arg(&din_i)
-            .arg(&di_i)
-            .arg(&k_i)
-            .arg(&b1)
-            .arg(&b2);
+            .slice(x, s)
+            .slice(&ws.n_active, s)
+            .slice(&ws.act_expert, s)
+            .slice(&ws.act_count, s)
+            .slice(&ws.act_pairs, s)
+            .slice_mut(&mut ws.h, s)
+            .value(din_i)
+            .value(di_i)
+            .value(k_i)
+            .value(b1)
+            .value(b2);
         if tc {
-            launch.arg(&ks_gate_up);
+            launch.value(ks_gate_up);
         }
         let maps = match (ring, experts) {
             (Some(_), MoeExperts::Mxfp4 { gate, up, down }) => {
@@ -598,12 +590,14 @@ impl MoeDecode {
             _ => None,
         };
         if let Some(m) = &maps {
-            launch.arg(&m[0]).arg(&m[1]);
+            launch.by_ref(&m[0]).by_ref(&m[1]);
         }
         // SAFETY: the argument list matches `moe_gate_up_{,tc_}{bf16,mxfp4}` (ksplit in 1, 2, 4
         // for the tensor-core ones); weights hold `experts` experts (checked), the plan names at
-        // most `max_active` experts, h holds `pairs` rows.
-        unsafe { launch.launch(cfg(d.di, 0, ks_gate_up, smem[0])) }?;
+        // most `max_active` experts, h holds `pairs` rows. The tensor-core kernels wait for the
+        // kernel before them before they read anything, so they may go out as dependents.
+        let cfg_gate_up = cfg(d.di, 0, ks_gate_up, smem[0]);
+        unsafe { launch.launch(s, &kernels.gate_up, cfg_gate_up, tc && self.dependent) }?;
         // Down and combine may start while the kernel before them runs (see `dependent`).
         let overlap = tc && self.dependent && ring.is_none();
         let mut launch = RawLaunch::new();
@@ -766,14 +760,16 @@ mod tests {
 
     #[test]
     fn mxfp4_rows_split_in_two_at_most_and_only_under_a_wave_and_a_half() {
-        // Batch 1: gate/up (1.45 waves) in two parts; down (1.7 waves) whole, not in four.
+        // Batch 1: gate/up (1.45 waves) in two parts; down on 32-row tiles (0.85 of a wave) in
+        // two; down on 16-row tiles (1.7 waves) whole, not in four.
         assert_eq!(tc_ksplit(3072, 2112, true), 2);
+        assert_eq!(tc_ksplit(1792, 2112, true), 2);
         assert_eq!(tc_ksplit(3584, 2112, true), 1);
         // Batch 2: 2.9 and 3.4 waves stay whole.
         assert_eq!(tc_ksplit(6144, 2112, true), 1);
         assert_eq!(tc_ksplit(7168, 2112, true), 1);
-        // Under a wave and a half, but the split would not fill the last wave better.
+        // A whole wave, which the split would not fill better; a few tiles, split.
         assert_eq!(tc_ksplit(2112, 2112, true), 1);
-        assert_eq!(tc_ksplit(0, 2112, true), 1);
+        assert_eq!(tc_ksplit(10, 2112, true), 2);
     }
 }

@@ -65,10 +65,10 @@
 #ifndef MOE_TC_PF_PASSES
 #define MOE_TC_PF_PASSES 0
 #endif
-// The down projection and the combine as dependent launches (sm_90, see grid_dep_wait; the host
-// reads this setting too): the down kernel's blocks start in the slots gate/up's last wave
-// frees and wait for gate/up there, before they read its output; the launch gap between the
-// kernels goes. Asking L2 for the first bytes of each weight row while waiting was slower (the
+// Gate/up, down and the combine as dependent launches (sm_90, see grid_dep_wait; the
+// host reads this setting too): each kernel's blocks may start while the one before still runs
+// and wait for it before they read its output — the down kernel's blocks in the slots gate/up's
+// last wave frees; the launch gaps between the kernels go. Asking L2 for the first bytes of each weight row while waiting was slower (the
 // same bytes requested twice by every later wave's warps).
 #ifndef MOE_TC_DEPENDENT
 #define MOE_TC_DEPENDENT 1
@@ -696,6 +696,10 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCK
 moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
                     const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
                     int di, int top_k, float b1, float b2, int ksplit) {
+    // A dependent launch (of the routing kernel, or of what the stream ran after it): nothing
+    // is read before the wait, and the down kernel, which reads the plan before its own wait,
+    // may launch only once every block is past it.
+    grid_dep_wait();
     grid_dep_launch();
     const void* const tmaps[2] = {nullptr, nullptr};
     gate_up_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
@@ -710,6 +714,10 @@ moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
                      const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
                      PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
                      float b2, int ksplit TMA_PARAMS_2) {
+    // A dependent launch (of the routing kernel, or of what the stream ran after it): nothing
+    // is read before the wait, and the down kernel, which reads the plan before its own wait,
+    // may launch only once every block is past it.
+    grid_dep_wait();
     grid_dep_launch();
     TMA_MAPS_2
     gate_up_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
