@@ -11,8 +11,12 @@ use std::path::{Path, PathBuf};
 pub const PORT: &str = include_str!("port.cuh");
 /// The shared device helpers every kernel source is compiled with (after [`PORT`]).
 pub const COMMON: &str = include_str!("../cuda/common.cuh");
-/// The KDA kernels (`-D DK/DV/VT` select the configuration).
-pub const KDA_SOURCE: &str = include_str!("../cuda/kda.cu");
+/// The KDA kernels, chunked prefill then decode (`-D DK/DV/VT` select the configuration).
+pub const KDA_SOURCE: &str = concat!(
+    include_str!("../cuda/kda.cu"),
+    "\n",
+    include_str!("../cuda/kda_decode.cu")
+);
 /// Row-wise ops: RMSNorm (+ residual), embedding gather, argmax.
 pub const OPS_SOURCE: &str = include_str!("../cuda/ops.cu");
 /// Threads per block of the row-wise ops, and bf16 vectors of 8 each thread holds of a row.
