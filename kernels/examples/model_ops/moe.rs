@@ -73,12 +73,19 @@ pub(crate) fn variants(
             ]);
             specs.push((format!("_tc_dt{tiles}"), MoePath::TensorCores, None, tuning));
         }
-        // Down and combine launched plainly, not as dependents.
+        // The projections launched plainly, not as dependents; down warps waiting for the whole
+        // gate/up kernel instead of their expert's blocks.
         specs.push((
             "_tc_dep0".into(),
             MoePath::TensorCores,
             None,
             set(&[("MOE_TC_DEPENDENT", 0)]),
+        ));
+        specs.push((
+            "_tc_fine0".into(),
+            MoePath::TensorCores,
+            None,
+            set(&[("MOE_TC_FINE", 0)]),
         ));
         // The copy-engine ring for MXFP4: (vectors per row and stage, stages, blocks per SM).
         for (chunk, stages, blocks) in [(8, 2, 4), (8, 3, 3), (8, 4, 2), (16, 2, 2)] {

@@ -464,10 +464,15 @@ moe_down_mxfp4(const unsigned char* __restrict__ down_packed,
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const float* __restrict__ y, const float* __restrict__ weight,
-            bf16_t* __restrict__ out, int din, int top_k) {
+            bf16_t* __restrict__ out, int din, int top_k, unsigned* __restrict__ ready,
+            int n_ready) {
     // Launched as dependent of the down projection on the tensor-core path: y is its output.
     grid_dep_wait();
     grid_dep_launch();
+    // The tensor-core gate/up blocks' counts (moe_tc.cu's MOE_TC_FINE), back to zero for the
+    // next call: gate/up and down are over.
+    if (ready != nullptr && blockIdx.x == 0 && blockIdx.y == 0)
+        for (int i = threadIdx.x; i < n_ready; i += 256) ready[i] = 0u;
     const int b = blockIdx.y, n = blockIdx.x * 256 + threadIdx.x;
     if (n >= din) return;
     float s = 0.0f;

@@ -73,6 +73,29 @@
 #ifndef MOE_TC_DEPENDENT
 #define MOE_TC_DEPENDENT 1
 #endif
+// 1: when the host passes counts (`ready`, not null), a down warp waits only for its own
+// expert's gate/up blocks (each block adds one once its h rows are stored; the combine sets the
+// counts back to zero) instead of for the whole gate/up kernel; it still waits for that kernel
+// before it exits, so that the kernels after it find gate/up done. The host passes them where
+// they were measured faster (see `fine_waits` in moe.rs): each gate/up block's fence before its
+// count delays the next block in its slot.
+#ifndef MOE_TC_FINE
+#define MOE_TC_FINE 1
+#endif
+
+// Waits (one lane of the warp, then the warp) until *count reaches target; what was stored
+// before the count was raised is then visible to the warp.
+__device__ __forceinline__ void wait_count(const unsigned* count, unsigned target) {
+    if ((threadIdx.x & 31) == 0) {
+        for (;;) {
+            unsigned v;
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(count) : "memory");
+            if (v >= target) break;
+            __nanosleep(128);
+        }
+    }
+    __syncwarp();
+}
 // A read-only 16-byte load with an L1 policy: 0 the default (`__ldg`), 1 no allocation in L1,
 // 2 evicted first, 3 evicted last (each with MOE_TC_L2_FETCH).
 __device__ __forceinline__ uint4 ld_hinted(const uint4* p, int hint) {
@@ -445,7 +468,8 @@ __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restric
                                            const int* __restrict__ act_count,
                                            const int* __restrict__ act_pairs, int out_rows,
                                            int in_dim, int ksplit, int tile_rows, Input input,
-                                           Store store) {
+                                           Store store, const unsigned* ready = nullptr,
+                                           unsigned ready_target = 0) {
     const int a = blockIdx.y;
     if (a >= *n_active) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -457,7 +481,12 @@ __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restric
     const int* pairs = act_pairs + a * MOE_MAXT;
     const size_t lo = (size_t)e * out_rows + min(row0, out_rows - tile_rows) + g, hi = lo + 8;
     // Blocks that returned above write nothing: the combine waits only for those that do.
-    if constexpr (DEPENDENT) grid_dep_wait();
+    if constexpr (DEPENDENT) {
+        if (MOE_TC_FINE && ready != nullptr)
+            wait_count(ready + a, ready_target);
+        else
+            grid_dep_wait();
+    }
     for (int t0 = 0; t0 < nt; t0 += 8) {
         // Token g of this pass (a missing one reads a present token's inputs: its column of
         // the product is never written).
@@ -634,7 +663,9 @@ __device__ __forceinline__ void tc_project_any(const W (&w)[M], const void* cons
                                                const int* __restrict__ act_expert,
                                                const int* __restrict__ act_count,
                                                const int* __restrict__ act_pairs, int out_rows,
-                                               int in_dim, int ksplit, Input input, Store store) {
+                                               int in_dim, int ksplit, Input input, Store store,
+                                               const unsigned* ready = nullptr,
+                                               unsigned ready_target = 0) {
 #if MOE_TMA_ON
     if constexpr (W::SCALED) {
         tc_project_tma<M>(w, tmaps, n_active, act_expert, act_count, act_pairs, out_rows, in_dim,
@@ -643,7 +674,7 @@ __device__ __forceinline__ void tc_project_any(const W (&w)[M], const void* cons
     }
 #endif
     tc_project<W, M, DEPENDENT>(w, n_active, act_expert, act_count, act_pairs, out_rows, in_dim,
-                                ksplit, 16, input, store);
+                                ksplit, 16, input, store, ready, ready_target);
 }
 
 template <typename W>
@@ -670,32 +701,54 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                         const int* __restrict__ act_expert,
                                         const int* __restrict__ act_count,
                                         const int* __restrict__ act_pairs, float* __restrict__ y,
-                                        int din, int di, int ksplit,
-                                        const void* const (&tmaps)[1]) {
+                                        int din, int di, int ksplit, const unsigned* ready,
+                                        unsigned ready_target, const void* const (&tmaps)[1]) {
     constexpr bool DEP = MOE_TC_DEPENDENT;
     auto input = [&](int pair) { return h + (size_t)pair * di; };
     if constexpr (W::DOWN_TILES == 2 && !(MOE_TMA_ON && W::SCALED)) {
         const W w[2] = {wd, wd.from_row(16, di)};
         tc_project<W, 2, DEP>(w, n_active, act_expert, act_count, act_pairs, din, di, ksplit, 32,
-                              input, [&](int pair, int row, const float (&c)[2][4], int j) {
+                              input,
+                              [&](int pair, int row, const float (&c)[2][4], int j) {
                                   y[(size_t)pair * din + row] = c[0][j];
                                   y[(size_t)pair * din + row + 16] = c[1][j];
-                              });
+                              },
+                              ready, ready_target);
     } else {
         const W w[1] = {wd};
         tc_project_any<W, 1, DEP>(w, tmaps, n_active, act_expert, act_count, act_pairs, din, di,
                                   ksplit, input,
                                   [&](int pair, int row, const float (&c)[1][4], int j) {
                                       y[(size_t)pair * din + row] = c[0][j];
-                                  });
+                                  },
+                                  ready, ready_target);
     }
+}
+
+// The end of a gate/up block: one more of expert blockIdx.y's blocks has its h rows stored.
+__device__ __forceinline__ void gate_up_block_done(unsigned* ready, const int* n_active) {
+#if MOE_TC_FINE
+    if (ready == nullptr) return;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && (int)blockIdx.y < *n_active) atomicAdd(ready + blockIdx.y, 1u);
+#endif
+}
+
+// The end of a down block: as a dependent launch waiting on counts, it still waits for the
+// gate/up kernel itself, so that this kernel ends after it.
+__device__ __forceinline__ void down_block_done(const unsigned* ready) {
+#if MOE_TC_FINE && MOE_TC_DEPENDENT
+    if (ready != nullptr) grid_dep_wait();
+#endif
 }
 
 // The same four projections on the tensor cores (block: MOE_TC_WARPS warps of 16 rows each).
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
                     const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
-                    int di, int top_k, float b1, float b2, int ksplit) {
+                    int di, int top_k, float b1, float b2, int ksplit,
+                    unsigned* __restrict__ ready) {
     // A dependent launch (of the routing kernel, or of what the stream ran after it): nothing
     // is read before the wait, and the down kernel, which reads the plan before its own wait,
     // may launch only once every block is past it.
@@ -705,6 +758,7 @@ moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict_
     gate_up_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
                Bf16Tc{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert, act_count,
                act_pairs, h, din, di, top_k, b1, b2, ksplit, tmaps);
+    gate_up_block_done(ready, n_active);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
@@ -713,7 +767,7 @@ moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
                      const unsigned char* __restrict__ up_packed,
                      const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
                      PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
-                     float b2, int ksplit TMA_PARAMS_2) {
+                     float b2, int ksplit, unsigned* __restrict__ ready TMA_PARAMS_2) {
     // A dependent launch (of the routing kernel, or of what the stream ran after it): nothing
     // is read before the wait, and the down kernel, which reads the plan before its own wait,
     // may launch only once every block is past it.
@@ -723,24 +777,29 @@ moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
     gate_up_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
                Mxfp4Tc{reinterpret_cast<const uint4*>(up_packed), up_scale}, x, n_active,
                act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2, ksplit, tmaps);
+    gate_up_block_done(ready, n_active);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_down_tc_bf16(const bf16_t* __restrict__ w_down, const bf16_t* __restrict__ h, PLAN_ARGS,
-                 float* __restrict__ y, int din, int di, int ksplit) {
+                 float* __restrict__ y, int din, int di, int ksplit,
+                 const unsigned* __restrict__ ready, int ready_target) {
     grid_dep_launch();
     const void* const tmaps[1] = {nullptr};
     down_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_down)}, h, n_active, act_expert, act_count,
-            act_pairs, y, din, di, ksplit, tmaps);
+            act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target, tmaps);
+    down_block_done(ready);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_down_tc_mxfp4(const unsigned char* __restrict__ down_packed,
                   const unsigned char* __restrict__ down_scale, const bf16_t* __restrict__ h,
-                  PLAN_ARGS, float* __restrict__ y, int din, int di,
-                  int ksplit TMA_PARAMS_1) {
+                  PLAN_ARGS, float* __restrict__ y, int din, int di, int ksplit,
+                  const unsigned* __restrict__ ready, int ready_target TMA_PARAMS_1) {
     grid_dep_launch();
     TMA_MAPS_1
     down_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(down_packed), down_scale}, h, n_active,
-            act_expert, act_count, act_pairs, y, din, di, ksplit, tmaps);
+            act_expert, act_count, act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target,
+            tmaps);
+    down_block_done(ready);
 }
