@@ -7,7 +7,7 @@
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
 use super::launch::RawLaunch;
@@ -150,6 +150,15 @@ impl MoeWorkspace {
             h: s.alloc_zeros(pairs.max(1) * dims.di)?,
             y: s.alloc_zeros(pairs.max(1) * dims.din)?,
         })
+    }
+
+    /// The plan's arguments of the projection kernels (`PLAN_ARGS` in moe.cu).
+    fn push_plan(&self, launch: &mut RawLaunch<'_>, s: &CudaStream) {
+        launch
+            .slice(&self.n_active, s)
+            .slice(&self.act_expert, s)
+            .slice(&self.act_count, s)
+            .slice(&self.act_pairs, s);
     }
 
     /// The number of distinct experts of the last planned step (waits for the stream).
@@ -576,12 +585,9 @@ impl MoeDecode {
                 .slice(up.0, s)
                 .slice(up.1, s),
         };
+        launch.slice(x, s);
+        ws.push_plan(&mut launch, s);
         launch
-            .slice(x, s)
-            .slice(&ws.n_active, s)
-            .slice(&ws.act_expert, s)
-            .slice(&ws.act_count, s)
-            .slice(&ws.act_pairs, s)
             .slice_mut(&mut ws.h, s)
             .value(din_i)
             .value(di_i)
@@ -630,15 +636,9 @@ impl MoeDecode {
             MoeExperts::Bf16 { down, .. } => launch.slice(down, s),
             MoeExperts::Mxfp4 { down, .. } => launch.slice(down.0, s).slice(down.1, s),
         };
-        launch
-            .slice(&ws.h, s)
-            .slice(&ws.n_active, s)
-            .slice(&ws.act_expert, s)
-            .slice(&ws.act_count, s)
-            .slice(&ws.act_pairs, s)
-            .slice_mut(&mut ws.y, s)
-            .value(din_i)
-            .value(di_i);
+        launch.slice(&ws.h, s);
+        ws.push_plan(&mut launch, s);
+        launch.slice_mut(&mut ws.y, s).value(din_i).value(di_i);
         if tc {
             // A down warp waits for all gate/up blocks of its expert: the gate/up grid's width.
             let gate_up_blocks = cfg_gate_up.grid_dim.0 as i32;
