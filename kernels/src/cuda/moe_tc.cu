@@ -65,11 +65,12 @@
 #ifndef MOE_TC_PF_PASSES
 #define MOE_TC_PF_PASSES 0
 #endif
-// Gate/up, down and the combine as dependent launches (sm_90, see grid_dep_wait; the
-// host reads this setting too): each kernel's blocks may start while the one before still runs
-// and wait for it before they read its output — the down kernel's blocks in the slots gate/up's
-// last wave frees; the launch gaps between the kernels go. Asking L2 for the first bytes of each weight row while waiting was slower (the
-// same bytes requested twice by every later wave's warps).
+// Gate/up, down and the combine as dependent launches (sm_90, see grid_dep_wait; the host reads
+// this setting too): each kernel's blocks may start while the one before still runs and wait
+// for it before they read its output — the down kernel's blocks in the slots gate/up's last
+// wave frees; the launch gaps between the kernels go. Asking L2 for the first bytes of each
+// weight row while waiting was slower (the same bytes requested twice by every later wave's
+// warps).
 #ifndef MOE_TC_DEPENDENT
 #define MOE_TC_DEPENDENT 1
 #endif
@@ -461,7 +462,8 @@ __device__ __forceinline__ void tc_store_pass(float (&c)[M][4], int ksplit, int 
 // writes element j of the sums c of the M matrices for that pair and row. The M matrices are
 // either M projections of the same 16 rows (tile_rows 16) or M stacked tiles of 16 rows of one
 // projection (tile_rows 16 M, matrix m the weights from row 16 m on). A `dependent` projection
-// (the down kernel as a dependent launch) reads its inputs only past grid_dep_wait.
+// (the down kernel as a dependent launch) reads its inputs only once its expert's `ready` count
+// reaches `ready_target` (with counts) or past grid_dep_wait (without).
 template <typename W, int M, bool DEPENDENT = false, typename Input, typename Store>
 __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restrict__ n_active,
                                            const int* __restrict__ act_expert,
@@ -677,6 +679,24 @@ __device__ __forceinline__ void tc_project_any(const W (&w)[M], const void* cons
                                 ksplit, 16, input, store, ready, ready_target);
 }
 
+// The end of a gate/up block: one more of expert blockIdx.y's blocks has its h rows stored.
+__device__ __forceinline__ void gate_up_block_done(unsigned* ready, const int* n_active) {
+#if MOE_TC_FINE
+    if (ready == nullptr) return;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && (int)blockIdx.y < *n_active) atomicAdd(ready + blockIdx.y, 1u);
+#endif
+}
+
+// The end of a down block: as a dependent launch waiting on counts, it still waits for the
+// gate/up kernel itself, so that this kernel ends after it.
+__device__ __forceinline__ void down_block_done(const unsigned* ready) {
+#if MOE_TC_FINE && MOE_TC_DEPENDENT
+    if (ready != nullptr) grid_dep_wait();
+#endif
+}
+
 template <typename W>
 __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict__ x,
                                            const int* __restrict__ n_active,
@@ -684,8 +704,13 @@ __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict_
                                            const int* __restrict__ act_count,
                                            const int* __restrict__ act_pairs,
                                            bf16_t* __restrict__ h, int din, int di, int top_k,
-                                           float b1, float b2, int ksplit,
+                                           float b1, float b2, int ksplit, unsigned* ready,
                                            const void* const (&tmaps)[2]) {
+    // A dependent launch (of the routing kernel, or of what the stream ran after it): nothing
+    // is read before the wait, and the down kernel, which reads the plan before its own wait,
+    // may launch only once every block is past it.
+    grid_dep_wait();
+    grid_dep_launch();
     const W w[2] = {wg, wu};
     tc_project_any<W, 2>(
         w, tmaps, n_active, act_expert, act_count, act_pairs, di, din, ksplit,
@@ -693,6 +718,7 @@ __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict_
         [&](int pair, int row, const float (&c)[2][4], int j) {
             h[(size_t)pair * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
         });
+    gate_up_block_done(ready, n_active);
 }
 
 template <typename W>
@@ -703,6 +729,7 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                         const int* __restrict__ act_pairs, float* __restrict__ y,
                                         int din, int di, int ksplit, const unsigned* ready,
                                         unsigned ready_target, const void* const (&tmaps)[1]) {
+    grid_dep_launch();
     constexpr bool DEP = MOE_TC_DEPENDENT;
     auto input = [&](int pair) { return h + (size_t)pair * di; };
     if constexpr (W::DOWN_TILES == 2 && !(MOE_TMA_ON && W::SCALED)) {
@@ -723,24 +750,7 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                   },
                                   ready, ready_target);
     }
-}
-
-// The end of a gate/up block: one more of expert blockIdx.y's blocks has its h rows stored.
-__device__ __forceinline__ void gate_up_block_done(unsigned* ready, const int* n_active) {
-#if MOE_TC_FINE
-    if (ready == nullptr) return;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0 && (int)blockIdx.y < *n_active) atomicAdd(ready + blockIdx.y, 1u);
-#endif
-}
-
-// The end of a down block: as a dependent launch waiting on counts, it still waits for the
-// gate/up kernel itself, so that this kernel ends after it.
-__device__ __forceinline__ void down_block_done(const unsigned* ready) {
-#if MOE_TC_FINE && MOE_TC_DEPENDENT
-    if (ready != nullptr) grid_dep_wait();
-#endif
+    down_block_done(ready);
 }
 
 // The same four projections on the tensor cores (block: MOE_TC_WARPS warps of 16 rows each).
@@ -749,16 +759,10 @@ moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict_
                     const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
                     int di, int top_k, float b1, float b2, int ksplit,
                     unsigned* __restrict__ ready) {
-    // A dependent launch (of the routing kernel, or of what the stream ran after it): nothing
-    // is read before the wait, and the down kernel, which reads the plan before its own wait,
-    // may launch only once every block is past it.
-    grid_dep_wait();
-    grid_dep_launch();
     const void* const tmaps[2] = {nullptr, nullptr};
     gate_up_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
                Bf16Tc{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert, act_count,
-               act_pairs, h, din, di, top_k, b1, b2, ksplit, tmaps);
-    gate_up_block_done(ready, n_active);
+               act_pairs, h, din, di, top_k, b1, b2, ksplit, ready, tmaps);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
@@ -768,27 +772,20 @@ moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
                      const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
                      PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
                      float b2, int ksplit, unsigned* __restrict__ ready TMA_PARAMS_2) {
-    // A dependent launch (of the routing kernel, or of what the stream ran after it): nothing
-    // is read before the wait, and the down kernel, which reads the plan before its own wait,
-    // may launch only once every block is past it.
-    grid_dep_wait();
-    grid_dep_launch();
     TMA_MAPS_2
     gate_up_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
                Mxfp4Tc{reinterpret_cast<const uint4*>(up_packed), up_scale}, x, n_active,
-               act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2, ksplit, tmaps);
-    gate_up_block_done(ready, n_active);
+               act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2, ksplit, ready,
+               tmaps);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_down_tc_bf16(const bf16_t* __restrict__ w_down, const bf16_t* __restrict__ h, PLAN_ARGS,
                  float* __restrict__ y, int din, int di, int ksplit,
                  const unsigned* __restrict__ ready, int ready_target) {
-    grid_dep_launch();
     const void* const tmaps[1] = {nullptr};
     down_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_down)}, h, n_active, act_expert, act_count,
             act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target, tmaps);
-    down_block_done(ready);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
@@ -796,10 +793,8 @@ moe_down_tc_mxfp4(const unsigned char* __restrict__ down_packed,
                   const unsigned char* __restrict__ down_scale, const bf16_t* __restrict__ h,
                   PLAN_ARGS, float* __restrict__ y, int din, int di, int ksplit,
                   const unsigned* __restrict__ ready, int ready_target TMA_PARAMS_1) {
-    grid_dep_launch();
     TMA_MAPS_1
     down_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(down_packed), down_scale}, h, n_active,
             act_expert, act_count, act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target,
             tmaps);
-    down_block_done(ready);
 }
