@@ -17,6 +17,10 @@
 //! `--moe-tunings` adds build-time alternatives of the tensor-core kernels (`--moe-variants
 //! tc,tc_tma8x3` keeps only the named ones, as printed without the format); `--moe-profile 1,16`
 //! only times the default MoE kernels at those batch sizes, unchecked (a profiler's target).
+//! `--moe-variants probe_nodown,probe_nogateup,probe_nowait,probe_nocombine` adds timing probes
+//! (the layer without its down products, without its gate/up products, down not waiting for
+//! gate/up, without the combine's sums), `probe_route1,2,3` the routing stopped after its
+//! scores, its select, before its plan; never checked: their outputs are wrong by design.
 //!
 //! Output: `check <name> rel_err=<e> tol=<t> <ok|FAIL>` lines (for sampling the value is the
 //! number of rows whose token differs), then `time <name> <shape> us=<median>
@@ -579,6 +583,9 @@ fn run() -> Result<usize, CudaError> {
         // Both projection paths: the column kernels and the tensor cores (each input split).
         for (label, moe_k) in &moe::variants(&dev, moe_sel.tuned, moe_sel.keep.as_deref())? {
             let label = label.trim_start_matches('_');
+            if moe::is_probe(label) {
+                continue;
+            }
             for mxfp4 in [false, true] {
                 // 40 experts top-6: at 33 and 64 tokens experts serve many tokens each.
                 for batch in [1, 5, 16, 33, 64] {

@@ -23,7 +23,7 @@ fn situ(g: f32, u: f32) -> f32 {
 /// The projection kernels to check and time: the column kernels, the tensor cores with the input
 /// split chosen per call (the default), and with it fixed at 1, 2 and 4; with `tuned`, build-time
 /// alternatives of the tensor-core kernels too (`MOE_TC_*` / `MOE_TMA_*` settings of
-/// moe_tc.cu). `keep` names the labels to load (without the leading `_`; `None`: all).
+/// moe_tc.cu); timing probes only when `keep` names them (see [`is_probe`]). `keep` names the labels to load (without the leading `_`; `None`: all).
 pub(crate) fn variants(
     dev: &CudaDevice,
     tuned: bool,
@@ -87,6 +87,19 @@ pub(crate) fn variants(
             None,
             set(&[("MOE_TC_FINE", 0)]),
         ));
+        // Down warps waiting for gate/up before they load their first pass of weights.
+        specs.push((
+            "_tc_lf0".into(),
+            MoePath::TensorCores,
+            None,
+            set(&[("MOE_TC_LOAD_FIRST", 0)]),
+        ));
+        // Inputs through shared memory for experts of up to 0 (never), 1 or 2 tokens (the
+        // default: 4).
+        for max in [0, 1, 2] {
+            let tuning = set(&[("MOE_TC_STAGE_X", max)]);
+            specs.push((format!("_tc_sx{max}"), MoePath::TensorCores, None, tuning));
+        }
         // The copy-engine ring for MXFP4: (vectors per row and stage, stages, blocks per SM).
         for (chunk, stages, blocks) in [(8, 2, 4), (8, 3, 3), (8, 4, 2), (16, 2, 2)] {
             let tuning = set(&[
@@ -97,6 +110,27 @@ pub(crate) fn variants(
             ]);
             let label = format!("_tc_tma{chunk}x{stages}");
             specs.push((label, MoePath::TensorCores, None, tuning));
+        }
+    }
+    // Timing probes (`MOE_TC_PROBE` of moe_tc.cu, `MOE_ROUTE_PROBE` of moe.cu; wrong outputs by
+    // design, so only when named and never checked): the layer without its down products,
+    // without its gate/up products, with down warps not waiting for gate/up, without the
+    // combine's sums; the routing stopped after its scores, its select, or before its plan.
+    if let Some(keep) = keep {
+        let probes = [
+            ("probe_nodown", "MOE_TC_PROBE", 1),
+            ("probe_nogateup", "MOE_TC_PROBE", 2),
+            ("probe_nowait", "MOE_TC_PROBE", 3),
+            ("probe_nocombine", "MOE_TC_PROBE", 4),
+            ("probe_route1", "MOE_ROUTE_PROBE", 1),
+            ("probe_route2", "MOE_ROUTE_PROBE", 2),
+            ("probe_route3", "MOE_ROUTE_PROBE", 3),
+        ];
+        for (name, define, value) in probes {
+            if keep.iter().any(|l| l == name) {
+                let tuning = set(&[(define, value)]);
+                specs.push((format!("_{name}"), MoePath::TensorCores, None, tuning));
+            }
         }
     }
     let mut out = Vec::new();
@@ -110,6 +144,11 @@ pub(crate) fn variants(
         out.push((label, moe));
     }
     Ok(out)
+}
+
+/// Whether a variant label is a timing probe, whose outputs are wrong by design (not checked).
+pub(crate) fn is_probe(label: &str) -> bool {
+    label.trim_start_matches('_').starts_with("probe_")
 }
 
 /// MXFP4 dequantisation of one `[out, in]` matrix (the rule of engine/src/model/mxfp4.rs).

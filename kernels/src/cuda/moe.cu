@@ -41,6 +41,12 @@
 // Routing: threads per token, and experts per thread (ceil(experts / 256), set per model from the
 // host; at most 4).
 #define ROUTE_THREADS 256
+// Timing probes of the routing kernel, for `cuda_model_ops_check` variants `probe_route{1,2,3}`
+// only (no plan is made): it stops after the scores (1), after the radix select (2), or before
+// the plan (3).
+#ifndef MOE_ROUTE_PROBE
+#define MOE_ROUTE_PROBE 0
+#endif
 #ifndef ROUTE_PER_THREAD
 #define ROUTE_PER_THREAD 4
 #endif
@@ -98,14 +104,15 @@ __device__ __forceinline__ unsigned block_excl_scan(unsigned v, unsigned* s_warp
 #define PLAN_OUT_ARGS                                                                          \
     int *__restrict__ n_active, int *__restrict__ act_expert, int *__restrict__ act_count,      \
         int *__restrict__ act_pairs
-__device__ __forceinline__ void plan_block(const unsigned* idx, int pairs, int experts,
+template <typename Idx>
+__device__ __forceinline__ void plan_block(Idx idx, int pairs, int experts,
                                            int* __restrict__ n_active, int* __restrict__ act_expert,
                                            int* __restrict__ act_count, int* __restrict__ act_pairs,
                                            int* s_slot, int* s_count, unsigned* s_warp) {
     const int tid = threadIdx.x;
     for (int e = tid; e < experts; e += PLAN_THREADS) s_slot[e] = 0;
     __syncthreads();
-    for (int p = tid; p < pairs; p += PLAN_THREADS) s_slot[__ldcg(idx + p)] = 1;
+    for (int p = tid; p < pairs; p += PLAN_THREADS) s_slot[idx(p)] = 1;
     __syncthreads();
     const int per = (experts + PLAN_THREADS - 1) / PLAN_THREADS, e0 = tid * per;
     int mine = 0;
@@ -124,7 +131,7 @@ __device__ __forceinline__ void plan_block(const unsigned* idx, int pairs, int e
     if (tid == PLAN_THREADS - 1) *n_active = n;
     __syncthreads();
     for (int p = tid; p < pairs; p += PLAN_THREADS) {
-        const int a = s_slot[__ldcg(idx + p)];
+        const int a = s_slot[idx(p)];
         const int c = atomicAdd(&s_count[a], 1);
         if (c < MOE_MAXT) act_pairs[a * MOE_MAXT + c] = p;
     }
@@ -163,6 +170,10 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
             key[i] = order_key(c != c ? ninf : c);
         }
     }
+    if (MOE_ROUTE_PROBE == 1) {
+        if (key[0] == 0x12345678u) idx[0] = __float_as_uint(score[0]);  // keeps the loads
+        return;
+    }
     // Radix select, most significant digit first: `prefix` holds the digits chosen so far and
     // `need` the rank of the top_k-th largest key among the keys that share them.
     unsigned prefix = 0u, need = (unsigned)top_k;
@@ -200,6 +211,10 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
         __syncthreads();
         prefix = s_sel[0];
         need = s_sel[1];
+    }
+    if (MOE_ROUTE_PROBE == 2) {
+        if (prefix == 0x12345678u && tid == 0) idx[0] = need;
+        return;
     }
     // prefix is the top_k-th largest key; `need` of the keys equal to it are taken.
     const unsigned t = prefix, ties = need;
@@ -244,16 +259,28 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
             weight[(size_t)b * top_k + j] = w * scaling;
         }
     }
+    if (MOE_ROUTE_PROBE == 3) return;
     // The last block to finish plans the pass over every token's choices (`done` counts the
-    // finished blocks and is back at zero for the next call), in the route's shared arrays.
+    // finished blocks and is back at zero for the next call), in the route's shared arrays. A
+    // single block (batch 1) plans straight from its own choices: its top_k experts are
+    // distinct, each serving the one pair of its slot (the plan's order of experts is free).
+    if (gridDim.x == 1) {
+        for (int j = tid; j < top_k; j += ROUTE_THREADS) {
+            act_expert[j] = (int)s_idx[j];
+            act_count[j] = 1;
+            act_pairs[j * MOE_MAXT] = j;
+        }
+        if (tid == 0) *n_active = top_k;
+        return;
+    }
     __threadfence();
     __syncthreads();
     if (tid == 0) s_last = atomicAdd(done, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    plan_block(idx, (int)gridDim.x * top_k, experts, n_active, act_expert, act_count, act_pairs,
-               s_exp, reinterpret_cast<int*>(s_key), s_warp);
+    plan_block([&](int p) { return __ldcg(idx + p); }, (int)gridDim.x * top_k, experts, n_active,
+               act_expert, act_count, act_pairs, s_exp, reinterpret_cast<int*>(s_key), s_warp);
     if (tid == 0) *done = 0u;
 }
 
@@ -469,12 +496,17 @@ moe_combine(const float* __restrict__ y, const float* __restrict__ weight,
     // Launched as dependent of the down projection on the tensor-core path: y is its output.
     grid_dep_wait();
     grid_dep_launch();
+#if defined(MOE_TC_PROBE) && MOE_TC_PROBE == 4
+    const bool probe_skip = true;  // timing probe (moe_tc.cu): no sums
+#else
+    const bool probe_skip = false;
+#endif
     // The tensor-core gate/up blocks' counts (moe_tc.cu's MOE_TC_FINE), back to zero for the
     // next call: gate/up and down are over.
     if (ready != nullptr && blockIdx.x == 0 && blockIdx.y == 0)
         for (int i = threadIdx.x; i < n_ready; i += 256) ready[i] = 0u;
     const int b = blockIdx.y, n = blockIdx.x * 256 + threadIdx.x;
-    if (n >= din) return;
+    if (n >= din || probe_skip) return;
     float s = 0.0f;
     for (int j = 0; j < top_k; ++j)
         s = fmaf(weight[b * top_k + j], y[((size_t)b * top_k + j) * din + n], s);

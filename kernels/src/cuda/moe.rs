@@ -272,6 +272,23 @@ fn fine_waits(mxfp4: bool, max_active: usize) -> bool {
     !mxfp4 || max_active <= 128
 }
 
+/// Most tokens of inputs a tensor-core projection block copies into shared memory first
+/// (`MOE_TC_STAGE_X`, default and cap 4: four blocks of K3's 3584 gate/up inputs, 28 KB each, still
+/// fit an SM).
+const STAGE_MAX: usize = 4;
+
+/// Tokens of inputs each tensor-core projection block copies into shared memory (0: none): the
+/// batch, up to `stage_max` (at most 4), on the register path (the copy-engine ring has its own
+/// use of shared memory). Experts with more tokens than that read their inputs from global
+/// memory as before.
+fn stage_tokens(batch: usize, stage_max: usize, ring: bool) -> usize {
+    if ring {
+        0
+    } else {
+        batch.min(stage_max.min(4))
+    }
+}
+
 /// Warps of a tensor-core projection kernel resident on the device at once, with `smem` bytes of
 /// dynamic shared memory per block.
 fn tc_wave_warps(f: &CudaFunction, sms: usize, smem: usize) -> Result<usize, CudaError> {
@@ -299,6 +316,9 @@ pub struct MoeDecode {
     /// them (`MOE_TC_DEPENDENT`, sm_90 and newer; down and combine not with the copy-engine
     /// ring).
     dependent: bool,
+    /// Largest batch whose tensor-core projections read their inputs from shared memory
+    /// (`MOE_TC_STAGE_X`, see [`stage_tokens`]).
+    stage_max: usize,
     combine: CudaFunction,
 }
 
@@ -420,6 +440,7 @@ impl MoeDecode {
             ksplit: moe_ksplit_from_env(),
             tma,
             dependent,
+            stage_max: define_value(&defines, "MOE_TC_STAGE_X").unwrap_or(STAGE_MAX),
             combine: m.load_function("moe_combine")?,
         })
     }
@@ -547,7 +568,12 @@ impl MoeDecode {
         let kernels = &self.projections[usize::from(mxfp4)][usize::from(tc)];
         // Dynamic shared memory of [gate/up, down] and the waves it leaves.
         let ring = self.tma.filter(|_| tc && mxfp4);
-        let smem = ring.map_or([0, 0], |r| {
+        let stage = if tc {
+            stage_tokens(batch, self.stage_max, ring.is_some())
+        } else {
+            0
+        };
+        let smem = ring.map_or([2 * stage * d.din, 2 * stage * d.di], |r| {
             [r.block_bytes(2, d.din), r.block_bytes(1, d.di)]
         });
         let mut waves = kernels.wave_warps;
@@ -603,7 +629,7 @@ impl MoeDecode {
             0
         };
         if tc {
-            launch.value(ks_gate_up).value(ready);
+            launch.value(ks_gate_up).value(ready).value(stage as i32);
         }
         let maps = match (ring, experts) {
             (Some(_), MoeExperts::Mxfp4 { gate, up, down }) => {
@@ -642,7 +668,11 @@ impl MoeDecode {
         if tc {
             // A down warp waits for all gate/up blocks of its expert: the gate/up grid's width.
             let gate_up_blocks = cfg_gate_up.grid_dim.0 as i32;
-            launch.value(ks_down).value(ready).value(gate_up_blocks);
+            launch
+                .value(ks_down)
+                .value(ready)
+                .value(gate_up_blocks)
+                .value(stage as i32);
         }
         if let Some(m) = &maps {
             launch.by_ref(&m[2]);
@@ -717,7 +747,9 @@ fn check_weights(experts: &MoeExperts, d: &MoeDims) -> Result<(), CudaError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{dependent_launches, fine_waits, tc_down_rows, tc_ksplit, TmaRing, DOWN_TILES};
+    use super::{
+        dependent_launches, fine_waits, stage_tokens, tc_down_rows, tc_ksplit, TmaRing, DOWN_TILES,
+    };
 
     #[test]
     fn mxfp4_down_warps_wait_per_expert_only_up_to_eight_tokens() {
@@ -725,6 +757,18 @@ mod tests {
         assert!(fine_waits(true, 16));
         assert!(fine_waits(true, 128));
         assert!(!fine_waits(true, 256));
+    }
+
+    #[test]
+    fn inputs_staged_in_shared_memory_up_to_the_cap_and_not_with_the_ring() {
+        assert_eq!(stage_tokens(1, 4, false), 1);
+        assert_eq!(stage_tokens(3, 4, false), 3);
+        assert_eq!(stage_tokens(64, 4, false), 4);
+        assert_eq!(stage_tokens(64, 2, false), 2);
+        assert_eq!(stage_tokens(1, 0, false), 0);
+        assert_eq!(stage_tokens(1, 4, true), 0);
+        // Four tokens at most whatever the cap: more would cost blocks per SM.
+        assert_eq!(stage_tokens(8, 8, false), 4);
     }
 
     #[test]

@@ -84,6 +84,21 @@
 #define MOE_TC_FINE 1
 #endif
 
+// Timing probes, for `cuda_model_ops_check --moe-profile` only (their outputs are wrong by
+// design): 1 the down kernel skips its products, 2 the gate/up kernel skips its products (its
+// counts still rise), 3 down warps start without waiting for their expert's gate/up blocks, 4
+// the combine (moe.cu) skips its sums.
+#ifndef MOE_TC_PROBE
+#define MOE_TC_PROBE 0
+#endif
+
+// 1: a dependent projection's warp loads its first pass of weights (which the kernel before
+// does not write) before it waits for its inputs, so that those bytes arrive during the wait;
+// 0: it waits first.
+#ifndef MOE_TC_LOAD_FIRST
+#define MOE_TC_LOAD_FIRST 1
+#endif
+
 // Waits (one lane of the warp, then the warp) until *count reaches target; what was stored
 // before the count was raised is then visible to the warp.
 __device__ __forceinline__ void wait_count(const unsigned* count, unsigned target) {
@@ -257,6 +272,9 @@ struct Mxfp4Tc {
 struct NoReload {
     __device__ __forceinline__ void operator()(int, int) const {}
 };
+struct NoHook {
+    __device__ __forceinline__ void operator()() const {}
+};
 
 // One pass's products: c[m] += (vectors wl/wh of rows lo/hi) · (the inputs at xv[u]), u < SPAN;
 // an input vector that is not `in` is zero (only the last pass of a range has such). `reload(m,
@@ -322,14 +340,16 @@ __device__ __forceinline__ void tc_prefetch_pass(const W (&w)[M], size_t lo, siz
 }
 
 // c[m] += W_m[rows lo/hi] · x over input vectors [vbeg, vend), for M weight matrices sharing the
-// inputs. Lane t takes W::SPAN consecutive vectors of each row per pass, so a row is read in runs
+// inputs; `x_ready()` runs once the first pass's weights are on their way, before any input is
+// read (it may run twice). Lane t takes W::SPAN consecutive vectors of each row per pass, so a row is read in runs
 // of 4 · W::SPAN vectors (256 bytes at span 4) while the warp has 16 rows in flight. Whole passes
 // walk cursors with no bounds; a last, partial pass clamps its loads and zeroes the inputs past
 // the range (every lane runs every step: the matrix instructions take the whole warp).
-template <typename W, int M>
+template <typename W, int M, typename XReady = NoHook>
 __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
                                         const bf16_t* __restrict__ xt, int in_dim, int vbeg,
-                                        int vend, int t, float (&c)[M][4]) {
+                                        int vend, int t, float (&c)[M][4],
+                                        XReady x_ready = XReady()) {
     constexpr int STEP = 4 * W::SPAN, XV = W::PER_VEC / 8;  // uint4 of inputs per vector
     typename W::Vec wl[M][W::SPAN], wh[M][W::SPAN];
     const uint4* xv[W::SPAN];
@@ -353,6 +373,7 @@ __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
                 }
         };
         load_pass();
+        x_ready();
         // Whole passes only: a pass past the range may be past the weights.
 #pragma unroll
         for (int d = 1; d <= MOE_TC_PF_PASSES; ++d)
@@ -400,6 +421,7 @@ __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
             xv[u] = reinterpret_cast<const uint4*>(xt) + (size_t)v * XV;
             in[u] = vu < vend;
         }
+        x_ready();
         tc_mma_pass<W, M, false>(wl, wh, xv, in, c);
     }
 }
@@ -463,7 +485,14 @@ __device__ __forceinline__ void tc_store_pass(float (&c)[M][4], int ksplit, int 
 // either M projections of the same 16 rows (tile_rows 16) or M stacked tiles of 16 rows of one
 // projection (tile_rows 16 M, matrix m the weights from row 16 m on). A `dependent` projection
 // (the down kernel as a dependent launch) reads its inputs only once its expert's `ready` count
-// reaches `ready_target` (with counts) or past grid_dep_wait (without).
+// reaches `ready_target` (with counts) or past grid_dep_wait (without); with MOE_TC_LOAD_FIRST
+// its first pass of weights is already on its way then.
+//
+// With `stage` > 0 and an expert of at most `stage` tokens, the block copies its tokens' input
+// rows into dynamic shared memory (`stage` rows of `in_dim`, by cp.async) and the passes read
+// them there: the inputs, which every warp of the block reads again, then never queue in L1
+// behind the streamed weights. The copies go out, and are waited for (a block barrier), once
+// each warp's first pass of weights is on its way.
 template <typename W, int M, bool DEPENDENT = false, typename Input, typename Store>
 __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restrict__ n_active,
                                            const int* __restrict__ act_expert,
@@ -471,30 +500,65 @@ __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restric
                                            const int* __restrict__ act_pairs, int out_rows,
                                            int in_dim, int ksplit, int tile_rows, Input input,
                                            Store store, const unsigned* ready = nullptr,
-                                           unsigned ready_target = 0) {
+                                           unsigned ready_target = 0, int stage = 0) {
     const int a = blockIdx.y;
     if (a >= *n_active) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const TcSplit sp(ksplit, in_dim / W::PER_VEC, tile_rows);
     const int row0 = sp.tile_row0;
-    if (ksplit == 1 && row0 >= out_rows) return;
     const bool rows_in = row0 < out_rows;
     const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
     const int* pairs = act_pairs + a * MOE_MAXT;
     const size_t lo = (size_t)e * out_rows + min(row0, out_rows - tile_rows) + g, hi = lo + 8;
     // Blocks that returned above write nothing: the combine waits only for those that do.
-    if constexpr (DEPENDENT) {
-        if (MOE_TC_FINE && ready != nullptr)
-            wait_count(ready + a, ready_target);
-        else
-            grid_dep_wait();
+    auto wait_inputs = [&]() {
+        if constexpr (DEPENDENT && MOE_TC_PROBE != 3) {
+            if (MOE_TC_FINE && ready != nullptr)
+                wait_count(ready + a, ready_target);
+            else
+                grid_dep_wait();
+        }
+    };
+    if (!MOE_TC_LOAD_FIRST) wait_inputs();
+    // Once per warp, whatever path its rows take (with staged inputs the barrier counts every
+    // warp): what the inputs wait for, once the first pass's weights are on their way.
+    bool waited = false;
+    if (stage > 0 && nt <= stage) {
+        extern __shared__ __align__(128) unsigned char moe_dyn[];
+        bf16_t* xs = reinterpret_cast<bf16_t*>(moe_dyn);
+        auto x_ready = [&]() {
+            if (waited) return;
+            waited = true;
+            if (MOE_TC_LOAD_FIRST) wait_inputs();
+            const int chunks = in_dim / 8;  // 16-byte copies per row
+            for (int i = threadIdx.x; i < nt * chunks; i += MOE_TC_WARPS * 32) {
+                const int j = i / chunks, k = i - j * chunks;
+                cp_async16(xs + (size_t)j * in_dim + k * 8, input(pairs[j]) + k * 8);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
+        };
+        float c[M][4] = {};
+        if (rows_in)
+            tc_rows<W, M>(w, lo, hi, xs + (size_t)min(g, nt - 1) * in_dim, in_dim, sp.vbeg,
+                          sp.vend, t, c, x_ready);
+        x_ready();
+        tc_store_pass<M>(c, ksplit, sp.part, rows_in, 0, nt, row0, pairs, store);
+        return;
     }
+    if (ksplit == 1 && !rows_in) return;
+    auto x_ready = [&]() {
+        if (waited || !MOE_TC_LOAD_FIRST) return;
+        waited = true;
+        wait_inputs();
+    };
     for (int t0 = 0; t0 < nt; t0 += 8) {
         // Token g of this pass (a missing one reads a present token's inputs: its column of
         // the product is never written).
         const bf16_t* xt = input(pairs[min(t0 + g, nt - 1)]);
         float c[M][4] = {};
-        if (rows_in) tc_rows<W, M>(w, lo, hi, xt, in_dim, sp.vbeg, sp.vend, t, c);
+        if (rows_in) tc_rows<W, M>(w, lo, hi, xt, in_dim, sp.vbeg, sp.vend, t, c, x_ready);
         tc_store_pass<M>(c, ksplit, sp.part, rows_in, t0, nt, row0, pairs, store);
     }
 }
@@ -667,7 +731,7 @@ __device__ __forceinline__ void tc_project_any(const W (&w)[M], const void* cons
                                                const int* __restrict__ act_pairs, int out_rows,
                                                int in_dim, int ksplit, Input input, Store store,
                                                const unsigned* ready = nullptr,
-                                               unsigned ready_target = 0) {
+                                               unsigned ready_target = 0, int stage = 0) {
 #if MOE_TMA_ON
     if constexpr (W::SCALED) {
         tc_project_tma<M>(w, tmaps, n_active, act_expert, act_count, act_pairs, out_rows, in_dim,
@@ -676,7 +740,7 @@ __device__ __forceinline__ void tc_project_any(const W (&w)[M], const void* cons
     }
 #endif
     tc_project<W, M, DEPENDENT>(w, n_active, act_expert, act_count, act_pairs, out_rows, in_dim,
-                                ksplit, 16, input, store, ready, ready_target);
+                                ksplit, 16, input, store, ready, ready_target, stage);
 }
 
 // The end of a gate/up block: one more of expert blockIdx.y's blocks has its h rows stored.
@@ -705,19 +769,20 @@ __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict_
                                            const int* __restrict__ act_pairs,
                                            bf16_t* __restrict__ h, int din, int di, int top_k,
                                            float b1, float b2, int ksplit, unsigned* ready,
-                                           const void* const (&tmaps)[2]) {
+                                           int stage, const void* const (&tmaps)[2]) {
     // A dependent launch (of the routing kernel, or of what the stream ran after it): nothing
     // is read before the wait, and the down kernel, which reads the plan before its own wait,
     // may launch only once every block is past it.
     grid_dep_wait();
     grid_dep_launch();
     const W w[2] = {wg, wu};
-    tc_project_any<W, 2>(
+    if (MOE_TC_PROBE != 2) tc_project_any<W, 2>(
         w, tmaps, n_active, act_expert, act_count, act_pairs, di, din, ksplit,
         [&](int pair) { return x + (size_t)(pair / top_k) * din; },
         [&](int pair, int row, const float (&c)[2][4], int j) {
             h[(size_t)pair * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
-        });
+        },
+        nullptr, 0, stage);
     gate_up_block_done(ready, n_active);
 }
 
@@ -728,9 +793,14 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                         const int* __restrict__ act_count,
                                         const int* __restrict__ act_pairs, float* __restrict__ y,
                                         int din, int di, int ksplit, const unsigned* ready,
-                                        unsigned ready_target, const void* const (&tmaps)[1]) {
+                                        unsigned ready_target, int stage,
+                                        const void* const (&tmaps)[1]) {
     grid_dep_launch();
     constexpr bool DEP = MOE_TC_DEPENDENT;
+    if (MOE_TC_PROBE == 1) {
+        down_block_done(ready);
+        return;
+    }
     auto input = [&](int pair) { return h + (size_t)pair * di; };
     if constexpr (W::DOWN_TILES == 2 && !(MOE_TMA_ON && W::SCALED)) {
         const W w[2] = {wd, wd.from_row(16, di)};
@@ -740,7 +810,7 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                   y[(size_t)pair * din + row] = c[0][j];
                                   y[(size_t)pair * din + row + 16] = c[1][j];
                               },
-                              ready, ready_target);
+                              ready, ready_target, stage);
     } else {
         const W w[1] = {wd};
         tc_project_any<W, 1, DEP>(w, tmaps, n_active, act_expert, act_count, act_pairs, din, di,
@@ -748,7 +818,7 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                   [&](int pair, int row, const float (&c)[1][4], int j) {
                                       y[(size_t)pair * din + row] = c[0][j];
                                   },
-                                  ready, ready_target);
+                                  ready, ready_target, stage);
     }
     down_block_done(ready);
 }
@@ -758,11 +828,11 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCK
 moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
                     const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
                     int di, int top_k, float b1, float b2, int ksplit,
-                    unsigned* __restrict__ ready) {
+                    unsigned* __restrict__ ready, int stage) {
     const void* const tmaps[2] = {nullptr, nullptr};
     gate_up_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
                Bf16Tc{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert, act_count,
-               act_pairs, h, din, di, top_k, b1, b2, ksplit, ready, tmaps);
+               act_pairs, h, din, di, top_k, b1, b2, ksplit, ready, stage, tmaps);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
@@ -771,30 +841,32 @@ moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
                      const unsigned char* __restrict__ up_packed,
                      const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
                      PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
-                     float b2, int ksplit, unsigned* __restrict__ ready TMA_PARAMS_2) {
+                     float b2, int ksplit, unsigned* __restrict__ ready,
+                     int stage TMA_PARAMS_2) {
     TMA_MAPS_2
     gate_up_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
                Mxfp4Tc{reinterpret_cast<const uint4*>(up_packed), up_scale}, x, n_active,
                act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2, ksplit, ready,
-               tmaps);
+               stage, tmaps);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_down_tc_bf16(const bf16_t* __restrict__ w_down, const bf16_t* __restrict__ h, PLAN_ARGS,
                  float* __restrict__ y, int din, int di, int ksplit,
-                 const unsigned* __restrict__ ready, int ready_target) {
+                 const unsigned* __restrict__ ready, int ready_target, int stage) {
     const void* const tmaps[1] = {nullptr};
     down_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_down)}, h, n_active, act_expert, act_count,
-            act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target, tmaps);
+            act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target, stage, tmaps);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_down_tc_mxfp4(const unsigned char* __restrict__ down_packed,
                   const unsigned char* __restrict__ down_scale, const bf16_t* __restrict__ h,
                   PLAN_ARGS, float* __restrict__ y, int din, int di, int ksplit,
-                  const unsigned* __restrict__ ready, int ready_target TMA_PARAMS_1) {
+                  const unsigned* __restrict__ ready, int ready_target,
+                  int stage TMA_PARAMS_1) {
     TMA_MAPS_1
     down_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(down_packed), down_scale}, h, n_active,
             act_expert, act_count, act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target,
-            tmaps);
+            stage, tmaps);
 }
