@@ -316,8 +316,8 @@ pub struct MoeDecode {
     /// them (`MOE_TC_DEPENDENT`, sm_90 and newer; down and combine not with the copy-engine
     /// ring).
     dependent: bool,
-    /// Largest batch whose tensor-core projections read their inputs from shared memory
-    /// (`MOE_TC_STAGE_X`, see [`stage_tokens`]).
+    /// Most tokens of an expert whose inputs the tensor-core projections read from shared
+    /// memory (`MOE_TC_STAGE_X`, see [`stage_tokens`]).
     stage_max: usize,
     combine: CudaFunction,
 }

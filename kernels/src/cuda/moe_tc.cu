@@ -341,10 +341,11 @@ __device__ __forceinline__ void tc_prefetch_pass(const W (&w)[M], size_t lo, siz
 
 // c[m] += W_m[rows lo/hi] · x over input vectors [vbeg, vend), for M weight matrices sharing the
 // inputs; `x_ready()` runs once the first pass's weights are on their way, before any input is
-// read (it may run twice). Lane t takes W::SPAN consecutive vectors of each row per pass, so a row is read in runs
-// of 4 · W::SPAN vectors (256 bytes at span 4) while the warp has 16 rows in flight. Whole passes
-// walk cursors with no bounds; a last, partial pass clamps its loads and zeroes the inputs past
-// the range (every lane runs every step: the matrix instructions take the whole warp).
+// read (it may run twice). Lane t takes W::SPAN consecutive vectors of each row per pass, so a
+// row is read in runs of 4 · W::SPAN vectors (256 bytes at span 4) while the warp has 16 rows in
+// flight. Whole passes walk cursors with no bounds; a last, partial pass clamps its loads and
+// zeroes the inputs past the range (every lane runs every step: the matrix instructions take the
+// whole warp).
 template <typename W, int M, typename XReady = NoHook>
 __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
                                         const bf16_t* __restrict__ xt, int in_dim, int vbeg,
@@ -510,7 +511,8 @@ __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restric
     const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
     const int* pairs = act_pairs + a * MOE_MAXT;
     const size_t lo = (size_t)e * out_rows + min(row0, out_rows - tile_rows) + g, hi = lo + 8;
-    // Blocks that returned above write nothing: the combine waits only for those that do.
+    // What a dependent projection's inputs wait for. Blocks that returned above write nothing:
+    // the combine waits only for those that do.
     auto wait_inputs = [&]() {
         if constexpr (DEPENDENT && MOE_TC_PROBE != 3) {
             if (MOE_TC_FINE && ready != nullptr)
