@@ -22,8 +22,9 @@ fn situ(g: f32, u: f32) -> f32 {
 
 /// The projection kernels to check and time: the column kernels, the tensor cores with the input
 /// split chosen per call (the default), and with it fixed at 1, 2 and 4; with `tuned`, build-time
-/// alternatives of the tensor-core kernels too (`MOE_TC_*` / `MOE_TMA_*` settings of
-/// moe_tc.cu); timing probes only when `keep` names them (see [`is_probe`]). `keep` names the labels to load (without the leading `_`; `None`: all).
+/// alternatives of the tensor-core kernels too (`MOE_TC_*` / `MOE_TMA_*` settings of moe_tc.cu
+/// and moe_tc_tma.cu); timing probes only when `keep` names them (see [`is_probe`]). `keep`
+/// names the labels to load (without the leading `_`; `None`: all).
 pub(crate) fn variants(
     dev: &CudaDevice,
     tuned: bool,

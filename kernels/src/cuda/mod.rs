@@ -17,6 +17,7 @@ mod mla;
 mod model_mla;
 mod model_ops;
 mod moe;
+mod moe_policy;
 mod mxfp4;
 mod ops;
 mod sample;
@@ -124,7 +125,11 @@ pub const MOE_SOURCE: &str = concat!(
     "\n",
     include_str!("tma.cuh"),
     "\n",
-    include_str!("moe_tc.cu")
+    include_str!("moe_tc.cu"),
+    "\n",
+    include_str!("moe_tc_tma.cu"),
+    "\n",
+    include_str!("moe_tc_kernels.cu")
 );
 
 /// Everything that can go wrong in the CUDA backend.

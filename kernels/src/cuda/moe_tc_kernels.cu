@@ -1,0 +1,152 @@
+// The tensor-core MoE decode kernels: gate/up with SiTU and down, for bf16 and MXFP4 experts
+// (compiled after moe_tc.cu and moe_tc_tma.cu, whose projections they run).
+
+// tc_project, or for MXFP4 weights with MOE_TC_TMA on sm_90, tc_project_tma (which the host
+// never launches as dependent).
+template <typename W, int M, bool DEPENDENT = false, typename Input, typename Store>
+__device__ __forceinline__ void tc_project_any(const W (&w)[M], const void* const (&tmaps)[M],
+                                               const int* __restrict__ n_active,
+                                               const int* __restrict__ act_expert,
+                                               const int* __restrict__ act_count,
+                                               const int* __restrict__ act_pairs, int out_rows,
+                                               int in_dim, int ksplit, Input input, Store store,
+                                               const unsigned* ready = nullptr,
+                                               unsigned ready_target = 0, int stage = 0) {
+#if MOE_TMA_ON
+    if constexpr (W::SCALED) {
+        tc_project_tma<M>(w, tmaps, n_active, act_expert, act_count, act_pairs, out_rows, in_dim,
+                          ksplit, input, store);
+        return;
+    }
+#endif
+    tc_project<W, M, DEPENDENT>(w, n_active, act_expert, act_count, act_pairs, out_rows, in_dim,
+                                ksplit, 16, input, store, ready, ready_target, stage);
+}
+
+// The end of a gate/up block: one more of expert blockIdx.y's blocks has its h rows stored.
+__device__ __forceinline__ void gate_up_block_done(unsigned* ready, const int* n_active) {
+#if MOE_TC_FINE
+    if (ready == nullptr) return;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && (int)blockIdx.y < *n_active) atomicAdd(ready + blockIdx.y, 1u);
+#endif
+}
+
+// The end of a down block: as a dependent launch waiting on counts, it still waits for the
+// gate/up kernel itself, so that this kernel ends after it.
+__device__ __forceinline__ void down_block_done(const unsigned* ready) {
+#if MOE_TC_FINE && MOE_TC_DEPENDENT
+    if (ready != nullptr) grid_dep_wait();
+#endif
+}
+
+template <typename W>
+__device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict__ x,
+                                           const int* __restrict__ n_active,
+                                           const int* __restrict__ act_expert,
+                                           const int* __restrict__ act_count,
+                                           const int* __restrict__ act_pairs,
+                                           bf16_t* __restrict__ h, int din, int di, int top_k,
+                                           float b1, float b2, int ksplit, unsigned* ready,
+                                           int stage, const void* const (&tmaps)[2]) {
+    // A dependent launch (of the routing kernel, or of what the stream ran after it): nothing
+    // is read before the wait, and the down kernel, which reads the plan before its own wait,
+    // may launch only once every block is past it.
+    grid_dep_wait();
+    grid_dep_launch();
+    const W w[2] = {wg, wu};
+    if (MOE_TC_PROBE != 2) tc_project_any<W, 2>(
+        w, tmaps, n_active, act_expert, act_count, act_pairs, di, din, ksplit,
+        [&](int pair) { return x + (size_t)(pair / top_k) * din; },
+        [&](int pair, int row, const float (&c)[2][4], int j) {
+            h[(size_t)pair * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
+        },
+        nullptr, 0, stage);
+    gate_up_block_done(ready, n_active);
+}
+
+template <typename W>
+__device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
+                                        const int* __restrict__ n_active,
+                                        const int* __restrict__ act_expert,
+                                        const int* __restrict__ act_count,
+                                        const int* __restrict__ act_pairs, float* __restrict__ y,
+                                        int din, int di, int ksplit, const unsigned* ready,
+                                        unsigned ready_target, int stage,
+                                        const void* const (&tmaps)[1]) {
+    grid_dep_launch();
+    constexpr bool DEP = MOE_TC_DEPENDENT;
+    if (MOE_TC_PROBE == 1) {
+        down_block_done(ready);
+        return;
+    }
+    auto input = [&](int pair) { return h + (size_t)pair * di; };
+    if constexpr (W::DOWN_TILES == 2 && !(MOE_TMA_ON && W::SCALED)) {
+        const W w[2] = {wd, wd.from_row(16, di)};
+        tc_project<W, 2, DEP>(w, n_active, act_expert, act_count, act_pairs, din, di, ksplit, 32,
+                              input,
+                              [&](int pair, int row, const float (&c)[2][4], int j) {
+                                  y[(size_t)pair * din + row] = c[0][j];
+                                  y[(size_t)pair * din + row + 16] = c[1][j];
+                              },
+                              ready, ready_target, stage);
+    } else {
+        const W w[1] = {wd};
+        tc_project_any<W, 1, DEP>(w, tmaps, n_active, act_expert, act_count, act_pairs, din, di,
+                                  ksplit, input,
+                                  [&](int pair, int row, const float (&c)[1][4], int j) {
+                                      y[(size_t)pair * din + row] = c[0][j];
+                                  },
+                                  ready, ready_target, stage);
+    }
+    down_block_done(ready);
+}
+
+// The same four projections on the tensor cores (block: MOE_TC_WARPS warps of 16 rows each).
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
+                    const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
+                    int di, int top_k, float b1, float b2, int ksplit,
+                    unsigned* __restrict__ ready, int stage) {
+    const void* const tmaps[2] = {nullptr, nullptr};
+    gate_up_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
+               Bf16Tc{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert, act_count,
+               act_pairs, h, din, di, top_k, b1, b2, ksplit, ready, stage, tmaps);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
+                     const unsigned char* __restrict__ gate_scale,
+                     const unsigned char* __restrict__ up_packed,
+                     const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
+                     PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
+                     float b2, int ksplit, unsigned* __restrict__ ready,
+                     int stage TMA_PARAMS_2) {
+    TMA_MAPS_2
+    gate_up_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
+               Mxfp4Tc{reinterpret_cast<const uint4*>(up_packed), up_scale}, x, n_active,
+               act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2, ksplit, ready,
+               stage, tmaps);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_down_tc_bf16(const bf16_t* __restrict__ w_down, const bf16_t* __restrict__ h, PLAN_ARGS,
+                 float* __restrict__ y, int din, int di, int ksplit,
+                 const unsigned* __restrict__ ready, int ready_target, int stage) {
+    const void* const tmaps[1] = {nullptr};
+    down_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_down)}, h, n_active, act_expert, act_count,
+            act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target, stage, tmaps);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_down_tc_mxfp4(const unsigned char* __restrict__ down_packed,
+                  const unsigned char* __restrict__ down_scale, const bf16_t* __restrict__ h,
+                  PLAN_ARGS, float* __restrict__ y, int din, int di, int ksplit,
+                  const unsigned* __restrict__ ready, int ready_target,
+                  int stage TMA_PARAMS_1) {
+    TMA_MAPS_1
+    down_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(down_packed), down_scale}, h, n_active,
+            act_expert, act_count, act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target,
+            stage, tmaps);
+}
