@@ -445,12 +445,15 @@ impl MoeDecode {
         let kernels = &self.projections[usize::from(mxfp4)][usize::from(tc)];
         // Dynamic shared memory of [gate/up, down] and the waves it leaves.
         let ring = self.tma.filter(|_| tc && mxfp4);
-        let stage = if tc {
-            stage_tokens(batch, self.stage_max, ring.is_some())
-        } else {
-            0
-        };
-        let smem = ring.map_or([2 * stage * d.din, 2 * stage * d.di], |r| {
+        // Tokens of inputs staged in shared memory by [gate/up, down] (their inputs: din, di).
+        let stage = [d.din, d.di].map(|in_dim| {
+            if tc {
+                stage_tokens(batch, self.stage_max, ring.is_some(), in_dim)
+            } else {
+                0
+            }
+        });
+        let smem = ring.map_or([2 * stage[0] * d.din, 2 * stage[1] * d.di], |r| {
             [r.block_bytes(2, d.din), r.block_bytes(1, d.di)]
         });
         let mut waves = kernels.wave_warps;
@@ -506,7 +509,7 @@ impl MoeDecode {
             0
         };
         if tc {
-            launch.value(ks_gate_up).value(ready).value(stage as i32);
+            launch.value(ks_gate_up).value(ready).value(stage[0] as i32);
         }
         let maps = match (ring, experts) {
             (Some(_), MoeExperts::Mxfp4 { gate, up, down }) => {
@@ -549,7 +552,7 @@ impl MoeDecode {
                 .value(ks_down)
                 .value(ready)
                 .value(gate_up_blocks)
-                .value(stage as i32);
+                .value(stage[1] as i32);
         }
         if let Some(m) = &maps {
             launch.by_ref(&m[2]);

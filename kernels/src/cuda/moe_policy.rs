@@ -80,19 +80,28 @@ pub(super) fn fine_waits(mxfp4: bool, max_active: usize) -> bool {
 }
 
 /// Most tokens of inputs a tensor-core projection block copies into shared memory first
-/// (`MOE_TC_STAGE_X`, default and cap 4: four blocks of K3's 3584 gate/up inputs, 28 KB each, still
-/// fit an SM).
+/// (`MOE_TC_STAGE_X`, default 4).
 pub(super) const STAGE_MAX: usize = 4;
 
-/// Tokens of inputs each tensor-core projection block copies into shared memory (0: none): the
-/// batch, up to `stage_max` (at most 4), on the register path (the copy-engine ring has its own
-/// use of shared memory). Experts with more tokens than that read their inputs from global
-/// memory as before.
-pub(super) fn stage_tokens(batch: usize, stage_max: usize, ring: bool) -> usize {
+/// Most bytes of staged inputs per block: four blocks an SM still fit beside their other shared
+/// memory, and no launch needs more than the 48 KB of dynamic shared memory a kernel gets
+/// without asking (K3: 4 tokens of 3584 gate/up inputs, 28 KB).
+pub(super) const STAGE_BYTES: usize = 32 * 1024;
+
+/// Tokens of an expert one pass of the tensor-core projections takes (the staged inputs are read
+/// in a single pass).
+const TOKENS_PER_PASS: usize = 8;
+
+/// Tokens of inputs a tensor-core projection block over `in_dim` bf16 inputs copies into shared
+/// memory (0: none): the batch, up to `stage_max`, one pass and what [`STAGE_BYTES`] holds, on
+/// the register path (the copy-engine ring has its own use of shared memory). Experts with more
+/// tokens than that read their inputs from global memory as before.
+pub(super) fn stage_tokens(batch: usize, stage_max: usize, ring: bool, in_dim: usize) -> usize {
     if ring {
         0
     } else {
-        batch.min(stage_max.min(4))
+        let fits = STAGE_BYTES / (2 * in_dim).max(1);
+        batch.min(stage_max).min(TOKENS_PER_PASS).min(fits)
     }
 }
 
@@ -147,15 +156,23 @@ mod tests {
     }
 
     #[test]
-    fn inputs_staged_in_shared_memory_up_to_the_cap_and_not_with_the_ring() {
-        assert_eq!(stage_tokens(1, 4, false), 1);
-        assert_eq!(stage_tokens(3, 4, false), 3);
-        assert_eq!(stage_tokens(64, 4, false), 4);
-        assert_eq!(stage_tokens(64, 2, false), 2);
-        assert_eq!(stage_tokens(1, 0, false), 0);
-        assert_eq!(stage_tokens(1, 4, true), 0);
-        // Four tokens at most whatever the cap: more would cost blocks per SM.
-        assert_eq!(stage_tokens(8, 8, false), 4);
+    fn inputs_staged_in_shared_memory_up_to_the_cap_and_the_byte_budget_and_not_with_the_ring() {
+        // K3's gate/up (3584 inputs) and down (3072).
+        assert_eq!(stage_tokens(1, 4, false, 3584), 1);
+        assert_eq!(stage_tokens(3, 4, false, 3584), 3);
+        assert_eq!(stage_tokens(64, 4, false, 3584), 4);
+        assert_eq!(stage_tokens(64, 4, false, 3072), 4);
+        assert_eq!(stage_tokens(64, 2, false, 3584), 2);
+        assert_eq!(stage_tokens(1, 0, false, 3584), 0);
+        assert_eq!(stage_tokens(1, 4, true, 3584), 0);
+        // Wider inputs take fewer tokens, and none past 16K inputs: 2 · tokens · in_dim bytes
+        // stay within STAGE_BYTES.
+        assert_eq!(stage_tokens(64, 4, false, 7168), 2);
+        assert_eq!(stage_tokens(64, 4, false, 16384), 1);
+        assert_eq!(stage_tokens(64, 4, false, 16416), 0);
+        assert_eq!(stage_tokens(64, 8, false, 512), 8);
+        // One pass of 8 tokens at most, whatever the cap.
+        assert_eq!(stage_tokens(64, 16, false, 512), 8);
     }
 
     #[test]

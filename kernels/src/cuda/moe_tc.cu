@@ -525,7 +525,7 @@ __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restric
     // Once per warp, whatever path its rows take (with staged inputs the barrier counts every
     // warp): what the inputs wait for, once the first pass's weights are on their way.
     bool waited = false;
-    if (stage > 0 && nt <= stage) {
+    if (stage > 0 && nt <= min(stage, 8)) {  // one pass of 8 tokens
         extern __shared__ __align__(128) unsigned char moe_dyn[];
         bf16_t* xs = reinterpret_cast<bf16_t*>(moe_dyn);
         auto x_ready = [&]() {
