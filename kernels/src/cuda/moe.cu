@@ -104,15 +104,14 @@ __device__ __forceinline__ unsigned block_excl_scan(unsigned v, unsigned* s_warp
 #define PLAN_OUT_ARGS                                                                          \
     int *__restrict__ n_active, int *__restrict__ act_expert, int *__restrict__ act_count,      \
         int *__restrict__ act_pairs
-template <typename Idx>
-__device__ __forceinline__ void plan_block(Idx idx, int pairs, int experts,
+__device__ __forceinline__ void plan_block(const unsigned* idx, int pairs, int experts,
                                            int* __restrict__ n_active, int* __restrict__ act_expert,
                                            int* __restrict__ act_count, int* __restrict__ act_pairs,
                                            int* s_slot, int* s_count, unsigned* s_warp) {
     const int tid = threadIdx.x;
     for (int e = tid; e < experts; e += PLAN_THREADS) s_slot[e] = 0;
     __syncthreads();
-    for (int p = tid; p < pairs; p += PLAN_THREADS) s_slot[idx(p)] = 1;
+    for (int p = tid; p < pairs; p += PLAN_THREADS) s_slot[__ldcg(idx + p)] = 1;
     __syncthreads();
     const int per = (experts + PLAN_THREADS - 1) / PLAN_THREADS, e0 = tid * per;
     int mine = 0;
@@ -131,7 +130,7 @@ __device__ __forceinline__ void plan_block(Idx idx, int pairs, int experts,
     if (tid == PLAN_THREADS - 1) *n_active = n;
     __syncthreads();
     for (int p = tid; p < pairs; p += PLAN_THREADS) {
-        const int a = s_slot[idx(p)];
+        const int a = s_slot[__ldcg(idx + p)];
         const int c = atomicAdd(&s_count[a], 1);
         if (c < MOE_MAXT) act_pairs[a * MOE_MAXT + c] = p;
     }
@@ -279,8 +278,8 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    plan_block([&](int p) { return __ldcg(idx + p); }, (int)gridDim.x * top_k, experts, n_active,
-               act_expert, act_count, act_pairs, s_exp, reinterpret_cast<int*>(s_key), s_warp);
+    plan_block(idx, (int)gridDim.x * top_k, experts, n_active, act_expert, act_count, act_pairs,
+               s_exp, reinterpret_cast<int*>(s_key), s_warp);
     if (tid == 0) *done = 0u;
 }
 

@@ -521,17 +521,24 @@ __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restric
                 grid_dep_wait();
         }
     };
-    if (!MOE_TC_LOAD_FIRST) wait_inputs();
-    // Once per warp, whatever path its rows take (with staged inputs the barrier counts every
-    // warp): what the inputs wait for, once the first pass's weights are on their way.
-    bool waited = false;
+    // The wait runs once per warp: here, or (MOE_TC_LOAD_FIRST) once its first pass of weights
+    // is on its way.
+    bool waited = !MOE_TC_LOAD_FIRST;
+    if (waited) wait_inputs();
+    auto wait_once = [&]() {
+        if (waited) return;
+        waited = true;
+        wait_inputs();
+    };
     if (stage > 0 && nt <= min(stage, 8)) {  // one pass of 8 tokens
         extern __shared__ __align__(128) unsigned char moe_dyn[];
         bf16_t* xs = reinterpret_cast<bf16_t*>(moe_dyn);
+        // Once per warp, whatever path its rows take (the barrier counts every warp).
+        bool staged = false;
         auto x_ready = [&]() {
-            if (waited) return;
-            waited = true;
-            if (MOE_TC_LOAD_FIRST) wait_inputs();
+            if (staged) return;
+            staged = true;
+            wait_once();
             const int chunks = in_dim / 8;  // 16-byte copies per row
             for (int i = threadIdx.x; i < nt * chunks; i += MOE_TC_WARPS * 32) {
                 const int j = i / chunks, k = i - j * chunks;
@@ -550,17 +557,12 @@ __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restric
         return;
     }
     if (ksplit == 1 && !rows_in) return;
-    auto x_ready = [&]() {
-        if (waited || !MOE_TC_LOAD_FIRST) return;
-        waited = true;
-        wait_inputs();
-    };
     for (int t0 = 0; t0 < nt; t0 += 8) {
         // Token g of this pass (a missing one reads a present token's inputs: its column of
         // the product is never written).
         const bf16_t* xt = input(pairs[min(t0 + g, nt - 1)]);
         float c[M][4] = {};
-        if (rows_in) tc_rows<W, M>(w, lo, hi, xt, in_dim, sp.vbeg, sp.vend, t, c, x_ready);
+        if (rows_in) tc_rows<W, M>(w, lo, hi, xt, in_dim, sp.vbeg, sp.vend, t, c, wait_once);
         tc_store_pass<M>(c, ksplit, sp.part, rows_in, t0, nt, row0, pairs, store);
     }
 }
