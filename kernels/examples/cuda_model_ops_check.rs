@@ -588,22 +588,29 @@ fn run() -> Result<usize, CudaError> {
             }
             for mxfp4 in [false, true] {
                 // 40 experts top-6: at 33 and 64 tokens experts serve many tokens each.
-                for batch in [1, 5, 16, 33, 64] {
-                    moe::check_moe_experts(
-                        &dev,
-                        (label, moe_k),
-                        &mut checks,
-                        &mut rng,
-                        small,
-                        batch,
-                        mxfp4,
-                    )?;
+                // Batch 1 with ties too (whole-number logits).
+                let cases = [
+                    (1, false),
+                    (1, true),
+                    (5, false),
+                    (16, false),
+                    (33, false),
+                    (64, false),
+                ];
+                for (batch, ties) in cases {
+                    let sel = (label, moe_k);
+                    let rng = &mut rng;
+                    moe::check_moe_experts(&dev, sel, &mut checks, rng, small, batch, mxfp4, ties)?;
                 }
                 let k3 = MoeDims {
                     experts: 24,
                     ..k3_routing
                 };
-                moe::check_moe_experts(&dev, (label, moe_k), &mut checks, &mut rng, k3, 2, mxfp4)?;
+                for batch in [1, 2] {
+                    let sel = (label, moe_k);
+                    let rng = &mut rng;
+                    moe::check_moe_experts(&dev, sel, &mut checks, rng, k3, batch, mxfp4, false)?;
+                }
             }
         }
     }

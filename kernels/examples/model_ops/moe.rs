@@ -95,6 +95,13 @@ pub(crate) fn variants(
             None,
             set(&[("MOE_TC_LOAD_FIRST", 0)]),
         ));
+        // The routing kernel launched plainly, not as a dependent of the kernel before it.
+        specs.push((
+            "_tc_rd0".into(),
+            MoePath::TensorCores,
+            None,
+            set(&[("MOE_ROUTE_DEPENDENT", 0)]),
+        ));
         // Inputs through shared memory for experts of up to 0 (never), 1 or 2 tokens (the
         // default: 4).
         for max in [0, 1, 2] {
@@ -250,6 +257,7 @@ pub(crate) fn check_moe_experts(
     dims: MoeDims,
     batch: usize,
     mxfp4: bool,
+    ties: bool,
 ) -> Result<(), CudaError> {
     let (e, din, di) = (dims.experts, dims.din, dims.di);
     let routing = MoeRouting {
@@ -259,7 +267,11 @@ pub(crate) fn check_moe_experts(
         renormalize: true,
         scaling: 1.0,
     };
-    let logits = fill(batch * e, rng.next_u64(), |r| r.normal() * 2.0);
+    let mut logits = fill(batch * e, rng.next_u64(), |r| r.normal() * 2.0);
+    if ties {
+        // Whole-number logits: the last slots are decided by the lowest expert number.
+        logits.iter_mut().for_each(|l| *l = l.round());
+    }
     let bias = vec![0.0f32; e];
     let x = bf16_vec(batch * din, rng, 1.0);
     let mut ws = MoeWorkspace::new(dev, dims, batch)?;
@@ -376,14 +388,17 @@ pub(crate) fn check_moe_experts(
         }
     }
     let kind = if mxfp4 { "mxfp4" } else { "bf16" };
-    checks.report(
-        &format!(
-            "moe_experts.{kind}.{variant}.E{e}.k{}.din{din}.di{di}.B{batch}",
-            dims.top_k
-        ),
-        rel_err(&got, &want),
-        1e-2,
+    let how = if ties { ".ties" } else { "" };
+    let name = format!(
+        "moe_experts{how}.{kind}.{variant}.E{e}.k{}.din{din}.di{di}.B{batch}",
+        dims.top_k
     );
+    checks.report(&name, rel_err(&got, &want), 1e-2);
+    // The routing (the dependent routing kernel's) the step read.
+    let (got_i, got_w) = (dev.download(&ws.idx)?, dev.download(&ws.weight)?);
+    let wrong = got_i.iter().zip(&idx).filter(|(a, b)| a != b).count();
+    checks.report(&format!("{name}.ids_wrong"), wrong as f64, 0.0);
+    checks.report(&format!("{name}.weights"), rel_err(&got_w, &w), 1e-5);
     Ok(())
 }
 

@@ -138,10 +138,13 @@ __device__ __forceinline__ void plan_block(const unsigned* idx, int pairs, int e
     for (int a = tid; a < (int)total; a += PLAN_THREADS) act_count[a] = s_count[a];
 }
 
+// moe_route (see above) may go out as a dependent launch: nothing is read before it waits for
+// the kernel before it (the logits' writer), and the logits and bias are read through L2.
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
           unsigned* __restrict__ idx, float* __restrict__ weight, int experts, int top_k,
           int renormalize, float scaling, unsigned* __restrict__ done, PLAN_OUT_ARGS) {
+    grid_dep_wait();
     constexpr int CAP = ROUTE_THREADS * ROUTE_PER_THREAD;
     __shared__ unsigned hist[256];
     __shared__ unsigned s_warp[ROUTE_THREADS / 32];
@@ -164,8 +167,8 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
         key[i] = 0u;
         score[i] = 0.0f;
         if (e < experts) {
-            score[i] = 1.0f / (1.0f + expf(-lg[e]));
-            const float c = score[i] + bias[e];
+            score[i] = 1.0f / (1.0f + expf(-__ldcg(lg + e)));
+            const float c = score[i] + __ldcg(bias + e);
             key[i] = order_key(c != c ? ninf : c);
         }
     }

@@ -6,9 +6,7 @@
 //! is the latent after the down-projection.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::launch::RawLaunch;
 use super::moe_policy::{
@@ -232,6 +230,9 @@ pub struct MoeDecode {
     /// Most tokens of an expert whose inputs the tensor-core projections read from shared
     /// memory (`MOE_TC_STAGE_X`, see [`stage_tokens`]).
     stage_max: usize,
+    /// The routing kernel launched as a dependent of the kernel before it (sm_90;
+    /// `MOE_ROUTE_DEPENDENT`, on unless 0).
+    route_dependent: bool,
     combine: CudaFunction,
 }
 
@@ -318,6 +319,7 @@ impl MoeDecode {
             tma,
             dependent,
             stage_max: define_value(&defines, "MOE_TC_STAGE_X").unwrap_or(STAGE_MAX),
+            route_dependent: dependent && define_value(&defines, "MOE_ROUTE_DEPENDENT") != Some(0),
             combine: m.load_function("moe_combine")?,
         })
     }
@@ -364,6 +366,45 @@ impl MoeDecode {
         routing: &MoeRouting,
         ws: &mut MoeWorkspace,
     ) -> Result<(), CudaError> {
+        self.check_route(logits, bias, routing, ws)?;
+        let (dims, batch) = (ws.dims, ws.batch);
+        if batch == 0 {
+            return Ok(());
+        }
+        let s = dev.stream();
+        let mut launch = RawLaunch::new();
+        launch
+            .slice(logits, s)
+            .slice(bias, s)
+            .slice_mut(&mut ws.idx, s)
+            .slice_mut(&mut ws.weight, s)
+            .value(dims.experts as i32)
+            .value(dims.top_k as i32)
+            .value(i32::from(routing.renormalize))
+            .value(routing.scaling)
+            .slice_mut(&mut ws.route_done, s);
+        ws.push_plan(&mut launch, s);
+        let cfg = LaunchConfig {
+            grid_dim: (batch as u32, 1, 1),
+            block_dim: (ROUTE_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the argument list matches `moe_route` (which waits for the kernel before it
+        // before it reads anything, so it may go out as a dependent); logits hold `batch` rows
+        // of `experts` (≤ 1024, checked by `check_dims`), idx/weight `batch · top_k` values, the
+        // plan arrays `batch · top_k` entries (× 64 pairs), route_done one counter at zero.
+        unsafe { launch.launch(s, &self.route, cfg, self.route_dependent) }?;
+        Ok(())
+    }
+
+    /// What [`Self::route`] checks of its arguments.
+    fn check_route(
+        &self,
+        logits: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        routing: &MoeRouting,
+        ws: &MoeWorkspace,
+    ) -> Result<(), CudaError> {
         let (dims, batch) = (ws.dims, ws.batch);
         if routing.n_group > 1 && routing.topk_group < routing.n_group {
             return Err(shape_err(
@@ -384,35 +425,6 @@ impl MoeDecode {
                 dims.experts, self.route_experts
             )));
         }
-        if batch == 0 {
-            return Ok(());
-        }
-        let (e_i, k_i) = (dims.experts as i32, dims.top_k as i32);
-        let renorm = routing.renormalize as i32;
-        let mut launch = dev.stream().launch_builder(&self.route);
-        launch
-            .arg(logits)
-            .arg(bias)
-            .arg(&mut ws.idx)
-            .arg(&mut ws.weight)
-            .arg(&e_i)
-            .arg(&k_i)
-            .arg(&renorm)
-            .arg(&routing.scaling)
-            .arg(&mut ws.route_done)
-            .arg(&mut ws.n_active)
-            .arg(&mut ws.act_expert)
-            .arg(&mut ws.act_count)
-            .arg(&mut ws.act_pairs);
-        let cfg = LaunchConfig {
-            grid_dim: (batch as u32, 1, 1),
-            block_dim: (ROUTE_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the argument list matches `moe_route`; logits hold `batch` rows of
-        // `experts` (≤ 1024, checked by `check_dims`), idx/weight `batch · top_k` values, the
-        // plan arrays `batch · top_k` entries (× 64 pairs), route_done one counter at zero.
-        unsafe { launch.launch(cfg) }?;
         Ok(())
     }
 
