@@ -144,7 +144,8 @@ impl MoeWorkspace {
         })
     }
 
-    /// The plan's arguments of the projection kernels (`PLAN_ARGS` in moe.cu).
+    /// The plan's arguments of the routing and projection kernels (`PLAN_OUT_ARGS`, `PLAN_ARGS`
+    /// in moe.cu).
     fn push_plan(&self, launch: &mut RawLaunch<'_>, s: &CudaStream) {
         launch
             .slice(&self.n_active, s)
@@ -366,8 +367,26 @@ impl MoeDecode {
         routing: &MoeRouting,
         ws: &mut MoeWorkspace,
     ) -> Result<(), CudaError> {
-        self.check_route(logits, bias, routing, ws)?;
         let (dims, batch) = (ws.dims, ws.batch);
+        if routing.n_group > 1 && routing.topk_group < routing.n_group {
+            return Err(shape_err(
+                "grouped top-k (n_group > 1) is not implemented on CUDA".to_string(),
+            ));
+        }
+        if routing.top_k != dims.top_k {
+            return Err(shape_err(format!(
+                "routing top_k {} but workspace top_k {}",
+                routing.top_k, dims.top_k
+            )));
+        }
+        expect_len("logits", logits.len(), batch * dims.experts)?;
+        expect_len("bias", bias.len(), dims.experts)?;
+        if dims.experts > self.route_experts {
+            return Err(shape_err(format!(
+                "{} experts, but the routing kernel was loaded for at most {}",
+                dims.experts, self.route_experts
+            )));
+        }
         if batch == 0 {
             return Ok(());
         }
@@ -394,37 +413,6 @@ impl MoeDecode {
         // of `experts` (≤ 1024, checked by `check_dims`), idx/weight `batch · top_k` values, the
         // plan arrays `batch · top_k` entries (× 64 pairs), route_done one counter at zero.
         unsafe { launch.launch(s, &self.route, cfg, self.route_dependent) }?;
-        Ok(())
-    }
-
-    /// What [`Self::route`] checks of its arguments.
-    fn check_route(
-        &self,
-        logits: &CudaSlice<f32>,
-        bias: &CudaSlice<f32>,
-        routing: &MoeRouting,
-        ws: &MoeWorkspace,
-    ) -> Result<(), CudaError> {
-        let (dims, batch) = (ws.dims, ws.batch);
-        if routing.n_group > 1 && routing.topk_group < routing.n_group {
-            return Err(shape_err(
-                "grouped top-k (n_group > 1) is not implemented on CUDA".to_string(),
-            ));
-        }
-        if routing.top_k != dims.top_k {
-            return Err(shape_err(format!(
-                "routing top_k {} but workspace top_k {}",
-                routing.top_k, dims.top_k
-            )));
-        }
-        expect_len("logits", logits.len(), batch * dims.experts)?;
-        expect_len("bias", bias.len(), dims.experts)?;
-        if dims.experts > self.route_experts {
-            return Err(shape_err(format!(
-                "{} experts, but the routing kernel was loaded for at most {}",
-                dims.experts, self.route_experts
-            )));
-        }
         Ok(())
     }
 
