@@ -9,11 +9,14 @@ use std::time::Duration;
 #[cfg(feature = "ucx")]
 use tessera_transfer::UcxTransport;
 use tessera_transfer::{
-    Extent, Instant, PeerId, RegionDescriptor, RegionHandle, Secret, TcpTransport, TransferError,
-    TransferId, Transport, TransportConfig, WriteBatch,
+    Extent, FaultInjection, Instant, PeerId, RegionDescriptor, RegionHandle, Secret, TcpTransport,
+    TransferError, TransferId, Transport, TransportConfig, WriteBatch,
 };
 
 pub const SECRET: &str = "test cluster secret";
+
+/// How late past its deadline a call may return on a loaded two-core machine.
+pub const SLACK: Duration = Duration::from_millis(400);
 
 pub fn config() -> TransportConfig {
     TransportConfig::new(Secret::new(SECRET))
@@ -361,4 +364,50 @@ pub async fn vanished_then_restarted<T, F, Fut>(
     .unwrap();
     b2.wait_incoming(TransferId(5), in_ms(1_000)).await.unwrap();
     assert!(read_all(&dst)[..4 * 4096] == read_all(&src)[..4 * 4096]);
+}
+
+/// The destination `b`'s `faults` corrupt the first extent of a batch `a` writes to it (`peer`):
+/// the write and the destination's wait both end in a checksum mismatch (not retried: it is not
+/// an I/O error), the failed transfer's extents are free again, and a fresh transfer lands
+/// exactly. Returns the write's error for transport-specific checks.
+pub async fn corrupted_extent_then_fresh_write(
+    a: &dyn Transport,
+    b: &dyn Transport,
+    peer: PeerId,
+    faults: &FaultInjection,
+) -> TransferError {
+    let len = 64 << 10;
+    let src = random_region(8 * len, 11);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(8 * len);
+    let desc = b.register(&dst).unwrap();
+    faults
+        .corrupt_extents
+        .store(1, std::sync::atomic::Ordering::Relaxed);
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 8, len as u64),
+            in_ms(5_000),
+        )
+        .await;
+    let Err(err @ TransferError::ChecksumMismatch { .. }) = r else {
+        panic!("{r:?}");
+    };
+    let w = b.wait_incoming(TransferId(1), in_ms(300)).await;
+    assert!(
+        matches!(w, Err(TransferError::ChecksumMismatch { .. })),
+        "{w:?}"
+    );
+    assert!(dst.try_write(0..dst.len()).is_ok());
+    a.write(
+        peer,
+        contiguous_batch(2, &src, &desc, 8, len as u64),
+        in_ms(5_000),
+    )
+    .await
+    .unwrap();
+    b.wait_incoming(TransferId(2), in_ms(1_000)).await.unwrap();
+    assert!(read_all(&dst) == read_all(&src));
+    err
 }
