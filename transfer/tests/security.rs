@@ -41,23 +41,7 @@ async fn tcp_wrong_incarnation_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_descriptor_of_another_incarnation_is_refused() {
     let (a, b, peer) = tcp_pair(config(), config()).await;
-    let src = random_region(4096, 21);
-    a.register(&src).unwrap();
-    let dst = tessera_transfer::RegionHandle::new(4096);
-    let mut desc = b.register(&dst).unwrap();
-    desc.incarnation = Incarnation(desc.incarnation.0 ^ 1);
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 1, 4096),
-            in_ms(2_000),
-        )
-        .await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
-    assert!(read_all(&dst).iter().all(|&x| x == 0));
+    foreign_incarnation_descriptor_is_refused(&a, &b, peer).await;
 }
 
 /// A client without the secret that tries to skip the proof and write anyway gets nothing.

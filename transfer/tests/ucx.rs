@@ -147,23 +147,7 @@ async fn ucx_stale_incarnations_are_refused() {
         matches!(r, Err(TransferError::IncarnationMismatch { .. })),
         "{r:?}"
     );
-    let src = random_region(4096, 21);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(4096);
-    let mut desc = b.register(&dst).unwrap();
-    desc.incarnation = Incarnation(desc.incarnation.0 ^ 1);
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 1, 4096),
-            in_ms(2_000),
-        )
-        .await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
-    assert!(read_all(&dst).iter().all(|&x| x == 0));
+    foreign_incarnation_descriptor_is_refused(&a, &b, peer).await;
     // A tcp endpoint is not a ucx one.
     let r = a.connect("tcp://127.0.0.1:1", in_ms(1_000)).await;
     assert!(matches!(r, Err(TransferError::PeerGone(_))), "{r:?}");

@@ -9,8 +9,8 @@ use std::time::Duration;
 #[cfg(feature = "ucx")]
 use tessera_transfer::UcxTransport;
 use tessera_transfer::{
-    Extent, FaultInjection, Instant, PeerId, RegionDescriptor, RegionHandle, Secret, TcpTransport,
-    TransferError, TransferId, Transport, TransportConfig, WriteBatch,
+    Extent, FaultInjection, Incarnation, Instant, PeerId, RegionDescriptor, RegionHandle, Secret,
+    TcpTransport, TransferError, TransferId, Transport, TransportConfig, WriteBatch,
 };
 
 pub const SECRET: &str = "test cluster secret";
@@ -410,4 +410,30 @@ pub async fn corrupted_extent_then_fresh_write(
     b.wait_incoming(TransferId(2), in_ms(1_000)).await.unwrap();
     assert!(read_all(&dst) == read_all(&src));
     err
+}
+
+/// A write from `a` to `peer` (transport `b`) naming a region of `b` by a descriptor of another
+/// incarnation of `b` is refused, and nothing lands.
+pub async fn foreign_incarnation_descriptor_is_refused(
+    a: &dyn Transport,
+    b: &dyn Transport,
+    peer: PeerId,
+) {
+    let src = random_region(4096, 21);
+    a.register(&src).unwrap();
+    let dst = RegionHandle::new(4096);
+    let mut desc = b.register(&dst).unwrap();
+    desc.incarnation = Incarnation(desc.incarnation.0 ^ 1);
+    let r = a
+        .write(
+            peer,
+            contiguous_batch(1, &src, &desc, 1, 4096),
+            in_ms(2_000),
+        )
+        .await;
+    assert!(
+        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+        "{r:?}"
+    );
+    assert!(read_all(&dst).iter().all(|&x| x == 0));
 }
