@@ -30,6 +30,8 @@ fn main() {
     units.push(("conv".into(), CONV_SOURCE, vec![]));
     units.push(("sample".into(), SAMPLE_SOURCE, vec![]));
     units.push(("moe".into(), MOE_SOURCE, vec![]));
+    let warp_lists = vec![("MOE_ROUTE_SELECT", "1".to_string())];
+    units.push(("moe-route-lists".into(), MOE_SOURCE, warp_lists));
     units.push(("model".into(), MODEL_SOURCE, vec![]));
     for mt in [2, 3] {
         units.push((

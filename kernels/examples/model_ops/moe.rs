@@ -102,6 +102,13 @@ pub(crate) fn variants(
             None,
             set(&[("MOE_ROUTE_DEPENDENT", 0)]),
         ));
+        // The routing's choice by warp lists instead of the radix select.
+        specs.push((
+            "_tc_wl".into(),
+            MoePath::TensorCores,
+            None,
+            set(&[("MOE_ROUTE_SELECT", 1)]),
+        ));
         // Inputs through shared memory for experts of up to 0 (never), 1 or 2 tokens (the
         // default: 4).
         for max in [0, 1, 2] {
@@ -125,19 +132,26 @@ pub(crate) fn variants(
     // without its gate/up products, with down warps not waiting for gate/up, without the
     // combine's sums; the routing stopped after its scores, its select, or before its plan.
     if let Some(keep) = keep {
-        let probes = [
-            ("probe_nodown", "MOE_TC_PROBE", 1),
-            ("probe_nogateup", "MOE_TC_PROBE", 2),
-            ("probe_nowait", "MOE_TC_PROBE", 3),
-            ("probe_nocombine", "MOE_TC_PROBE", 4),
-            ("probe_route1", "MOE_ROUTE_PROBE", 1),
-            ("probe_route2", "MOE_ROUTE_PROBE", 2),
-            ("probe_route3", "MOE_ROUTE_PROBE", 3),
+        let probes: [(&str, &[(&'static str, u32)]); 9] = [
+            ("probe_nodown", &[("MOE_TC_PROBE", 1)]),
+            ("probe_nogateup", &[("MOE_TC_PROBE", 2)]),
+            ("probe_nowait", &[("MOE_TC_PROBE", 3)]),
+            ("probe_nocombine", &[("MOE_TC_PROBE", 4)]),
+            ("probe_route1", &[("MOE_ROUTE_PROBE", 1)]),
+            ("probe_route2", &[("MOE_ROUTE_PROBE", 2)]),
+            ("probe_route3", &[("MOE_ROUTE_PROBE", 3)]),
+            (
+                "probe_route2wl",
+                &[("MOE_ROUTE_PROBE", 2), ("MOE_ROUTE_SELECT", 1)],
+            ),
+            (
+                "probe_route3wl",
+                &[("MOE_ROUTE_PROBE", 3), ("MOE_ROUTE_SELECT", 1)],
+            ),
         ];
-        for (name, define, value) in probes {
+        for (name, tuning) in probes {
             if keep.iter().any(|l| l == name) {
-                let tuning = set(&[(define, value)]);
-                specs.push((format!("_{name}"), MoePath::TensorCores, None, tuning));
+                specs.push((format!("_{name}"), MoePath::TensorCores, None, set(tuning)));
             }
         }
     }

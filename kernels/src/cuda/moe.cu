@@ -50,15 +50,21 @@
 #ifndef ROUTE_PER_THREAD
 #define ROUTE_PER_THREAD 4
 #endif
+// How a token's top_k experts are chosen: 0, a radix select over the block then a ranking of
+// the taken; 1, warp lists (each warp pops its best top_k, then one warp pops the best top_k of
+// those, already ranked), for top_k up to ROUTE_LIST_MAX (larger top_k take the radix select).
+#ifndef MOE_ROUTE_SELECT
+#define MOE_ROUTE_SELECT 0
+#endif
+#define ROUTE_LIST_MAX 32
 
 // ---------------------------------------------------------------------------------------------
 // Routing and plan
 
-// moe_route: one block per token, ROUTE_PER_THREAD consecutive experts per thread. The
-// top_k-th largest choice is found by a radix select over order-preserving integer keys (four
-// rounds of an 8-bit digit histogram in shared memory); the experts above it are taken with the
-// lowest-numbered ones at it (a block-wide scan in expert order places each in a compact list),
-// and the taken are ranked by (choice descending, expert ascending) into the slots.
+// moe_route: one block per token, ROUTE_PER_THREAD consecutive experts per thread, each choice
+// as an order-preserving integer key; the top_k keys are chosen and ranked by (choice
+// descending, expert ascending) into the slots, by a radix select (four rounds of an 8-bit digit
+// histogram in shared memory) or by warp lists (MOE_ROUTE_SELECT).
 __device__ __forceinline__ unsigned order_key(float c) {
     const unsigned b = __float_as_uint(c == 0.0f ? 0.0f : c);  // -0 and +0 tie
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
@@ -138,46 +144,21 @@ __device__ __forceinline__ void plan_block(const unsigned* idx, int pairs, int e
     for (int a = tid; a < (int)total; a += PLAN_THREADS) act_count[a] = s_count[a];
 }
 
-// moe_route (see above) may go out as a dependent launch: nothing is read before it waits for
-// the kernel before it (the logits' writer), and the logits and bias are read through L2.
-extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
-moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
-          unsigned* __restrict__ idx, float* __restrict__ weight, int experts, int top_k,
-          int renormalize, float scaling, unsigned* __restrict__ done, PLAN_OUT_ARGS) {
-    grid_dep_wait();
-    constexpr int CAP = ROUTE_THREADS * ROUTE_PER_THREAD;
-    __shared__ unsigned hist[256];
-    __shared__ unsigned s_warp[ROUTE_THREADS / 32];
-    __shared__ unsigned s_sel[2];
-    __shared__ unsigned s_key[CAP];
-    __shared__ int s_exp[CAP];
-    __shared__ float s_score[CAP];
-    __shared__ unsigned s_idx[CAP];
-    __shared__ float s_w[CAP];
-    __shared__ bool s_last;
-    const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float* lg = logits + (size_t)b * experts;
-    const float ninf = -__int_as_float(0x7f800000);
-    const int e0 = tid * ROUTE_PER_THREAD;
-    unsigned key[ROUTE_PER_THREAD];  // 0: past the experts (below every choice, -inf included)
-    float score[ROUTE_PER_THREAD];
-#pragma unroll
-    for (int i = 0; i < ROUTE_PER_THREAD; ++i) {
-        const int e = e0 + i;
-        key[i] = 0u;
-        score[i] = 0.0f;
-        if (e < experts) {
-            score[i] = 1.0f / (1.0f + expf(-__ldcg(lg + e)));
-            const float c = score[i] + __ldcg(bias + e);
-            key[i] = order_key(c != c ? ninf : c);
-        }
-    }
-    if (MOE_ROUTE_PROBE == 1) {
-        if (key[0] == 0x12345678u) idx[0] = __float_as_uint(score[0]);  // keeps the loads
-        return;
-    }
-    // Radix select, most significant digit first: `prefix` holds the digits chosen so far and
-    // `need` the rank of the top_k-th largest key among the keys that share them.
+// The ranked choice of one token by the ROUTE_THREADS threads of its block, each holding the
+// keys and scores of experts e0 .. e0 + ROUTE_PER_THREAD (key 0 past the experts): the taken
+// experts into s_idx[0..top_k) in slot order (choice descending, expert ascending), their
+// scores into s_w. The caller puts a barrier after it.
+//
+// By a radix select: `prefix` holds the digits chosen so far and `need` the rank of the
+// top_k-th largest key among the keys that share them (most significant digit first); the keys
+// above it are taken with the lowest-numbered ones at it (a block-wide scan in expert order
+// places each in a compact list), and the taken are ranked by (choice, expert).
+__device__ __forceinline__ void route_rank_radix(const unsigned (&key)[ROUTE_PER_THREAD],
+                                                 const float (&score)[ROUTE_PER_THREAD], int e0,
+                                                 int top_k, unsigned* hist, unsigned* s_warp,
+                                                 unsigned* s_sel, unsigned* s_key, int* s_exp,
+                                                 float* s_score, unsigned* s_idx, float* s_w) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     unsigned prefix = 0u, need = (unsigned)top_k;
 #pragma unroll 1
     for (int shift = 24; shift >= 0; shift -= 8) {
@@ -215,7 +196,7 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
         need = s_sel[1];
     }
     if (MOE_ROUTE_PROBE == 2) {
-        if (prefix == 0x12345678u && tid == 0) idx[0] = need;
+        if (tid == 0) s_idx[0] = prefix ^ need;
         return;
     }
     // prefix is the top_k-th largest key; `need` of the keys equal to it are taken.
@@ -248,6 +229,136 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
         for (int m = 0; m < top_k; ++m) rank += s_key[m] > kj || (s_key[m] == kj && s_exp[m] < ej);
         s_idx[rank] = (unsigned)ej;
         s_w[rank] = s_score[j];
+    }
+}
+
+// Pops a warp's best entry top_k times: each lane holds N entries best first (key descending,
+// expert ascending), the lanes in expert order for equal keys, so the lowest lane holding the
+// warp's largest key has the lowest expert of that key. Entry j goes to out_key/out_exp/
+// out_score[j] (those null are skipped).
+template <int N>
+__device__ __forceinline__ void warp_pop_best(unsigned (&key)[N], int (&ex)[N], float (&sc)[N],
+                                              int top_k, unsigned* out_key, int* out_exp,
+                                              float* out_score) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll 1
+    for (int j = 0; j < top_k; ++j) {
+        const unsigned best = __reduce_max_sync(0xffffffffu, key[0]);
+        const int from = __ffs(__ballot_sync(0xffffffffu, key[0] == best)) - 1;
+        if (lane == from) {
+            if (out_key) out_key[j] = key[0];
+            out_exp[j] = ex[0];
+            out_score[j] = sc[0];
+#pragma unroll
+            for (int i = 0; i + 1 < N; ++i) {
+                key[i] = key[i + 1];
+                ex[i] = ex[i + 1];
+                sc[i] = sc[i + 1];
+            }
+            key[N - 1] = 0u;
+        }
+    }
+}
+
+// By warp lists (top_k ≤ ROUTE_LIST_MAX): each thread sorts its own experts, each warp pops
+// its best top_k into its list (s_key/s_exp/s_score[warp · ROUTE_LIST_MAX ..]), then warp 0
+// pops the best top_k of the lists, already in slot order. Lane l of warp 0 reads entries
+// l · LANE .. of the lists, all from warp l / (32 / LANE)'s list and best first; a lower lane
+// holds lower experts for equal keys, as the warps' experts ascend with the warp.
+__device__ __forceinline__ void route_rank_lists(unsigned (&key)[ROUTE_PER_THREAD],
+                                                 float (&score)[ROUTE_PER_THREAD], int e0,
+                                                 int top_k, unsigned* s_key, int* s_exp,
+                                                 float* s_score, unsigned* s_idx, float* s_w) {
+    constexpr int PER = ROUTE_PER_THREAD, WARPS = ROUTE_THREADS / 32;
+    constexpr int LANE = WARPS * ROUTE_LIST_MAX / 32;
+    static_assert(ROUTE_LIST_MAX == 32 && LANE * 32 == WARPS * ROUTE_LIST_MAX, "list layout");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int ex[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) ex[i] = e0 + i;
+    // A stable sort by key, descending: equal keys keep their experts ascending.
+#pragma unroll
+    for (int pass = 0; pass + 1 < PER; ++pass) {
+#pragma unroll
+        for (int i = 0; i + 1 < PER - pass; ++i) {
+            if (key[i + 1] > key[i]) {
+                const unsigned k = key[i];
+                key[i] = key[i + 1];
+                key[i + 1] = k;
+                const int x = ex[i];
+                ex[i] = ex[i + 1];
+                ex[i + 1] = x;
+                const float c = score[i];
+                score[i] = score[i + 1];
+                score[i + 1] = c;
+            }
+        }
+    }
+    const int list = warp * ROUTE_LIST_MAX;
+    warp_pop_best<PER>(key, ex, score, top_k, s_key + list, s_exp + list, s_score + list);
+    __syncthreads();
+    if (warp != 0) return;
+    unsigned k[LANE];
+    int x[LANE];
+    float c[LANE];
+#pragma unroll
+    for (int i = 0; i < LANE; ++i) {
+        const int p = lane * LANE + i;
+        const bool listed = p % ROUTE_LIST_MAX < top_k;
+        k[i] = listed ? s_key[p] : 0u;
+        x[i] = listed ? s_exp[p] : 0;
+        c[i] = listed ? s_score[p] : 0.0f;
+    }
+    warp_pop_best<LANE>(k, x, c, top_k, nullptr, reinterpret_cast<int*>(s_idx), s_w);
+}
+
+// moe_route (see above) may go out as a dependent launch: nothing is read before it waits for
+// the kernel before it (the logits' writer), and the logits and bias are read through L2.
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
+          unsigned* __restrict__ idx, float* __restrict__ weight, int experts, int top_k,
+          int renormalize, float scaling, unsigned* __restrict__ done, PLAN_OUT_ARGS) {
+    grid_dep_wait();
+    constexpr int CAP = ROUTE_THREADS * ROUTE_PER_THREAD;
+    static_assert(CAP >= (ROUTE_THREADS / 32) * ROUTE_LIST_MAX, "the warp lists fit the arrays");
+    __shared__ unsigned hist[256];
+    __shared__ unsigned s_warp[ROUTE_THREADS / 32];
+    __shared__ unsigned s_sel[2];
+    __shared__ unsigned s_key[CAP];
+    __shared__ int s_exp[CAP];
+    __shared__ float s_score[CAP];
+    __shared__ unsigned s_idx[CAP];
+    __shared__ float s_w[CAP];
+    __shared__ bool s_last;
+    const int b = blockIdx.x, tid = threadIdx.x;
+    const float* lg = logits + (size_t)b * experts;
+    const float ninf = -__int_as_float(0x7f800000);
+    const int e0 = tid * ROUTE_PER_THREAD;
+    unsigned key[ROUTE_PER_THREAD];  // 0: past the experts (below every choice, -inf included)
+    float score[ROUTE_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_THREAD; ++i) {
+        const int e = e0 + i;
+        key[i] = 0u;
+        score[i] = 0.0f;
+        if (e < experts) {
+            score[i] = 1.0f / (1.0f + expf(-__ldcg(lg + e)));
+            const float c = score[i] + __ldcg(bias + e);
+            key[i] = order_key(c != c ? ninf : c);
+        }
+    }
+    if (MOE_ROUTE_PROBE == 1) {
+        if (key[0] == 0x12345678u) idx[0] = __float_as_uint(score[0]);  // keeps the loads
+        return;
+    }
+    if (MOE_ROUTE_SELECT == 1 && top_k <= ROUTE_LIST_MAX)
+        route_rank_lists(key, score, e0, top_k, s_key, s_exp, s_score, s_idx, s_w);
+    else
+        route_rank_radix(key, score, e0, top_k, hist, s_warp, s_sel, s_key, s_exp, s_score, s_idx,
+                         s_w);
+    if (MOE_ROUTE_PROBE == 2) {
+        if (tid == 0 && s_idx[0] == 0x12345678u) idx[0] = 0u;  // keeps the choice
+        return;
     }
     __syncthreads();
     if (tid < top_k) {
