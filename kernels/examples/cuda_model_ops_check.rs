@@ -21,7 +21,7 @@
 //! (the layer without its down products, without its gate/up products, down not waiting for
 //! gate/up, without the combine's sums), `probe_route1,2,3` the routing stopped after its
 //! scores, its select, before its plan (`probe_route2wl,3wl` the same with the warp-list select,
-//! variant `tc_wl`); never checked: their outputs are wrong by design.
+//! variant `tc_wl1rt0`); never checked: their outputs are wrong by design.
 //!
 //! Output: `check <name> rel_err=<e> tol=<t> <ok|FAIL>` lines (for sampling the value is the
 //! number of rows whose token differs), then `time <name> <shape> us=<median>

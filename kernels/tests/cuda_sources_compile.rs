@@ -430,7 +430,10 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
                 ("MOE_TC_SPAN_MXFP4", "1".to_string()),
                 ("MOE_TC_L2_FETCH", "64".to_string()),
             ],
-            vec![("MOE_ROUTE_SELECT", "1".to_string())],
+            vec![
+                ("MOE_ROUTE_SELECT", "1".to_string()),
+                ("MOE_ROUTE_TRIGGER", "1".to_string()),
+            ],
             vec![
                 ("MOE_ROUTE_SELECT", "1".to_string()),
                 ("ROUTE_PER_THREAD", "1".to_string()),

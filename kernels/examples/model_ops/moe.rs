@@ -102,13 +102,13 @@ pub(crate) fn variants(
             None,
             set(&[("MOE_ROUTE_DEPENDENT", 0)]),
         ));
-        // The routing's choice by warp lists instead of the radix select.
-        specs.push((
-            "_tc_wl".into(),
-            MoePath::TensorCores,
-            None,
-            set(&[("MOE_ROUTE_SELECT", 1)]),
-        ));
+        // The routing's choice by warp lists instead of the radix select; its dependent (gate/up)
+        // let launch once the routing has its input; both.
+        for (select, trigger) in [(1, 0), (0, 1), (1, 1)] {
+            let tuning = set(&[("MOE_ROUTE_SELECT", select), ("MOE_ROUTE_TRIGGER", trigger)]);
+            let label = format!("_tc_wl{select}rt{trigger}");
+            specs.push((label, MoePath::TensorCores, None, tuning));
+        }
         // Inputs through shared memory for experts of up to 0 (never), 1 or 2 tokens (the
         // default: 4).
         for max in [0, 1, 2] {

@@ -57,6 +57,11 @@
 #define MOE_ROUTE_SELECT 0
 #endif
 #define ROUTE_LIST_MAX 32
+// 1: the routing kernel lets its dependent (the gate/up projections) launch as soon as it has
+// waited for its own input, so that their blocks are resident and waiting when the plan is out.
+#ifndef MOE_ROUTE_TRIGGER
+#define MOE_ROUTE_TRIGGER 0
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Routing and plan
@@ -319,6 +324,7 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
           unsigned* __restrict__ idx, float* __restrict__ weight, int experts, int top_k,
           int renormalize, float scaling, unsigned* __restrict__ done, PLAN_OUT_ARGS) {
     grid_dep_wait();
+    if (MOE_ROUTE_TRIGGER) grid_dep_launch();
     constexpr int CAP = ROUTE_THREADS * ROUTE_PER_THREAD;
     static_assert(CAP >= (ROUTE_THREADS / 32) * ROUTE_LIST_MAX, "the warp lists fit the arrays");
     __shared__ unsigned hist[256];
