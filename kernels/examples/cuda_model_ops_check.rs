@@ -4,14 +4,16 @@
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
-//!       [--mla-prefetch N,M,..] [--mla-coalesced] [--moe-tunings] [--moe-variants L,..]
+//!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 64] [--moe-tunings]
+//!       [--moe-variants L,..]
 //!       [--moe-profile B,..] [--mla-profile]
 //!
 //! `mla-flash` is the whole-model forward's MLA attention over the paged f32 history (the flash
 //! kernel and the generic one, prefill and decode rows). MLA decode is checked and timed with
 //! every split kernel the device runs (the portable one, and on Hopper the warpgroup one);
 //! `--mla-prefetch` also checks and times each kernel with those L2 prefetch distances (tiles
-//! ahead), `--mla-coalesced` with its wider tile copies; `--mla-profile` only times the MLA
+//! ahead), `--mla-coalesced` with its wider tile copies, `--mla-ws-tile 64` with the Hopper
+//! split-role kernel on 64-token tiles (pages of 64 tokens and more); `--mla-profile` only times the MLA
 //! decode kernels at B=64 and 16K context, unchecked (a profiler's target).
 //! MoE projections are checked and timed on both paths, the tensor cores with each input split;
 //! `--moe-tunings` adds build-time alternatives of the tensor-core kernels (`--moe-variants
@@ -461,6 +463,16 @@ fn run() -> Result<usize, CudaError> {
     if args.iter().any(|a| a == "--mla-coalesced") {
         tunings.push(MlaTuning {
             coalesced: true,
+            ..MlaTuning::default()
+        });
+    }
+    for ws_tile in flag("--mla-ws-tile")
+        .iter()
+        .flat_map(|l| l.split(','))
+        .filter_map(|t| t.parse().ok())
+    {
+        tunings.push(MlaTuning {
+            ws_tile,
             ..MlaTuning::default()
         });
     }

@@ -242,10 +242,11 @@ fn mla_decode_compiles_with_tensor_cores_for_every_head_block() {
 
 #[test]
 fn mla_decode_warpgroup_kernel_compiles_for_sm90a_in_every_tuning() {
-    for (prefetch, coalesced) in [(0, 0), (3, 0), (0, 1)] {
+    for (prefetch, coalesced, tile) in [(0, 0, 32), (3, 0, 32), (0, 1, 32), (0, 0, 64)] {
         let defines = [
             ("MLA_PREFETCH", format!("{prefetch}")),
             ("MLA_COALESCED", format!("{coalesced}")),
+            ("MLA_WS_BN", format!("{tile}")),
         ];
         match compile(
             "sm_90a",
@@ -260,6 +261,11 @@ fn mla_decode_warpgroup_kernel_compiles_for_sm90a_in_every_tuning() {
                 assert!(text.contains("cp.async.bulk.tensor.3d"));
                 assert!(text.contains("wgmma.mma_async.sync.aligned.m64n32k16"));
                 assert!(text.contains("wgmma.mma_async.sync.aligned.m64n256k16"));
+                // The split-role kernel's S over 64-token tiles.
+                assert_eq!(
+                    text.contains("wgmma.mma_async.sync.aligned.m64n64k16"),
+                    tile == 64
+                );
                 assert_eq!(text.contains("cp.async.bulk.prefetch.L2"), prefetch > 0);
             }
             Err(CudaError::NoNvrtc) if !nvrtc_required() => return,

@@ -163,6 +163,9 @@ pub(crate) fn tuning_label(t: MlaTuning) -> String {
     if t.coalesced {
         label += ".coalesced";
     }
+    if t.ws_tile != 0 {
+        label += &format!(".ws{}", t.ws_tile);
+    }
     label
 }
 

@@ -76,30 +76,53 @@ pub struct MlaTuning {
     pub prefetch: usize,
     /// Tile copies with wider contiguous runs per warp instruction (`MLA_COALESCED`).
     pub coalesced: bool,
+    /// Tokens per tile of the Hopper split-role kernel (`MLA_WS_BN`): 32 (four stages; what 0
+    /// means) or 64 (two stages, S as m64n64k16, pages of whole 64-token tiles).
+    pub ws_tile: usize,
 }
 
 impl MlaTuning {
-    fn defines(&self) -> [(&'static str, String); 2] {
+    fn defines(&self) -> [(&'static str, String); 3] {
         [
             ("MLA_PREFETCH", self.prefetch.to_string()),
             ("MLA_COALESCED", u8::from(self.coalesced).to_string()),
+            ("MLA_WS_BN", self.ws_tile().to_string()),
         ]
+    }
+
+    /// Tokens per tile of the split-role kernel.
+    fn ws_tile(&self) -> usize {
+        if self.ws_tile == 0 {
+            WS_BN
+        } else {
+            self.ws_tile
+        }
     }
 }
 /// Shared memory of `mla_decode_split_wg`: Q, two tiles, P and the row exchange (`WgSmem`).
 const HOPPER_SMEM: usize = 64 * D * 2 + 2 * BN * D * 2 + 64 * BN * 2 + 2 * 64 * 4;
-/// Tokens per tile of `mla_decode_split_ws`, its threads (three warpgroups) and its shared memory
-/// (`WsSmem`): Q, four stages, two P buffers with their rescale factors, the row sums and maxima,
-/// 12 barriers and four row counts.
+/// Tokens per tile of `mla_decode_split_ws` by default and its threads (three warpgroups).
 const WS_BN: usize = 32;
 const WS_THREADS: u32 = 384;
-const HOPPER_WS_SMEM: usize =
-    64 * D * 2 + 4 * WS_BN * D * 2 + 2 * 64 * WS_BN * 2 + 2 * 64 * 4 + 2 * 64 * 4 + 12 * 8 + 4 * 4;
+
+/// Shared memory of `mla_decode_split_ws` (`WsSmem`) at `tile` tokens a tile: Q, the stages (four
+/// of 32 tokens, two of 64), the P buffers with their rescale factors (two; one at 64), the row
+/// sums and maxima, two barriers per stage and per P buffer, and a row count per stage.
+fn ws_smem(tile: usize) -> usize {
+    let (stages, pbuf) = if tile == 64 { (2, 1) } else { (4, 2) };
+    64 * D * 2
+        + stages * tile * D * 2
+        + pbuf * 64 * tile * 2
+        + pbuf * 64 * 4
+        + 2 * 64 * 4
+        + (2 * stages + 2 * pbuf) * 8
+        + stages * 4
+}
 
 /// The tensor map of the latent cache (`rows` tokens of 576 bf16) for `mla_decode_split_ws`,
-/// read in 3-D boxes of 8 dims × `WS_BN` tokens × 72 chunks of 8 dims: a tile lands as 72 planes
-/// of `WS_BN` tokens × 16 bytes.
-fn cache_map(ptr: u64, rows: usize) -> Result<TensorMapArg, CudaError> {
+/// read in 3-D boxes of 8 dims × `tile` tokens × 72 chunks of 8 dims: a tile lands as 72 planes
+/// of `tile` tokens × 16 bytes.
+fn cache_map(ptr: u64, rows: usize, tile: usize) -> Result<TensorMapArg, CudaError> {
     use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
     let chunks = (D / 8) as u64;
     tensor_map::tiled(
@@ -107,7 +130,7 @@ fn cache_map(ptr: u64, rows: usize) -> Result<TensorMapArg, CudaError> {
         ptr,
         &[8, rows as u64, chunks],
         &[D as u64 * 2, 16],
-        &[8, WS_BN as u32, chunks as u32],
+        &[8, tile as u32, chunks as u32],
         CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
     )
 }
@@ -174,6 +197,12 @@ impl MlaDecode {
                 "{heads} heads: must be a positive multiple of 16"
             )));
         }
+        if !matches!(tuning.ws_tile(), 32 | 64) {
+            return Err(shape_err(format!(
+                "split-role tiles of {} tokens: 32 or 64",
+                tuning.ws_tile
+            )));
+        }
         let combine = dev
             .module(
                 "mla_decode",
@@ -195,7 +224,7 @@ impl MlaDecode {
         let split_ws = m.load_function("mla_decode_split_ws")?;
         split_ws.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            HOPPER_WS_SMEM as i32,
+            ws_smem(tuning.ws_tile()) as i32,
         )?;
         Ok(MlaDecode {
             split,
@@ -250,11 +279,12 @@ impl MlaDecode {
         })
     }
 
-    /// The copy-engine split kernel (split roles) where pages hold whole 32-token tiles.
+    /// The copy-engine split kernel (split roles) where pages hold whole tiles.
     fn copy_engine_kernel(&self, page_size: usize) -> Option<&CudaFunction> {
+        let tile = self.tuning.ws_tile();
         self.split_ws
             .as_ref()
-            .filter(|_| page_size > 0 && page_size.is_multiple_of(WS_BN))
+            .filter(|_| page_size > 0 && page_size.is_multiple_of(tile))
     }
 
     /// The split kernel in use.
@@ -349,12 +379,13 @@ impl MlaDecode {
         // The copy-engine kernel where pages hold whole tiles: the cache goes in as its tensor
         // map.
         let (cache_ptr, _keep) = pages.cache.device_ptr(s);
+        let tile = self.tuning.ws_tile();
         let engine = match self.copy_engine_kernel(pages.page_size) {
-            Some(f) => Some((f, cache_map(cache_ptr, num_pages * pages.page_size)?)),
+            Some(f) => Some((f, cache_map(cache_ptr, num_pages * pages.page_size, tile)?)),
             None => None,
         };
         let (func, threads, smem) = match &engine {
-            Some((f, _)) => (*f, WS_THREADS, HOPPER_WS_SMEM as u32),
+            Some((f, _)) => (*f, WS_THREADS, ws_smem(tile) as u32),
             None => (&self.split, self.threads, self.smem),
         };
         let cfg = LaunchConfig {

@@ -109,17 +109,19 @@ struct WgSplit {
     }
 };
 
-// Score helpers of one thread's 16 values of an m64n32 accumulator: s[4j + {0,1}] row r0,
-// tokens tok0 + 8j + 2·t4 + {0,1}; s[4j + {2,3}] the same tokens of row r1.
+// Score helpers of one thread's NS values of an m64n(2·NS) accumulator (NS = 16 for 32 tokens,
+// 32 for 64): s[4j + {0,1}] row r0, tokens tok0 + 8j + 2·t4 + {0,1}; s[4j + {2,3}] the same
+// tokens of row r1.
 
 // Scales by scale_log2 and masks tokens past len (-inf); returns the rows' maxima over the quad
-// (the four lanes that hold a row's 32 tokens).
-__device__ __forceinline__ void scores_mask_max(float (&s)[16], int tok0, int t4, int len,
+// (the four lanes that hold a row's tokens).
+template <int NS>
+__device__ __forceinline__ void scores_mask_max(float (&s)[NS], int tok0, int t4, int len,
                                                 float scale_log2, float& x0, float& x1) {
     const float ninf = -__int_as_float(0x7f800000);
     x0 = x1 = ninf;
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < NS / 4; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const bool ok = tok0 + 8 * j + 2 * t4 + e < len;
@@ -138,9 +140,10 @@ __device__ __forceinline__ void scores_mask_max(float (&s)[16], int tok0, int t4
 // the running maxima m (base 2) and this thread's running sums l move on, p = 2^(s - m) as bf16
 // pairs (pk[2j] row r0, pk[2j + 1] row r1), and a0 / a1 are the factors that rescale what was
 // accumulated before.
-__device__ __forceinline__ void softmax_step(const float (&s)[16], float x0, float x1, float& m0,
-                                             float& m1, float& l0, float& l1, unsigned (&pk)[8],
-                                             float& a0, float& a1) {
+template <int NS>
+__device__ __forceinline__ void softmax_step(const float (&s)[NS], float x0, float x1, float& m0,
+                                             float& m1, float& l0, float& l1,
+                                             unsigned (&pk)[NS / 2], float& a0, float& a1) {
     const float ninf = -__int_as_float(0x7f800000);
     const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
     const float b0 = n0 == ninf ? 0.0f : n0, b1 = n1 == ninf ? 0.0f : n1;
@@ -150,7 +153,7 @@ __device__ __forceinline__ void softmax_step(const float (&s)[16], float x0, flo
     m1 = n1;
     float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < NS / 4; ++j) {
         const float p00 = exp2f(s[4 * j] - b0), p01 = exp2f(s[4 * j + 1] - b0);
         const float p10 = exp2f(s[4 * j + 2] - b1), p11 = exp2f(s[4 * j + 3] - b1);
         sum0 += p00 + p01;
@@ -175,10 +178,11 @@ __device__ __forceinline__ void rescale_rows(float (&o)[128], float a0, float a1
 
 // P of rows r0 and r1 (pairs from softmax_step) into a core-matrix tile with `group` bytes per
 // row group, at columns col0 + 8j + 2·t4.
-__device__ __forceinline__ void store_p(unsigned char* p, const unsigned (&pk)[8], int r0,
+template <int NP>
+__device__ __forceinline__ void store_p(unsigned char* p, const unsigned (&pk)[NP], int r0,
                                         int col0, int t4, unsigned group) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < NP / 2; ++j) {
         const int col = col0 + 8 * j + 2 * t4;
         *reinterpret_cast<unsigned*>(p + cm_off(r0, col, group)) = pk[2 * j];
         *reinterpret_cast<unsigned*>(p + cm_off(r0 + 8, col, group)) = pk[2 * j + 1];
@@ -282,13 +286,21 @@ struct WgRows {
     }
 };
 
-// Issues S for 32 tokens: 36 K steps of m64n32k16 (Q and the tile K-major), each `q_step` /
-// `k_step` (in 16 bytes) on; the caller fences, commits and waits.
-__device__ __forceinline__ void wg_scores_issue(float (&s)[16], unsigned long long dq,
+// Issues S for 32 or 64 tokens (NS = 16 or 32 values a thread): 36 K steps of m64n32k16 or
+// m64n64k16 (Q and the tile K-major), each `q_step` / `k_step` (in 16 bytes) on; the caller
+// fences, commits and waits.
+template <int NS>
+__device__ __forceinline__ void wg_scores_issue(float (&s)[NS], unsigned long long dq,
                                                 unsigned long long dk, unsigned long long q_step,
                                                 unsigned long long k_step) {
+    static_assert(NS == 16 || NS == 32, "32 or 64 tokens");
 #pragma unroll
-    for (int kk = 0; kk < WG_D / 16; ++kk) wgmma_n32(s, dq + kk * q_step, dk + kk * k_step, kk > 0);
+    for (int kk = 0; kk < WG_D / 16; ++kk) {
+        if constexpr (NS == 16)
+            wgmma_n32(s, dq + kk * q_step, dk + kk * k_step, kk > 0);
+        else
+            wgmma_n64(s, dq + kk * q_step, dk + kk * k_step, kk > 0);
+    }
 }
 
 // Q of this block's heads into shared memory (core-matrix layout) by `n` threads with cp.async
@@ -408,14 +420,21 @@ mla_decode_split_wg(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cac
 }
 
 #ifdef TESSERA_TMA
-// Warp-specialised, tiles of 32 tokens in four stages, for pages of whole tiles: warpgroup 0
-// computes S and the softmax of tile i + 1 while warpgroups 1 and 2 (latent dims 0..255 and
-// 256..511) run tile i's P·V. Stage barriers: `full` (the copy engine's bytes), `kv_empty` (S and
-// both P·V done with the stage); P and the rescale factors are double-buffered between the roles
-// (`p_full`: 128 arrivals of warpgroup 0; `p_empty`: one per P·V warpgroup). The first thread of
-// warpgroup 1 brings tiles in: the first four at the start, tile i + 4 once tile i is done.
-#define WS_BN 32
-#define WS_STAGES 4
+// Warp-specialised, tiles of 32 tokens in four stages (MLA_WS_BN 64: 64 tokens in two stages),
+// for pages of whole tiles: warpgroup 0 computes S and the softmax of tile i + 1 while
+// warpgroups 1 and 2 (latent dims 0..255 and 256..511) run tile i's P·V. Stage barriers: `full`
+// (the copy engine's bytes), `kv_empty` (S and both P·V done with the stage); P and the rescale
+// factors go between the roles through WS_PBUF buffers (two; one at 64 tokens, where two would
+// not fit beside Q and the stages) (`p_full`: 128 arrivals of warpgroup 0; `p_empty`: one per
+// P·V warpgroup). The first thread of warpgroup 1 brings tiles in: the first WS_STAGES at the
+// start, tile i + WS_STAGES once tile i is done.
+#ifndef MLA_WS_BN
+#define MLA_WS_BN 32
+#endif
+#define WS_BN MLA_WS_BN
+#define WS_STAGES (WS_BN == 64 ? 2 : 4)
+#define WS_PBUF (WS_BN == 64 ? 1 : 2)
+#define WS_NS (WS_BN / 2)
 #define WS_THREADS 384
 #define WS_PLANE (WS_BN * 16)
 #define WS_STAGE_BYTES (WS_BN * WG_D * 2)
@@ -424,12 +443,14 @@ mla_decode_split_wg(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cac
 struct WsSmem {
     bf16_t q[WG_HB * WG_D];
     bf16_t kv[WS_STAGES][WS_BN * WG_D];
-    bf16_t p[2][WG_HB * WS_BN];
-    float alpha[2][WG_HB];
+    bf16_t p[WS_PBUF][WG_HB * WS_BN];
+    float alpha[WS_PBUF][WG_HB];
     float l[WG_HB], m[WG_HB];
-    unsigned long long full[WS_STAGES], kv_empty[WS_STAGES], p_full[2], p_empty[2];
+    unsigned long long full[WS_STAGES], kv_empty[WS_STAGES], p_full[WS_PBUF], p_empty[WS_PBUF];
     int rows[WS_STAGES];
 };
+static_assert(WS_BN == 32 || WS_BN == 64, "tiles of 32 or 64 tokens");
+static_assert(sizeof(WsSmem) <= 227 * 1024, "the split-role kernel's shared memory");
 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ TensorMap cache_map,
@@ -451,7 +472,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             mbar_init(full0 + 8 * st, 1);
             mbar_init(kv_empty0 + 8 * st, 3);
         }
-        for (int pb = 0; pb < 2; ++pb) {
+        for (int pb = 0; pb < WS_PBUF; ++pb) {
             mbar_init(p_full0 + 8 * pb, 128);
             mbar_init(p_empty0 + 8 * pb, 2);
         }
@@ -493,7 +514,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
         const unsigned long long dq = wg_desc(sm.q, 128, WG_GROUP);
         const unsigned long long dk = wg_desc(sm.kv[0], WS_PLANE, 128);
         for (int i = 0; i < ntiles; ++i) {
-            const int st = i % WS_STAGES, pb = i & 1;
+            const int st = i % WS_STAGES, pb = i % WS_PBUF;
             mbar_wait(full0 + 8 * st, (i / WS_STAGES) & 1);
             const int valid_rows = sm.rows[st];
             if (valid_rows < WS_BN) {
@@ -507,7 +528,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                 fence_async_smem();
                 asm volatile("bar.sync 2, 128;" ::: "memory");
             }
-            float s[16];
+            float s[WS_NS];
             wg_fence();
             wg_scores_issue(s, dq, dk + st * STAGE, 16, 2 * WS_PLANE >> 4);
             wg_commit();
@@ -515,11 +536,11 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             if (wt == 0) mbar_arrive(kv_empty0 + 8 * st);
             float x0, x1;
             scores_mask_max(s, (tile0 + i) * WS_BN, t4, len, scale_log2, x0, x1);
-            unsigned pk[8];
+            unsigned pk[WS_NS / 2];
             float a0, a1;
             softmax_step(s, x0, x1, m0, m1, l0, l1, pk, a0, a1);
-            // P buffer pb is free once both P·V of tile i - 2 are done.
-            if (i >= 2) mbar_wait(p_empty0 + 8 * pb, ((i >> 1) - 1) & 1);
+            // P buffer pb is free once both P·V of tile i - WS_PBUF are done.
+            if (i >= WS_PBUF) mbar_wait(p_empty0 + 8 * pb, (i / WS_PBUF - 1) & 1);
             store_p(reinterpret_cast<unsigned char*>(sm.p[pb]), pk, r0, 0, t4, WS_PGROUP);
             if (t4 == 0) {
                 sm.alpha[pb][r0] = a0;
@@ -549,9 +570,9 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
     const unsigned long long dp = wg_desc(sm.p[0], 128, WS_PGROUP);
     constexpr unsigned long long P_BUF = (WG_HB * WS_BN * 2) >> 4;
     for (int i = 0; i < ntiles; ++i) {
-        const int st = i % WS_STAGES, pb = i & 1;
+        const int st = i % WS_STAGES, pb = i % WS_PBUF;
         mbar_wait(full0 + 8 * st, (i / WS_STAGES) & 1);
-        mbar_wait(p_full0 + 8 * pb, (i >> 1) & 1);
+        mbar_wait(p_full0 + 8 * pb, (i / WS_PBUF) & 1);
         rescale_rows(o, sm.alpha[pb][r0], sm.alpha[pb][r1]);
         wg_fence();
 #pragma unroll

@@ -56,6 +56,24 @@ __device__ __forceinline__ void wgmma_n32(float d[16], unsigned long long a, uns
         : "l"(a), "l"(b), "r"(acc), "n"(TA));
 }
 
+// d (64x64 f32) = (acc ? d : 0) + A B with A (64x16) and B (16x64) from shared memory, both
+// K-major.
+__device__ __forceinline__ void wgmma_n64(float d[32], unsigned long long a, unsigned long long b,
+                                          int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
+        "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+          "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
+          "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
+          "+f"(d[31])
+        : "l"(a), "l"(b), "r"(acc));
+}
+
 // d (64x64 f32) = (acc ? d : 0) + A B with A (64x16 bf16) from registers, in the accumulator
 // layout's pairs (a[0]: rows g, columns 2t..2t+1; a[1]: rows g + 8; a[2], a[3]: the same 8
 // columns on), and B (16x64) from shared memory, K-major (TB = 0) or N-major (TB = 1).
