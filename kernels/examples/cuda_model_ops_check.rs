@@ -4,8 +4,8 @@
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
-//!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 64] [--moe-tunings]
-//!       [--moe-variants L,..]
+//!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 64] [--mla-probe 1,2,3]
+//!       [--moe-tunings] [--moe-variants L,..]
 //!       [--moe-profile B,..] [--mla-profile]
 //!
 //! `mla-flash` is the whole-model forward's MLA attention over the paged f32 history (the flash
@@ -13,7 +13,9 @@
 //! every split kernel the device runs (the portable one, and on Hopper the warpgroup one);
 //! `--mla-prefetch` also checks and times each kernel with those L2 prefetch distances (tiles
 //! ahead), `--mla-coalesced` with its wider tile copies, `--mla-ws-tile 64` with the Hopper
-//! split-role kernel on 64-token tiles (pages of 64 tokens and more); `--mla-profile` only times the MLA
+//! split-role kernel on 64-token tiles (pages of 64 tokens and more), `--mla-probe 1,2,3` times
+//! that kernel (at each tile size named) without its P·V products, its S products, or both
+//! (never checked: wrong by design); `--mla-profile` only times the MLA
 //! decode kernels at B=64 and 16K context, unchecked (a profiler's target).
 //! MoE projections are checked and timed on both paths, the tensor cores with each input split;
 //! `--moe-tunings` adds build-time alternatives of the tensor-core kernels (`--moe-variants
@@ -320,7 +322,7 @@ fn bench(
         };
         if wanted {
             kernels.push((String::new(), MlaDecode::load_kernel(dev, 96, kernel)?));
-            for &t in tunings {
+            for &t in tunings.iter().filter(|t| t.applies_to(kernel)) {
                 let tuned = MlaDecode::load_tuned(dev, 96, kernel, t)?;
                 kernels.push((format!(" {}", &tuning_label(t)[1..]), tuned));
             }
@@ -476,6 +478,26 @@ fn run() -> Result<usize, CudaError> {
             ..MlaTuning::default()
         });
     }
+    // Timing probes of the split-role kernel at each tile size asked for (32 by default).
+    let probe_tiles: Vec<usize> = flag("--mla-ws-tile")
+        .iter()
+        .flat_map(|l| l.split(','))
+        .filter_map(|t| t.parse().ok())
+        .chain([0])
+        .collect();
+    for probe in flag("--mla-probe")
+        .iter()
+        .flat_map(|l| l.split(','))
+        .filter_map(|p| p.parse().ok())
+    {
+        for &ws_tile in &probe_tiles {
+            tunings.push(MlaTuning {
+                ws_tile,
+                probe,
+                ..MlaTuning::default()
+            });
+        }
+    }
     let dev = CudaDevice::open(0, default_cache_dir())?;
     println!("device {} ({})", dev.name(), dev.arch());
     if let Some(batches) = flag("--moe-profile") {
@@ -494,7 +516,7 @@ fn run() -> Result<usize, CudaError> {
         let mut kernels = Vec::new();
         for kernel in mla_kernels(&dev) {
             kernels.push((String::new(), MlaDecode::load_kernel(&dev, 96, kernel)?));
-            for &t in &tunings {
+            for &t in tunings.iter().filter(|t| t.applies_to(kernel)) {
                 let tuned = MlaDecode::load_tuned(&dev, 96, kernel, t)?;
                 kernels.push((format!(" {}", &tuning_label(t)[1..]), tuned));
             }
@@ -550,7 +572,11 @@ fn run() -> Result<usize, CudaError> {
         check_mla_kernel(&dev, &mut checks, &mut rng, |h| {
             MlaDecode::load_kernel(&dev, h, kernel)
         })?;
-        for &t in &tunings {
+        // Timing probes are wrong by design: timed, never checked.
+        for &t in tunings
+            .iter()
+            .filter(|t| t.applies_to(kernel) && t.probe == 0)
+        {
             check_mla_kernel(&dev, &mut checks, &mut rng, |h| {
                 MlaDecode::load_tuned(&dev, h, kernel, t)
             })?;

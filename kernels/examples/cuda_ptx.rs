@@ -50,7 +50,11 @@ fn main() {
     if arch == "sm_90" {
         units.push(("mla_decode_sm90".into(), MLA_DECODE_SM90_SOURCE, vec![]));
         let tile64 = vec![("MLA_WS_BN", "64".to_string())];
-        units.push(("mla_decode_ws64_sm90".into(), MLA_DECODE_SM90_SOURCE, tile64));
+        units.push((
+            "mla_decode_ws64_sm90".into(),
+            MLA_DECODE_SM90_SOURCE,
+            tile64,
+        ));
         units.push((
             "kda_scan_sm90".into(),
             KDA_SCAN_SM90_SOURCE,

@@ -242,11 +242,20 @@ fn mla_decode_compiles_with_tensor_cores_for_every_head_block() {
 
 #[test]
 fn mla_decode_warpgroup_kernel_compiles_for_sm90a_in_every_tuning() {
-    for (prefetch, coalesced, tile) in [(0, 0, 32), (3, 0, 32), (0, 1, 32), (0, 0, 64)] {
+    let settings = [
+        (0, 0, 32, 0),
+        (3, 0, 32, 0),
+        (0, 1, 32, 0),
+        (0, 0, 64, 0),
+        (0, 0, 64, 1),
+        (0, 0, 32, 2),
+    ];
+    for (prefetch, coalesced, tile, probe) in settings {
         let defines = [
             ("MLA_PREFETCH", format!("{prefetch}")),
             ("MLA_COALESCED", format!("{coalesced}")),
             ("MLA_WS_BN", format!("{tile}")),
+            ("MLA_WS_PROBE", format!("{probe}")),
         ];
         match compile(
             "sm_90a",
@@ -264,7 +273,7 @@ fn mla_decode_warpgroup_kernel_compiles_for_sm90a_in_every_tuning() {
                 // The split-role kernel's S over 64-token tiles.
                 assert_eq!(
                     text.contains("wgmma.mma_async.sync.aligned.m64n64k16"),
-                    tile == 64
+                    tile == 64 && probe & 2 == 0
                 );
                 assert_eq!(text.contains("cp.async.bulk.prefetch.L2"), prefetch > 0);
             }

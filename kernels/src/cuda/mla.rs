@@ -79,15 +79,25 @@ pub struct MlaTuning {
     /// Tokens per tile of the Hopper split-role kernel (`MLA_WS_BN`): 32 (four stages; what 0
     /// means) or 64 (two stages, S as m64n64k16, pages of whole 64-token tiles).
     pub ws_tile: usize,
+    /// A timing probe of the split-role kernel (`MLA_WS_PROBE`; outputs wrong by design, never
+    /// for use): 1 skips the P·V products, 2 the S products (P uniform), 3 both (the tile
+    /// copies, barriers and softmax alone).
+    pub probe: u8,
 }
 
 impl MlaTuning {
-    fn defines(&self) -> [(&'static str, String); 3] {
+    fn defines(&self) -> [(&'static str, String); 4] {
         [
             ("MLA_PREFETCH", self.prefetch.to_string()),
             ("MLA_COALESCED", u8::from(self.coalesced).to_string()),
             ("MLA_WS_BN", self.ws_tile().to_string()),
+            ("MLA_WS_PROBE", self.probe.to_string()),
         ]
+    }
+
+    /// Whether these choices change `kernel` (tile and probe concern the Hopper kernel only).
+    pub fn applies_to(&self, kernel: MlaKernel) -> bool {
+        kernel == MlaKernel::Hopper || (self.ws_tile == 0 && self.probe == 0)
     }
 
     /// Tokens per tile of the split-role kernel.

@@ -432,6 +432,10 @@ mla_decode_split_wg(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cac
 #define MLA_WS_BN 32
 #endif
 #define WS_BN MLA_WS_BN
+// Timing probes (outputs wrong by design): bit 0 skips the P·V products, bit 1 the S products.
+#ifndef MLA_WS_PROBE
+#define MLA_WS_PROBE 0
+#endif
 #define WS_STAGES (WS_BN == 64 ? 2 : 4)
 #define WS_PBUF (WS_BN == 64 ? 1 : 2)
 #define WS_NS (WS_BN / 2)
@@ -529,10 +533,15 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                 asm volatile("bar.sync 2, 128;" ::: "memory");
             }
             float s[WS_NS];
-            wg_fence();
-            wg_scores_issue(s, dq, dk + st * STAGE, 16, 2 * WS_PLANE >> 4);
-            wg_commit();
-            wg_wait0();
+            if (MLA_WS_PROBE & 2) {
+#pragma unroll
+                for (int k = 0; k < WS_NS; ++k) s[k] = 0.0f;
+            } else {
+                wg_fence();
+                wg_scores_issue(s, dq, dk + st * STAGE, 16, 2 * WS_PLANE >> 4);
+                wg_commit();
+                wg_wait0();
+            }
             if (wt == 0) mbar_arrive(kv_empty0 + 8 * st);
             float x0, x1;
             scores_mask_max(s, (tile0 + i) * WS_BN, t4, len, scale_log2, x0, x1);
@@ -574,12 +583,14 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
         mbar_wait(full0 + 8 * st, (i / WS_STAGES) & 1);
         mbar_wait(p_full0 + 8 * pb, (i / WS_PBUF) & 1);
         rescale_rows(o, sm.alpha[pb][r0], sm.alpha[pb][r1]);
-        wg_fence();
+        if (!(MLA_WS_PROBE & 1)) {
+            wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < WS_BN / 16; ++kk)
-            wgmma_n256_bt(o, dp + pb * P_BUF + kk * 16, dv + st * STAGE + kk * 16);
-        wg_commit();
-        wg_wait0();
+            for (int kk = 0; kk < WS_BN / 16; ++kk)
+                wgmma_n256_bt(o, dp + pb * P_BUF + kk * 16, dv + st * STAGE + kk * 16);
+            wg_commit();
+            wg_wait0();
+        }
         if (wt == 0) {
             mbar_arrive(kv_empty0 + 8 * st);
             mbar_arrive(p_empty0 + 8 * pb);
