@@ -26,6 +26,16 @@ pub fn extend(crc: u32, bytes: &[u8]) -> u32 {
     digest.finalize() as u32
 }
 
+/// The checksum of `a ++ b` from the checksums of `a` and of `b` (`b_len` bytes).
+pub fn combine(a: u32, b: u32, b_len: usize) -> u32 {
+    crc_fast::checksum_combine(
+        CrcAlgorithm::Crc32Iscsi,
+        u64::from(a),
+        u64::from(b),
+        b_len as u64,
+    ) as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -61,5 +71,11 @@ mod tests {
             assert_eq!(chunked, extent_checksum(part), "chunks of {chunk}");
         }
         assert_eq!(data.chunks(STREAM_CHUNK).fold(0, extend), whole);
+        let (a, b) = data.split_at(300_001);
+        assert_eq!(
+            combine(extent_checksum(a), extent_checksum(b), b.len()),
+            whole
+        );
+        assert_eq!(combine(extent_checksum(a), 0, 0), extent_checksum(a));
     }
 }

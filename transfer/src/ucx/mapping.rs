@@ -14,8 +14,8 @@
 
 use std::sync::Arc;
 
-use super::copy::copy_to_shared;
-use crate::checksum::{self, STREAM_CHUNK};
+use super::copy_pool::{copy_pieces, Piece, PIECE};
+use crate::checksum;
 
 /// A peer's region mapped here: `len` bytes at the peer's address `remote` are at `local`.
 #[derive(Clone, Debug)]
@@ -47,37 +47,51 @@ impl Mapping {
     }
 
     /// Copies each `(source, peer address)` pair into the mapping and returns the sources'
-    /// checksums (none unless `checksums`: each chunk is checksummed right after its copy, while
+    /// checksums (none unless `checksums`: each piece is checksummed right after its copy, while
     /// it is in cache); `None`, with nothing copied, when any pair lies outside the mapping.
-    /// Once it returns, the bytes are visible to the peer.
+    /// Idle helper threads share large batches (`copy_pool`). Once it returns, the bytes are
+    /// visible to the peer.
     pub fn copy_all(&self, puts: &[(&[u8], u64)], checksums: bool) -> Option<Vec<u32>> {
         let targets = puts
             .iter()
             .map(|(src, remote_addr)| self.target(*remote_addr, src.len() as u64))
             .collect::<Option<Vec<*mut u8>>>()?;
-        let mut sums = Vec::with_capacity(if checksums { puts.len() } else { 0 });
+        let mut pieces = Vec::new();
+        let mut extent_pieces = Vec::with_capacity(puts.len());
         for ((src, _), dst) in puts.iter().zip(targets) {
-            let step = if checksums {
-                STREAM_CHUNK
-            } else {
-                src.len().max(1)
-            };
-            let mut crc = 0;
-            for (i, chunk) in src.chunks(step).enumerate() {
-                // SAFETY: the chunk's destination lies inside the mapping (checked above), which
-                // stays mapped while `self` (a pin on its remote key) lives; the destination
-                // answered Ready for exactly these extents of the region behind the key. The
-                // source is the caller's live slice of our own memory, which the peer's region
-                // cannot overlap.
-                unsafe { copy_to_shared(dst.add(i * step), chunk.as_ptr(), chunk.len()) };
-                if checksums {
-                    crc = checksum::extend(crc, chunk);
-                }
-            }
-            if checksums {
-                sums.push(crc);
-            }
+            let before = pieces.len();
+            pieces.extend(src.chunks(PIECE).enumerate().map(|(i, chunk)| Piece {
+                src: chunk.as_ptr(),
+                // SAFETY: inside the extent's destination, checked above.
+                dst: unsafe { dst.add(i * PIECE) },
+                len: chunk.len(),
+            }));
+            extent_pieces.push(before..pieces.len());
         }
+        // SAFETY: every destination lies inside the mapping (checked above), which stays mapped
+        // while `self` (a pin on its remote key) lives, and the destination answered Ready for
+        // exactly these extents of the region behind the key, so nothing else writes them. The
+        // sources are the caller's live slices of our own memory, which the peer's region cannot
+        // overlap; distinct extents of one batch do not overlap (the plan checks that).
+        let crcs = unsafe { copy_pieces(pieces, checksums) };
+        if !checksums {
+            return Some(Vec::new());
+        }
+        let sums = puts
+            .iter()
+            .zip(extent_pieces)
+            .map(|((src, _), range)| {
+                let lens = src.chunks(PIECE).map(|c| c.len());
+                crcs[range]
+                    .iter()
+                    .zip(lens)
+                    .fold(None, |acc, (&crc, len)| match acc {
+                        None => Some(crc),
+                        Some(acc) => Some(checksum::combine(acc, crc, len)),
+                    })
+                    .unwrap_or(0)
+            })
+            .collect();
         Some(sums)
     }
 }
@@ -116,9 +130,9 @@ mod tests {
         drop(m);
         assert_eq!(Arc::strong_count(&pin), 1);
         // Longer than a checksum chunk, at an odd offset: every chunk lands in its place.
-        let mut big_peer = vec![0u8; 3 * STREAM_CHUNK];
+        let mut big_peer = vec![0u8; 3 * PIECE];
         let (m, _pin) = Mapping::new(big_peer.as_mut_ptr(), 0, big_peer.len() as u64);
-        let big: Vec<u8> = (0..2 * STREAM_CHUNK + 333)
+        let big: Vec<u8> = (0..2 * PIECE + 333)
             .map(|i| (i * 7 % 251) as u8)
             .collect();
         let sums = m.copy_all(&[(&big, 77)], true).unwrap();

@@ -39,6 +39,7 @@
 
 mod api;
 mod copy;
+mod copy_pool;
 mod mapping;
 mod server;
 pub(crate) mod wire;
