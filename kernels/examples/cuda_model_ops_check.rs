@@ -5,7 +5,7 @@
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
 //!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 64] [--mla-probe 1,2,3]
-//!       [--moe-tunings] [--moe-variants L,..]
+//!       [--mla-transposed] [--moe-tunings] [--moe-variants L,..]
 //!       [--moe-profile B,..] [--mla-profile]
 //!
 //! `mla-flash` is the whole-model forward's MLA attention over the paged f32 history (the flash
@@ -15,7 +15,9 @@
 //! ahead), `--mla-coalesced` with its wider tile copies, `--mla-ws-tile 64` with the Hopper
 //! split-role kernel on 64-token tiles (pages of 64 tokens and more), `--mla-probe 1,2,3` times
 //! that kernel (at each tile size named) without its P·V products, its S products, or both
-//! (never checked: wrong by design); `--mla-profile` only times the MLA
+//! (never checked: wrong by design), `--mla-transposed` the Hopper kernel with both products
+//! transposed (heads as wgmma's N, no padding; pages of 64 tokens and more); `--mla-profile`
+//! only times the MLA
 //! decode kernels at B=64 and 16K context, unchecked (a profiler's target).
 //! MoE projections are checked and timed on both paths, the tensor cores with each input split;
 //! `--moe-tunings` adds build-time alternatives of the tensor-core kernels (`--moe-variants
@@ -475,6 +477,12 @@ fn run() -> Result<usize, CudaError> {
     {
         tunings.push(MlaTuning {
             ws_tile,
+            ..MlaTuning::default()
+        });
+    }
+    if args.iter().any(|a| a == "--mla-transposed") {
+        tunings.push(MlaTuning {
+            transposed: true,
             ..MlaTuning::default()
         });
     }

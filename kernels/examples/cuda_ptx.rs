@@ -55,6 +55,11 @@ fn main() {
             MLA_DECODE_SM90_SOURCE,
             tile64,
         ));
+        for heads in [16, 32] {
+            let tr = vec![("MLA_TR_HEADS", heads.to_string())];
+            let name = format!("mla_decode_tr{heads}_sm90");
+            units.push((name, MLA_DECODE_SM90_SOURCE, tr));
+        }
         units.push((
             "kda_scan_sm90".into(),
             KDA_SCAN_SM90_SOURCE,

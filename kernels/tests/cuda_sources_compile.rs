@@ -284,6 +284,28 @@ fn mla_decode_warpgroup_kernel_compiles_for_sm90a_in_every_tuning() {
 }
 
 #[test]
+fn mla_decode_transposed_kernel_compiles_for_every_block_of_heads() {
+    for heads in [16, 32, 48] {
+        let defines = [("MLA_TR_HEADS", format!("{heads}"))];
+        match compile(
+            "sm_90a",
+            "mla_decode_sm90",
+            MLA_DECODE_SM90_SOURCE,
+            &defines,
+        ) {
+            Ok(ptx) => {
+                let text = ptx.to_src();
+                assert!(text.contains(".entry mla_decode_split_tr"));
+                let mma = format!("wgmma.mma_async.sync.aligned.m64n{heads}k16");
+                assert!(text.contains(&mma), "{mma}");
+            }
+            Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
+            Err(e) => panic!("{defines:?}: {e}"),
+        }
+    }
+}
+
+#[test]
 fn kda_warpgroup_scan_compiles_for_hopper_at_both_depths() {
     for stages in [2, 3] {
         let mut defines = kda_defines(128, 128, 32).to_vec();

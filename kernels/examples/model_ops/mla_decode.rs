@@ -166,6 +166,9 @@ pub(crate) fn tuning_label(t: MlaTuning) -> String {
     if t.ws_tile != 0 {
         label += &format!(".ws{}", t.ws_tile);
     }
+    if t.transposed {
+        label += ".tr";
+    }
     if t.probe != 0 {
         label += &format!(".probe{}", t.probe);
     }

@@ -46,6 +46,9 @@ pub struct MlaDecode {
     split: CudaFunction,
     /// The Hopper split kernel with split roles, for pages of whole 32-token tiles.
     split_ws: Option<CudaFunction>,
+    /// The Hopper kernel with transposed products (with [`MlaTuning::transposed`]), for pages of
+    /// whole 64-token tiles, and its heads per block.
+    split_tr: Option<(CudaFunction, usize)>,
     combine: CudaFunction,
     heads: usize,
     heads_per_block: usize,
@@ -79,6 +82,10 @@ pub struct MlaTuning {
     /// Tokens per tile of the Hopper split-role kernel (`MLA_WS_BN`): 32 (four stages; what 0
     /// means) or 64 (two stages, S as m64n64k16, pages of whole 64-token tiles).
     pub ws_tile: usize,
+    /// The Hopper kernel with both products transposed (`mla_decode_split_tr`: tokens and
+    /// latent dims as wgmma's M, heads as N, blocks of 48, 32 or 16 heads with none padded)
+    /// where pages hold whole 64-token tiles.
+    pub transposed: bool,
     /// A timing probe of the split-role kernel (`MLA_WS_PROBE`; outputs wrong by design, never
     /// for use): 1 skips the P·V products, 2 the S products (P uniform), 3 both (the tile
     /// copies, barriers and softmax alone).
@@ -95,9 +102,10 @@ impl MlaTuning {
         ]
     }
 
-    /// Whether these choices change `kernel` (tile and probe concern the Hopper kernel only).
+    /// Whether these choices change `kernel` (tile, probe and transposition concern the Hopper
+    /// kernel only).
     pub fn applies_to(&self, kernel: MlaKernel) -> bool {
-        kernel == MlaKernel::Hopper || (self.ws_tile == 0 && self.probe == 0)
+        kernel == MlaKernel::Hopper || (self.ws_tile == 0 && self.probe == 0 && !self.transposed)
     }
 
     /// Tokens per tile of the split-role kernel.
@@ -129,6 +137,33 @@ fn ws_smem(tile: usize) -> usize {
         + stages * 4
 }
 
+/// Tokens per tile of `mla_decode_split_tr` and its threads (three warpgroups).
+const TR_BN: usize = 64;
+const TR_THREADS: u32 = 384;
+
+/// Heads per block of `mla_decode_split_tr` (`MLA_TR_HEADS`) for `heads` (a multiple of 16): the
+/// largest of 48, 32 and 16 that divides it.
+fn tr_heads(heads: usize) -> usize {
+    [48, 32, 16]
+        .into_iter()
+        .find(|h| heads.is_multiple_of(*h))
+        .unwrap_or(16)
+}
+
+/// Shared memory of `mla_decode_split_tr` (`TrSmem`) for `h` heads a block: Q, two stages, two
+/// Pᵀ buffers, their rescale factors, two buffers of four warps' column maxima, the sums and
+/// maxima, eight barriers and two row counts.
+fn tr_smem(h: usize) -> usize {
+    h * D * 2
+        + 2 * TR_BN * D * 2
+        + 2 * TR_BN * h * 2
+        + 2 * h * 4
+        + 8 * h * 4
+        + 2 * h * 4
+        + 8 * 8
+        + 2 * 4
+}
+
 /// The tensor map of the latent cache (`rows` tokens of 576 bf16) for `mla_decode_split_ws`,
 /// read in 3-D boxes of 8 dims × `tile` tokens × 72 chunks of 8 dims: a tile lands as 72 planes
 /// of `tile` tokens × 16 bytes.
@@ -143,6 +178,16 @@ fn cache_map(ptr: u64, rows: usize, tile: usize) -> Result<TensorMapArg, CudaErr
         &[8, tile as u32, chunks as u32],
         CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
     )
+}
+
+/// A copy-engine split kernel chosen for a call: tokens per tile (the tensor map's box), threads,
+/// shared memory and heads per block.
+struct Launchable<'a> {
+    func: &'a CudaFunction,
+    tile: usize,
+    threads: u32,
+    smem: u32,
+    heads_per_block: usize,
 }
 
 /// Per-split partial outputs and log-sum-exps for one shape (reuse across calls).
@@ -220,11 +265,14 @@ impl MlaDecode {
                 &[("MLA_MT", "1".to_string())],
             )?
             .load_function("mla_decode_combine")?;
+        let tr_h = tr_heads(heads);
+        let mut defines = tuning.defines().to_vec();
+        defines.push(("MLA_TR_HEADS", tr_h.to_string()));
         let m = dev.module_for(
             "sm_90a",
             "mla_decode_sm90",
             MLA_DECODE_SM90_SOURCE,
-            &tuning.defines(),
+            &defines,
         )?;
         let split = m.load_function("mla_decode_split_wg")?;
         split.set_attribute(
@@ -236,9 +284,20 @@ impl MlaDecode {
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             ws_smem(tuning.ws_tile()) as i32,
         )?;
+        let split_tr = if tuning.transposed {
+            let f = m.load_function("mla_decode_split_tr")?;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                tr_smem(tr_h) as i32,
+            )?;
+            Some((f, tr_h))
+        } else {
+            None
+        };
         Ok(MlaDecode {
             split,
             split_ws: Some(split_ws),
+            split_tr,
             combine,
             heads,
             heads_per_block: 64,
@@ -278,6 +337,7 @@ impl MlaDecode {
         Ok(MlaDecode {
             split,
             split_ws: None,
+            split_tr: None,
             combine,
             heads,
             heads_per_block: 16 * mt,
@@ -289,12 +349,28 @@ impl MlaDecode {
         })
     }
 
-    /// The copy-engine split kernel (split roles) where pages hold whole tiles.
-    fn copy_engine_kernel(&self, page_size: usize) -> Option<&CudaFunction> {
+    /// The copy-engine split kernel where pages hold whole tiles: the transposed one if loaded
+    /// and the pages hold whole 64-token tiles, else the split-role one.
+    fn copy_engine_kernel(&self, page_size: usize) -> Option<Launchable<'_>> {
+        let whole = |tile: usize| page_size > 0 && page_size.is_multiple_of(tile);
+        if let Some((func, h)) = self.split_tr.as_ref().filter(|_| whole(TR_BN)) {
+            return Some(Launchable {
+                func,
+                tile: TR_BN,
+                threads: TR_THREADS,
+                smem: tr_smem(*h) as u32,
+                heads_per_block: *h,
+            });
+        }
         let tile = self.tuning.ws_tile();
-        self.split_ws
-            .as_ref()
-            .filter(|_| page_size > 0 && page_size.is_multiple_of(tile))
+        let func = self.split_ws.as_ref().filter(|_| whole(tile))?;
+        Some(Launchable {
+            func,
+            tile,
+            threads: WS_THREADS,
+            smem: ws_smem(tile) as u32,
+            heads_per_block: self.heads_per_block,
+        })
     }
 
     /// The split kernel in use.
@@ -312,8 +388,14 @@ impl MlaDecode {
         self.tuning
     }
 
+    /// Blocks per sequence and split: the transposed kernel's when it is loaded (it serves the
+    /// usual pages of 64 tokens and more).
     fn head_blocks(&self) -> usize {
-        self.heads.div_ceil(self.heads_per_block)
+        let per_block = self
+            .split_tr
+            .as_ref()
+            .map_or(self.heads_per_block, |(_, h)| *h);
+        self.heads.div_ceil(per_block)
     }
 
     /// A context split for `batch` sequences of up to `max_context` tokens: the fewest splits
@@ -389,24 +471,28 @@ impl MlaDecode {
         // The copy-engine kernel where pages hold whole tiles: the cache goes in as its tensor
         // map.
         let (cache_ptr, _keep) = pages.cache.device_ptr(s);
-        let tile = self.tuning.ws_tile();
-        let engine = match self.copy_engine_kernel(pages.page_size) {
-            Some(f) => Some((f, cache_map(cache_ptr, num_pages * pages.page_size, tile)?)),
+        let engine = self.copy_engine_kernel(pages.page_size);
+        let map = match &engine {
+            Some(k) => Some(cache_map(cache_ptr, num_pages * pages.page_size, k.tile)?),
             None => None,
         };
-        let (func, threads, smem) = match &engine {
-            Some((f, _)) => (*f, WS_THREADS, ws_smem(tile) as u32),
-            None => (&self.split, self.threads, self.smem),
+        let (func, threads, smem, per_block) = match engine {
+            Some(k) => (k.func, k.threads, k.smem, k.heads_per_block),
+            None => (&self.split, self.threads, self.smem, self.heads_per_block),
         };
         let cfg = LaunchConfig {
-            grid_dim: (sh.splits as u32, self.head_blocks() as u32, sh.batch as u32),
+            grid_dim: (
+                sh.splits as u32,
+                sh.heads.div_ceil(per_block) as u32,
+                sh.batch as u32,
+            ),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
         let mut launch = s.launch_builder(func);
         launch.arg(q);
-        match &engine {
-            Some((_, map)) => launch.arg(map),
+        match &map {
+            Some(map) => launch.arg(map),
             None => launch.arg(pages.cache),
         };
         launch
@@ -419,8 +505,8 @@ impl MlaDecode {
             .arg(&mp_i)
             .arg(&np_i)
             .arg(&scale_log2);
-        // SAFETY: the argument list matches `mla_decode_split` (or `mla_decode_split_ws`, whose
-        // map covers the whole pool and whose tiles never cross a page); q, the page table, the
+        // SAFETY: the argument list matches `mla_decode_split` (or `mla_decode_split_ws` /
+        // `_tr`, whose map covers the whole pool and whose tiles never cross a page); q, the page table, the
         // lengths and the workspace hold `batch` sequences (checked above); the kernels clamp
         // lengths to the table's capacity and skip page ids outside the pool.
         unsafe { launch.launch(cfg) }?;

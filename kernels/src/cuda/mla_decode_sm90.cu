@@ -83,16 +83,17 @@ __device__ __forceinline__ void wgmma_n256_bt(float d[128], unsigned long long a
         : "l"(a), "l"(b));
 }
 
-// This block's sequence b, heads h0.. (nh of them) and its split's range of tiles and place in
-// the partials.
+// This block's sequence b, heads h0.. (nh of them, blocks of hb heads) and its split's range of
+// tiles of bn tokens and place in the partials.
 struct WgSplit {
     int b, h0, nh, len, tile0, tile1;
     size_t part;
-    __device__ WgSplit(const int* seq_lens, int heads, int max_pages, int page_size, int bn) {
+    __device__ WgSplit(const int* seq_lens, int heads, int max_pages, int page_size, int bn,
+                       int hb = WG_HB) {
         const int split = blockIdx.x, splits = gridDim.x;
         b = blockIdx.z;
-        h0 = blockIdx.y * WG_HB;
-        nh = min(WG_HB, heads - h0);
+        h0 = blockIdx.y * hb;
+        nh = min(hb, heads - h0);
         len = min(max(seq_lens[b], 0), max_pages * page_size);
         const int tiles = (len + bn - 1) / bn;
         const int per = (tiles + splits - 1) / splits;

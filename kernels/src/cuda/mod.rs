@@ -71,13 +71,15 @@ pub const SAMPLE_SOURCE: &str = concat!(
 );
 /// MLA decode in absorbed form over the paged latent cache (split context + combine).
 pub const MLA_DECODE_SOURCE: &str = include_str!("mla_decode.cu");
-/// The split kernel of MLA decode on warpgroup MMAs; Hopper only (compiled for `sm_90a`).
+/// The split kernels of MLA decode on warpgroup MMAs; Hopper only (compiled for `sm_90a`).
 pub const MLA_DECODE_SM90_SOURCE: &str = concat!(
     include_str!("wgmma.cuh"),
     "\n",
     include_str!("tma.cuh"),
     "\n",
-    include_str!("mla_decode_sm90.cu")
+    include_str!("mla_decode_sm90.cu"),
+    "\n",
+    include_str!("mla_decode_tr.cu")
 );
 /// The KDA chunk scan on warpgroup MMAs; Hopper only (compiled for `sm_90a`, with the
 /// `kda.cu` defines).

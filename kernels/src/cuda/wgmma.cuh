@@ -92,6 +92,48 @@ __device__ __forceinline__ void wgmma_rs_n64(float d[32], const unsigned a[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TB));
 }
 
+// d (64xN f32, N = 16, 32 or 48) = (acc ? d : 0) + A B with A (64x16) and B (16xN) from shared
+// memory: A K-major (TA = 0) or M-major (TA = 1), B K-major (TB = 0) or N-major (TB = 1).
+template <int N, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a,
+                                         unsigned long long b, int acc) {
+    static_assert(N == 16 || N == 32 || N == 48, "n16, n32 or n48");
+    if constexpr (N == 16) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+            "{%0,%1,%2,%3,%4,%5,%6,%7}, "
+            "%8, %9, p, 1, 1, %11, %12;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+              "+f"(d[7])
+            : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB));
+    }
+    if constexpr (N == 32) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+            "%16, %17, p, 1, 1, %19, %20;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+              "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+              "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB));
+    }
+    if constexpr (N == 48) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "
+            "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,"
+            "%22,%23}, "
+            "%24, %25, p, 1, 1, %27, %28;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+              "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+              "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
+              "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+            : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB));
+    }
+}
+
 // Keeps the compiler from moving reads or writes of an in-flight accumulator across the wgmma
 // wait before it (the wait orders the hardware, this orders the code).
 template <int N>

@@ -132,9 +132,7 @@ mod tests {
         // Longer than a checksum chunk, at an odd offset: every chunk lands in its place.
         let mut big_peer = vec![0u8; 3 * PIECE];
         let (m, _pin) = Mapping::new(big_peer.as_mut_ptr(), 0, big_peer.len() as u64);
-        let big: Vec<u8> = (0..2 * PIECE + 333)
-            .map(|i| (i * 7 % 251) as u8)
-            .collect();
+        let big: Vec<u8> = (0..2 * PIECE + 333).map(|i| (i * 7 % 251) as u8).collect();
         let sums = m.copy_all(&[(&big, 77)], true).unwrap();
         assert_eq!(sums, vec![checksum::extent_checksum(&big)]);
         assert_eq!(&big_peer[77..77 + big.len()], &big[..]);
