@@ -175,23 +175,52 @@ pub(crate) unsafe fn copy_pieces(pieces: Vec<Piece>, checksums: bool) -> Vec<u32
 mod tests {
     use super::*;
 
+    /// `len` bytes of a pattern seeded by `seed`, cut into pieces copied to `dst` at offset 32.
+    fn copy_pattern(seed: usize, len: usize, dst: &mut [u8]) -> (Vec<u8>, Vec<u32>) {
+        let src: Vec<u8> = (0..len).map(|i| ((i + seed) * 29 % 253) as u8).collect();
+        let pieces: Vec<Piece> = src
+            .chunks(PIECE)
+            .enumerate()
+            .map(|(i, c)| Piece {
+                src: c.as_ptr(),
+                // SAFETY: inside `dst`, which holds len + 64 bytes.
+                dst: unsafe { dst.as_mut_ptr().add(32 + i * PIECE) },
+                len: c.len(),
+            })
+            .collect();
+        // SAFETY: both buffers outlive the call; the ranges do not overlap.
+        let sums = unsafe { copy_pieces(pieces, true) };
+        (src, sums)
+    }
+
+    #[test]
+    fn concurrent_batches_share_the_helpers_and_each_lands_whole() {
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                std::thread::spawn(move || {
+                    for round in 0..6 {
+                        let len = SHARE_MIN + (t * 7 + round) * 4099;
+                        let mut dst = vec![0u8; len + 64];
+                        let (src, sums) = copy_pattern(t * 100 + round, len, &mut dst);
+                        let want: Vec<u32> =
+                            src.chunks(PIECE).map(checksum::extent_checksum).collect();
+                        assert_eq!(sums, want, "thread {t} round {round}");
+                        assert_eq!(&dst[32..32 + len], &src[..], "thread {t} round {round}");
+                        assert!(dst[..32].iter().chain(&dst[32 + len..]).all(|&b| b == 0));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("a copying thread panicked");
+        }
+    }
+
     #[test]
     fn every_piece_lands_with_its_checksum_shared_or_not() {
         for len in [3 * PIECE + 17, SHARE_MIN * 2 + 5] {
-            let src: Vec<u8> = (0..len).map(|i| (i * 29 % 253) as u8).collect();
             let mut dst = vec![0u8; len + 64];
-            let pieces: Vec<Piece> = src
-                .chunks(PIECE)
-                .enumerate()
-                .map(|(i, c)| Piece {
-                    src: c.as_ptr(),
-                    // SAFETY: inside `dst` (len + 64 bytes).
-                    dst: unsafe { dst.as_mut_ptr().add(32 + i * PIECE) },
-                    len: c.len(),
-                })
-                .collect();
-            // SAFETY: both buffers outlive the call; the ranges do not overlap.
-            let sums = unsafe { copy_pieces(pieces, true) };
+            let (src, sums) = copy_pattern(0, len, &mut dst);
             let want: Vec<u32> = src.chunks(PIECE).map(checksum::extent_checksum).collect();
             assert_eq!(sums, want, "len {len}");
             assert_eq!(&dst[32..32 + len], &src[..]);
