@@ -421,6 +421,102 @@ mla_decode_split_wg(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cac
 }
 
 #ifdef TESSERA_TMA
+// The copy-engine pipeline of the split-role kernels (mla_decode_split_ws and _tr): tile i of a
+// split (BN tokens of one page) lands in stage i % STAGES by one tensor copy issued by the
+// block's thread 128; per stage a `full` barrier (the copy's bytes) and a `kv_empty` one (the
+// three warpgroups done with it); per P buffer (PBUF of them) a `p_full` barrier (128 arrivals
+// of the softmax warpgroup) and a `p_empty` one (one per product warpgroup).
+template <int BN, int STAGES, int PBUF>
+struct TilePipe {
+    static constexpr unsigned STAGE_BYTES = BN * WG_D * 2;
+    static constexpr int PLANE = BN * 16;
+    bf16_t* kv;
+    unsigned long long *full, *kv_empty, *p_full, *p_empty;
+    int* rows;
+    const TensorMap* map;
+    const int* pages;
+    int tile0, ntiles, len, page_size, num_pages;
+
+    __device__ static unsigned at(unsigned long long* bars, int i) { return smem_addr(bars + i); }
+    __device__ bool producer() const { return threadIdx.x == 128; }
+
+    // The barriers by thread 0, then the first tiles on their way; every thread calls it.
+    __device__ void start() const {
+        if (threadIdx.x == 0) {
+            for (int st = 0; st < STAGES; ++st) {
+                mbar_init(at(full, st), 1);
+                mbar_init(at(kv_empty, st), 3);
+            }
+            for (int pb = 0; pb < PBUF; ++pb) {
+                mbar_init(at(p_full, pb), 128);
+                mbar_init(at(p_empty, pb), 2);
+            }
+            mbar_init_fence();
+        }
+        __syncthreads();
+        if (producer())
+            for (int i = 0; i < min(ntiles, STAGES); ++i) produce(i);
+    }
+    // Tile i into stage i % STAGES, with its count of rows inside the context.
+    __device__ void produce(int i) const {
+        const int st = i % STAGES, tok = (tile0 + i) * BN;
+        const int page = pages[tok / page_size];
+        const bool valid = page >= 0 && page < num_pages;
+        rows[st] = valid ? min(BN, len - tok) : 0;
+        mbar_expect_tx(at(full, st), valid ? STAGE_BYTES : 0);
+        if (valid)
+            tensor_box3_g2s(smem_addr(kv) + st * STAGE_BYTES, map, 0,
+                            page * page_size + tok % page_size, 0, at(full, st));
+    }
+    // Waits for tile i; by the softmax warpgroup (thread wt of 128), rows past the context (or
+    // of a page outside the pool) are then zeroed: the products read the tile as V only after
+    // this tile's P, which is zero there, and 0·NaN would not be.
+    __device__ void wait_tile_zeroed(int i, int wt) const {
+        const int st = i % STAGES;
+        mbar_wait(at(full, st), (i / STAGES) & 1);
+        const int valid_rows = rows[st];
+        if (valid_rows < BN) {
+            const int gap = BN - valid_rows;
+            uint4* t = reinterpret_cast<uint4*>(kv + st * BN * WG_D);
+            for (int k = wt; k < WG_KC * gap; k += 128)
+                t[(k / gap) * (PLANE / 16) + valid_rows + k % gap] = make_uint4(0, 0, 0, 0);
+            fence_async_smem();
+            asm volatile("bar.sync 2, 128;" ::: "memory");
+        }
+    }
+    // The softmax warpgroup is done with tile i's stage (thread wt of 128).
+    __device__ void scores_done(int i, int wt) const {
+        if (wt == 0) mbar_arrive(at(kv_empty, i % STAGES));
+    }
+    // Before P of tile i is written: its buffer's products of tile i - PBUF are over.
+    __device__ void wait_p_free(int i) const {
+        if (i >= PBUF) mbar_wait(at(p_empty, i % PBUF), (i / PBUF - 1) & 1);
+    }
+    // P of tile i written (each of the softmax warpgroup's threads after its own stores).
+    __device__ void p_written(int i) const {
+        fence_async_smem();
+        mbar_arrive(at(p_full, i % PBUF));
+    }
+    // Before tile i's products: the tile and its P.
+    __device__ void wait_products(int i) const {
+        mbar_wait(at(full, i % STAGES), (i / STAGES) & 1);
+        mbar_wait(at(p_full, i % PBUF), (i / PBUF) & 1);
+    }
+    // A product warpgroup is done with tile i (thread wt of 128); the producer then refills the
+    // stage with tile i + STAGES once the other roles are done with it too.
+    __device__ void products_done(int i, int wt) const {
+        const int st = i % STAGES;
+        if (wt == 0) {
+            mbar_arrive(at(kv_empty, st));
+            mbar_arrive(at(p_empty, i % PBUF));
+        }
+        if (producer() && i + STAGES < ntiles) {
+            mbar_wait(at(kv_empty, st), (i / STAGES) & 1);
+            produce(i + STAGES);
+        }
+    }
+};
+
 // Warp-specialised, tiles of 32 tokens in four stages (MLA_WS_BN 64: 64 tokens in two stages),
 // for pages of whole tiles: warpgroup 0 computes S and the softmax of tile i + 1 while
 // warpgroups 1 and 2 (latent dims 0..255 and 256..511) run tile i's P·V. Stage barriers: `full`
@@ -468,39 +564,13 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
     const WgSplit sp(seq_lens, heads, max_pages, page_size, WS_BN);
     if (sp.done_if_empty(o_part, lse_part, heads, tid, WS_THREADS)) return;
     const int b = sp.b, h0 = sp.h0, nh = sp.nh, len = sp.len, tile0 = sp.tile0;
-    const int ntiles = sp.tile1 - sp.tile0;
-    const unsigned full0 = smem_addr(&sm.full[0]), kv_empty0 = smem_addr(&sm.kv_empty[0]);
-    const unsigned p_full0 = smem_addr(&sm.p_full[0]), p_empty0 = smem_addr(&sm.p_empty[0]);
-    const unsigned kv_smem = smem_addr(sm.kv[0]);
-    if (tid == 0) {
-        for (int st = 0; st < WS_STAGES; ++st) {
-            mbar_init(full0 + 8 * st, 1);
-            mbar_init(kv_empty0 + 8 * st, 3);
-        }
-        for (int pb = 0; pb < WS_PBUF; ++pb) {
-            mbar_init(p_full0 + 8 * pb, 128);
-            mbar_init(p_empty0 + 8 * pb, 2);
-        }
-        mbar_init_fence();
-    }
-    __syncthreads();
-
-    const int* pages = page_table + (size_t)b * max_pages;
-    // Tile i into stage i % WS_STAGES, with its count of rows inside the context.
-    auto produce = [&](int i) {
-        const int st = i % WS_STAGES, tok = (tile0 + i) * WS_BN;
-        const int page = pages[tok / page_size];
-        const bool valid = page >= 0 && page < num_pages;
-        const unsigned bar = full0 + 8 * st;
-        sm.rows[st] = valid ? min(WS_BN, len - tok) : 0;
-        mbar_expect_tx(bar, valid ? WS_STAGE_BYTES : 0);
-        if (valid)
-            tensor_box3_g2s(kv_smem + st * WS_STAGE_BYTES, &cache_map, 0,
-                            page * page_size + tok % page_size, 0, bar);
-    };
-    const bool producer = tid == 128;
-    if (producer)
-        for (int i = 0; i < min(ntiles, WS_STAGES); ++i) produce(i);
+    const TilePipe<WS_BN, WS_STAGES, WS_PBUF> pipe{sm.kv[0], sm.full, sm.kv_empty, sm.p_full,
+                                                   sm.p_empty, sm.rows, &cache_map,
+                                                   page_table + (size_t)b * max_pages, tile0,
+                                                   sp.tile1 - sp.tile0, len, page_size,
+                                                   num_pages};
+    const int ntiles = pipe.ntiles;
+    pipe.start();
 
     const int g = lane >> 2, t4 = lane & 3;
     const int r0 = 16 * (wt >> 5) + g, r1 = r0 + 8;
@@ -520,19 +590,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
         const unsigned long long dk = wg_desc(sm.kv[0], WS_PLANE, 128);
         for (int i = 0; i < ntiles; ++i) {
             const int st = i % WS_STAGES, pb = i % WS_PBUF;
-            mbar_wait(full0 + 8 * st, (i / WS_STAGES) & 1);
-            const int valid_rows = sm.rows[st];
-            if (valid_rows < WS_BN) {
-                // Rows past the context (or of a page outside the pool) read as zeros, here and
-                // in the P·V, which reads the tile only after this tile's P (P is zero past the
-                // context, and 0·NaN would not be).
-                const int gap = WS_BN - valid_rows;
-                uint4* t = reinterpret_cast<uint4*>(sm.kv[st]);
-                for (int k = wt; k < WG_KC * gap; k += 128)
-                    t[(k / gap) * (WS_PLANE / 16) + valid_rows + k % gap] = make_uint4(0, 0, 0, 0);
-                fence_async_smem();
-                asm volatile("bar.sync 2, 128;" ::: "memory");
-            }
+            pipe.wait_tile_zeroed(i, wt);
             float s[WS_NS];
             if (MLA_WS_PROBE & 2) {
 #pragma unroll
@@ -543,21 +601,19 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                 wg_commit();
                 wg_wait0();
             }
-            if (wt == 0) mbar_arrive(kv_empty0 + 8 * st);
+            pipe.scores_done(i, wt);
             float x0, x1;
             scores_mask_max(s, (tile0 + i) * WS_BN, t4, len, scale_log2, x0, x1);
             unsigned pk[WS_NS / 2];
             float a0, a1;
             softmax_step(s, x0, x1, m0, m1, l0, l1, pk, a0, a1);
-            // P buffer pb is free once both P·V of tile i - WS_PBUF are done.
-            if (i >= WS_PBUF) mbar_wait(p_empty0 + 8 * pb, (i / WS_PBUF - 1) & 1);
+            pipe.wait_p_free(i);
             store_p(reinterpret_cast<unsigned char*>(sm.p[pb]), pk, r0, 0, t4, WS_PGROUP);
             if (t4 == 0) {
                 sm.alpha[pb][r0] = a0;
                 sm.alpha[pb][r1] = a1;
             }
-            fence_async_smem();
-            mbar_arrive(p_full0 + 8 * pb);
+            pipe.p_written(i);
         }
         l0 = quad_sum(l0);
         l1 = quad_sum(l1);
@@ -581,8 +637,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
     constexpr unsigned long long P_BUF = (WG_HB * WS_BN * 2) >> 4;
     for (int i = 0; i < ntiles; ++i) {
         const int st = i % WS_STAGES, pb = i % WS_PBUF;
-        mbar_wait(full0 + 8 * st, (i / WS_STAGES) & 1);
-        mbar_wait(p_full0 + 8 * pb, (i / WS_PBUF) & 1);
+        pipe.wait_products(i);
         rescale_rows(o, sm.alpha[pb][r0], sm.alpha[pb][r1]);
         if (!(MLA_WS_PROBE & 1)) {
             wg_fence();
@@ -592,14 +647,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             wg_commit();
             wg_wait0();
         }
-        if (wt == 0) {
-            mbar_arrive(kv_empty0 + 8 * st);
-            mbar_arrive(p_empty0 + 8 * pb);
-        }
-        if (producer && i + WS_STAGES < ntiles) {
-            mbar_wait(kv_empty0 + 8 * st, (i / WS_STAGES) & 1);
-            produce(i + WS_STAGES);
-        }
+        pipe.products_done(i, wt);
     }
     all_sync();
     store_rows(o, o_part, lse_part, sp.part, heads, h0, nh, r0, 256 * pw, t4, sm.l[r0], sm.l[r1],

@@ -60,39 +60,12 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
     const WgSplit sp(seq_lens, heads, max_pages, page_size, TR_BN, TR_H);
     if (sp.done_if_empty(o_part, lse_part, heads, tid, TR_THREADS)) return;
     const int b = sp.b, h0 = sp.h0, nh = sp.nh, len = sp.len, tile0 = sp.tile0;
-    const int ntiles = sp.tile1 - sp.tile0;
-    const unsigned full0 = smem_addr(&sm.full[0]), kv_empty0 = smem_addr(&sm.kv_empty[0]);
-    const unsigned p_full0 = smem_addr(&sm.p_full[0]), p_empty0 = smem_addr(&sm.p_empty[0]);
-    const unsigned kv_smem = smem_addr(sm.kv[0]);
-    if (tid == 0) {
-        for (int st = 0; st < TR_STAGES; ++st) {
-            mbar_init(full0 + 8 * st, 1);
-            mbar_init(kv_empty0 + 8 * st, 3);
-        }
-        for (int pb = 0; pb < 2; ++pb) {
-            mbar_init(p_full0 + 8 * pb, 128);
-            mbar_init(p_empty0 + 8 * pb, 2);
-        }
-        mbar_init_fence();
-    }
-    __syncthreads();
-
-    const int* pages = page_table + (size_t)b * max_pages;
-    // Tile i into stage i % TR_STAGES, with its count of rows inside the context.
-    auto produce = [&](int i) {
-        const int st = i % TR_STAGES, tok = (tile0 + i) * TR_BN;
-        const int page = pages[tok / page_size];
-        const bool valid = page >= 0 && page < num_pages;
-        const unsigned bar = full0 + 8 * st;
-        sm.rows[st] = valid ? min(TR_BN, len - tok) : 0;
-        mbar_expect_tx(bar, valid ? TR_STAGE_BYTES : 0);
-        if (valid)
-            tensor_box3_g2s(kv_smem + st * TR_STAGE_BYTES, &cache_map, 0,
-                            page * page_size + tok % page_size, 0, bar);
-    };
-    const bool producer = tid == 128;
-    if (producer)
-        for (int i = 0; i < min(ntiles, TR_STAGES); ++i) produce(i);
+    const TilePipe<TR_BN, TR_STAGES, 2> pipe{sm.kv[0], sm.full, sm.kv_empty, sm.p_full,
+                                             sm.p_empty, sm.rows, &cache_map,
+                                             page_table + (size_t)b * max_pages, tile0,
+                                             sp.tile1 - sp.tile0, len, page_size, num_pages};
+    const int ntiles = pipe.ntiles;
+    pipe.start();
 
     constexpr unsigned long long STAGE = TR_STAGE_BYTES >> 4;
     const float ninf = -__int_as_float(0x7f800000);
@@ -129,18 +102,7 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             }
         for (int i = 0; i < ntiles; ++i) {
             const int st = i % TR_STAGES, pb = i & 1;
-            mbar_wait(full0 + 8 * st, (i / TR_STAGES) & 1);
-            const int valid_rows = sm.rows[st];
-            if (valid_rows < TR_BN) {
-                // Rows past the context (or of a page outside the pool) read as zeros, here and
-                // in the products of warpgroups 1 and 2, which read the tile only after Pᵀ.
-                const int gap = TR_BN - valid_rows;
-                uint4* t = reinterpret_cast<uint4*>(sm.kv[st]);
-                for (int k = wt; k < WG_KC * gap; k += 128)
-                    t[(k / gap) * (TR_PLANE / 16) + valid_rows + k % gap] = make_uint4(0, 0, 0, 0);
-                fence_async_smem();
-                wg0_sync();
-            }
+            pipe.wait_tile_zeroed(i, wt);
             float s[TR_NS];
             wg_fence();
 #pragma unroll
@@ -149,7 +111,7 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                                      dq + kk * 16, kk > 0);
             wg_commit();
             wg_wait0();
-            if (wt == 0) mbar_arrive(kv_empty0 + 8 * st);
+            pipe.scores_done(i, wt);
             // Scale, mask the tokens past the context, and each column's maximum over this
             // warp's 16 tokens (the 8 lanes of one t4), then over the four warps.
             const int tok0 = (tile0 + i) * TR_BN;
@@ -193,8 +155,7 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                 pk0[j] = pack_bf16x2(p0[0], p0[1]);
                 pk1[j] = pack_bf16x2(p1[0], p1[1]);
             }
-            // Buffer pb is free once both products of tile i - 2 are done.
-            if (i >= 2) mbar_wait(p_empty0 + 8 * pb, ((i >> 1) - 1) & 1);
+            pipe.wait_p_free(i);
             // Pᵀ (tokens × heads) N-major: core matrices of 8 tokens × 8 heads (16 bytes).
             unsigned char* pt = reinterpret_cast<unsigned char*>(sm.p[pb]);
 #pragma unroll
@@ -209,8 +170,7 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                 for (int j = 0; j < TR_NJ; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) sm.alpha[pb][8 * j + 2 * t4 + e] = a[j][e];
-            fence_async_smem();
-            mbar_arrive(p_full0 + 8 * pb);
+            pipe.p_written(i);
         }
         // Each column's sum over its 64 rows: the 8 lanes of one t4, then the four warps.
         wg0_sync();
@@ -254,8 +214,7 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
     constexpr unsigned long long M_TILE = (8 * TR_PLANE) >> 4;
     for (int i = 0; i < ntiles; ++i) {
         const int st = i % TR_STAGES, pb = i & 1;
-        mbar_wait(full0 + 8 * st, (i / TR_STAGES) & 1);
-        mbar_wait(p_full0 + 8 * pb, (i >> 1) & 1);
+        pipe.wait_products(i);
 #pragma unroll
         for (int j = 0; j < TR_NJ; ++j)
 #pragma unroll
@@ -276,14 +235,7 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                                      dp + pb * P_BUF + kk * 16, 1);
         wg_commit();
         wg_wait0();
-        if (wt == 0) {
-            mbar_arrive(kv_empty0 + 8 * st);
-            mbar_arrive(p_empty0 + 8 * pb);
-        }
-        if (producer && i + TR_STAGES < ntiles) {
-            mbar_wait(kv_empty0 + 8 * st, (i / TR_STAGES) & 1);
-            produce(i + TR_STAGES);
-        }
+        pipe.products_done(i, wt);
     }
     all_sync();
     // This split's normalised Oᵀ: dims 256·pw + 64·mt + 16·warp + g (+ 8), heads 8j + 2·t4 + e
