@@ -240,22 +240,25 @@ fn mla_decode_compiles_with_tensor_cores_for_every_head_block() {
     );
 }
 
+/// The Hopper split kernels (warpgroup, split roles, transposed) in every build setting:
+/// (prefetch, coalesced copies, split-role tile, probe, heads per transposed block).
 #[test]
-fn mla_decode_warpgroup_kernel_compiles_for_sm90a_in_every_tuning() {
+fn mla_decode_hopper_kernels_compile_for_sm90a_in_every_setting() {
     let settings = [
-        (0, 0, 32, 0),
-        (3, 0, 32, 0),
-        (0, 1, 32, 0),
-        (0, 0, 64, 0),
-        (0, 0, 64, 1),
-        (0, 0, 32, 2),
+        (0, 0, 32, 0, 48),
+        (3, 0, 32, 0, 32),
+        (0, 1, 32, 0, 16),
+        (0, 0, 64, 0, 48),
+        (0, 0, 64, 1, 48),
+        (0, 0, 32, 2, 48),
     ];
-    for (prefetch, coalesced, tile, probe) in settings {
+    for (prefetch, coalesced, tile, probe, tr_heads) in settings {
         let defines = [
             ("MLA_PREFETCH", format!("{prefetch}")),
             ("MLA_COALESCED", format!("{coalesced}")),
             ("MLA_WS_BN", format!("{tile}")),
             ("MLA_WS_PROBE", format!("{probe}")),
+            ("MLA_TR_HEADS", format!("{tr_heads}")),
         ];
         match compile(
             "sm_90a",
@@ -265,8 +268,10 @@ fn mla_decode_warpgroup_kernel_compiles_for_sm90a_in_every_tuning() {
         ) {
             Ok(ptx) => {
                 let text = ptx.to_src();
-                assert!(text.contains(".entry mla_decode_split_wg"));
-                assert!(text.contains(".entry mla_decode_split_ws"));
+                for entry in ["wg", "ws", "tr"] {
+                    let entry = format!(".entry mla_decode_split_{entry}");
+                    assert!(text.contains(&entry), "{entry}");
+                }
                 assert!(text.contains("cp.async.bulk.tensor.3d"));
                 assert!(text.contains("wgmma.mma_async.sync.aligned.m64n32k16"));
                 assert!(text.contains("wgmma.mma_async.sync.aligned.m64n256k16"));
@@ -275,29 +280,10 @@ fn mla_decode_warpgroup_kernel_compiles_for_sm90a_in_every_tuning() {
                     text.contains("wgmma.mma_async.sync.aligned.m64n64k16"),
                     tile == 64 && probe & 2 == 0
                 );
-                assert_eq!(text.contains("cp.async.bulk.prefetch.L2"), prefetch > 0);
-            }
-            Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
-            Err(e) => panic!("{defines:?}: {e}"),
-        }
-    }
-}
-
-#[test]
-fn mla_decode_transposed_kernel_compiles_for_every_block_of_heads() {
-    for heads in [16, 32, 48] {
-        let defines = [("MLA_TR_HEADS", format!("{heads}"))];
-        match compile(
-            "sm_90a",
-            "mla_decode_sm90",
-            MLA_DECODE_SM90_SOURCE,
-            &defines,
-        ) {
-            Ok(ptx) => {
-                let text = ptx.to_src();
-                assert!(text.contains(".entry mla_decode_split_tr"));
-                let mma = format!("wgmma.mma_async.sync.aligned.m64n{heads}k16");
+                // The transposed kernel's products: the block's heads as N.
+                let mma = format!("wgmma.mma_async.sync.aligned.m64n{tr_heads}k16");
                 assert!(text.contains(&mma), "{mma}");
+                assert_eq!(text.contains("cp.async.bulk.prefetch.L2"), prefetch > 0);
             }
             Err(CudaError::NoNvrtc) if !nvrtc_required() => return,
             Err(e) => panic!("{defines:?}: {e}"),
