@@ -265,19 +265,41 @@ __device__ __forceinline__ void warp_pop_best(unsigned (&key)[N], int (&ex)[N], 
     }
 }
 
+// The best top_k of the warps' lists (SPAN ≥ top_k entries of each read) in slot order, by
+// warp 0: lane l reads LANE entries of list l / (SPAN / LANE) from (l · LANE) % SPAN on, best
+// first; a lower lane holds lower experts for equal keys, as the warps' experts ascend with the
+// warp.
+template <int SPAN>
+__device__ __forceinline__ void merge_lists(int top_k, const unsigned* s_key, const int* s_exp,
+                                            const float* s_score, unsigned* s_idx, float* s_w) {
+    constexpr int LANE = (ROUTE_THREADS / 32) * SPAN / 32;
+    static_assert(LANE * 32 == (ROUTE_THREADS / 32) * SPAN, "list layout");
+    const int lane = threadIdx.x & 31;
+    const int list = lane * LANE / SPAN, first = lane * LANE % SPAN;
+    unsigned k[LANE];
+    int x[LANE];
+    float c[LANE];
+#pragma unroll
+    for (int i = 0; i < LANE; ++i) {
+        const int q = first + i, p = list * ROUTE_LIST_MAX + q;
+        const bool listed = q < top_k;
+        k[i] = listed ? s_key[p] : 0u;
+        x[i] = listed ? s_exp[p] : 0;
+        c[i] = listed ? s_score[p] : 0.0f;
+    }
+    warp_pop_best<LANE>(k, x, c, top_k, nullptr, reinterpret_cast<int*>(s_idx), s_w);
+}
+
 // By warp lists (top_k ≤ ROUTE_LIST_MAX): each thread sorts its own experts, each warp pops
 // its best top_k into its list (s_key/s_exp/s_score[warp · ROUTE_LIST_MAX ..]), then warp 0
-// pops the best top_k of the lists, already in slot order. Lane l of warp 0 reads entries
-// l · LANE .. of the lists, all from warp l / (32 / LANE)'s list and best first; a lower lane
-// holds lower experts for equal keys, as the warps' experts ascend with the warp.
+// pops the best top_k of the lists, already in slot order (four entries a lane up to top_k 16,
+// eight beyond).
 __device__ __forceinline__ void route_rank_lists(unsigned (&key)[ROUTE_PER_THREAD],
                                                  float (&score)[ROUTE_PER_THREAD], int e0,
                                                  int top_k, unsigned* s_key, int* s_exp,
                                                  float* s_score, unsigned* s_idx, float* s_w) {
-    constexpr int PER = ROUTE_PER_THREAD, WARPS = ROUTE_THREADS / 32;
-    constexpr int LANE = WARPS * ROUTE_LIST_MAX / 32;
-    static_assert(ROUTE_LIST_MAX == 32 && LANE * 32 == WARPS * ROUTE_LIST_MAX, "list layout");
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int PER = ROUTE_PER_THREAD;
+    const int warp = threadIdx.x >> 5;
     int ex[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) ex[i] = e0 + i;
@@ -303,18 +325,10 @@ __device__ __forceinline__ void route_rank_lists(unsigned (&key)[ROUTE_PER_THREA
     warp_pop_best<PER>(key, ex, score, top_k, s_key + list, s_exp + list, s_score + list);
     __syncthreads();
     if (warp != 0) return;
-    unsigned k[LANE];
-    int x[LANE];
-    float c[LANE];
-#pragma unroll
-    for (int i = 0; i < LANE; ++i) {
-        const int p = lane * LANE + i;
-        const bool listed = p % ROUTE_LIST_MAX < top_k;
-        k[i] = listed ? s_key[p] : 0u;
-        x[i] = listed ? s_exp[p] : 0;
-        c[i] = listed ? s_score[p] : 0.0f;
-    }
-    warp_pop_best<LANE>(k, x, c, top_k, nullptr, reinterpret_cast<int*>(s_idx), s_w);
+    if (top_k <= ROUTE_LIST_MAX / 2)
+        merge_lists<ROUTE_LIST_MAX / 2>(top_k, s_key, s_exp, s_score, s_idx, s_w);
+    else
+        merge_lists<ROUTE_LIST_MAX>(top_k, s_key, s_exp, s_score, s_idx, s_w);
 }
 
 // moe_route (see above) may go out as a dependent launch: nothing is read before it waits for
