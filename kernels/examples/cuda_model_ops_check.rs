@@ -14,9 +14,10 @@
 //! `--mla-prefetch` also checks and times each kernel with those L2 prefetch distances (tiles
 //! ahead), `--mla-coalesced` with its wider tile copies, `--mla-ws-tile 64` with the Hopper
 //! split-role kernel on 64-token tiles (pages of 64 tokens and more), `--mla-probe 1,2,3` times
-//! that kernel (at each tile size named) without its P·V products, its S products, or both
-//! (never checked: wrong by design), `--mla-transposed` the Hopper kernel with both products
-//! transposed (heads as wgmma's N, no padding; pages of 64 tokens and more); `--mla-profile`
+//! that kernel (at each tile size named, and the transposed one when asked for) without its P·V
+//! products, its S products, or both (never checked: wrong by design), `--mla-transposed` the
+//! Hopper kernel with both products transposed (heads as wgmma's N, no padding; pages of 64
+//! tokens and more); `--mla-profile`
 //! only times the MLA
 //! decode kernels at B=64 and 16K context, unchecked (a profiler's target).
 //! MoE projections are checked and timed on both paths, the tensor cores with each input split;
@@ -493,6 +494,7 @@ fn run() -> Result<usize, CudaError> {
         .filter_map(|t| t.parse().ok())
         .chain([0])
         .collect();
+    let transposed = args.iter().any(|a| a == "--mla-transposed");
     for probe in flag("--mla-probe")
         .iter()
         .flat_map(|l| l.split(','))
@@ -501,6 +503,13 @@ fn run() -> Result<usize, CudaError> {
         for &ws_tile in &probe_tiles {
             tunings.push(MlaTuning {
                 ws_tile,
+                probe,
+                ..MlaTuning::default()
+            });
+        }
+        if transposed {
+            tunings.push(MlaTuning {
+                transposed,
                 probe,
                 ..MlaTuning::default()
             });

@@ -86,8 +86,8 @@ pub struct MlaTuning {
     /// latent dims as wgmma's M, heads as N, blocks of 48, 32 or 16 heads with none padded)
     /// where pages hold whole 64-token tiles.
     pub transposed: bool,
-    /// A timing probe of the split-role kernel (`MLA_WS_PROBE`; outputs wrong by design, never
-    /// for use): 1 skips the P·V products, 2 the S products (P uniform), 3 both (the tile
+    /// A timing probe of the split-role kernels, transposed or not (`MLA_WS_PROBE`; outputs
+    /// wrong by design, never for use): 1 skips the P·V products, 2 the S products (P uniform), 3 both (the tile
     /// copies, barriers and softmax alone).
     pub probe: u8,
 }

@@ -529,7 +529,8 @@ struct TilePipe {
 #define MLA_WS_BN 32
 #endif
 #define WS_BN MLA_WS_BN
-// Timing probes (outputs wrong by design): bit 0 skips the P·V products, bit 1 the S products.
+// Timing probes of the split-role kernels, this one and the transposed one (outputs wrong by
+// design): bit 0 skips the P·V products, bit 1 the S products.
 #ifndef MLA_WS_PROBE
 #define MLA_WS_PROBE 0
 #endif

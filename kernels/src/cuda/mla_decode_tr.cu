@@ -104,13 +104,18 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             const int st = i % TR_STAGES, pb = i & 1;
             pipe.wait_tile_zeroed(i, wt);
             float s[TR_NS];
-            wg_fence();
+            if (MLA_WS_PROBE & 2) {
 #pragma unroll
-            for (int kk = 0; kk < WG_D / 16; ++kk)
-                wgmma_ss<TR_H, 0, 0>(s, da + st * STAGE + kk * (2 * TR_PLANE >> 4),
-                                     dq + kk * 16, kk > 0);
-            wg_commit();
-            wg_wait0();
+                for (int k = 0; k < TR_NS; ++k) s[k] = 0.0f;
+            } else {
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < WG_D / 16; ++kk)
+                    wgmma_ss<TR_H, 0, 0>(s, da + st * STAGE + kk * (2 * TR_PLANE >> 4),
+                                         dq + kk * 16, kk > 0);
+                wg_commit();
+                wg_wait0();
+            }
             pipe.scores_done(i, wt);
             // Scale, mask the tokens past the context, and each column's maximum over this
             // warp's 16 tokens (the 8 lanes of one t4), then over the four warps.
@@ -226,15 +231,17 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                     o[mt][4 * j + 2 + e] *= a;
                 }
             }
-        wg_fence();
+        if (!(MLA_WS_PROBE & 1)) {
+            wg_fence();
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt)
+            for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-            for (int kk = 0; kk < TR_BN / 16; ++kk)
-                wgmma_ss<TR_H, 1, 1>(o[mt], dv + st * STAGE + mt * M_TILE + kk * 16,
-                                     dp + pb * P_BUF + kk * 16, 1);
-        wg_commit();
-        wg_wait0();
+                for (int kk = 0; kk < TR_BN / 16; ++kk)
+                    wgmma_ss<TR_H, 1, 1>(o[mt], dv + st * STAGE + mt * M_TILE + kk * 16,
+                                         dp + pb * P_BUF + kk * 16, 1);
+            wg_commit();
+            wg_wait0();
+        }
         pipe.products_done(i, wt);
     }
     all_sync();
