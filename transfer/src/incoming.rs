@@ -6,7 +6,7 @@
 //! transfer is remembered for a while so that late waits get their answer and late parts are
 //! refused rather than written into pages the owner may have reused.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -59,22 +59,47 @@ pub(crate) enum PartStart {
 }
 
 pub(crate) struct IncomingTable {
-    entries: Mutex<HashMap<TransferId, Entry>>,
+    table: Mutex<Table>,
     changed: Notify,
     ttl: Duration,
+}
+
+/// The entries, and every time one was touched (its `touched` set), oldest first: forgetting
+/// the entries untouched for a TTL walks only the expired front of that queue, not the whole
+/// map (a destination remembers every transfer of the last TTL).
+#[derive(Default)]
+struct Table {
+    entries: HashMap<TransferId, Entry>,
+    touches: VecDeque<(Instant, TransferId)>,
+}
+
+impl Table {
+    /// Forgets the entries untouched for `ttl` or longer at `now`.
+    fn prune(&mut self, now: Instant, ttl: Duration) {
+        while let Some(&(at, id)) = self.touches.front() {
+            if now.duration_since(at) < ttl {
+                break;
+            }
+            self.touches.pop_front();
+            // A later touch of the same entry has its own place further on.
+            if self.entries.get(&id).is_some_and(|e| e.touched == at) {
+                self.entries.remove(&id);
+            }
+        }
+    }
 }
 
 impl IncomingTable {
     pub(crate) fn new(ttl: Duration) -> Self {
         IncomingTable {
-            entries: Mutex::new(HashMap::new()),
+            table: Mutex::new(Table::default()),
             changed: Notify::new(),
             ttl,
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<TransferId, Entry>> {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(crate) fn begin_part(
@@ -85,10 +110,10 @@ impl IncomingTable {
         from: Incarnation,
     ) -> PartStart {
         let now = Instant::now();
-        let mut entries = self.lock();
-        let ttl = self.ttl;
+        let mut table = self.lock();
         // Forget what no deadline can still be waiting for (a pending transfer's leases too).
-        entries.retain(|_, e| now.duration_since(e.touched) < ttl);
+        table.prune(now, self.ttl);
+        table.touches.push_back((now, id));
         let fresh = || Entry {
             attempt,
             total_extents,
@@ -99,8 +124,8 @@ impl IncomingTable {
             leases: Vec::new(),
             touched: now,
         };
-        let Some(e) = entries.get_mut(&id) else {
-            entries.insert(id, fresh());
+        let Some(e) = table.entries.get_mut(&id) else {
+            table.entries.insert(id, fresh());
             return PartStart::Proceed;
         };
         match e.state {
@@ -127,7 +152,7 @@ impl IncomingTable {
 
     /// Whether a part of `attempt` may keep writing (checked between extents), and if not, why.
     pub(crate) fn check_live(&self, id: TransferId, attempt: u64) -> Result<(), TransferError> {
-        match self.lock().get(&id) {
+        match self.lock().entries.get(&id) {
             None
             | Some(Entry {
                 state: State::Abandoned,
@@ -162,8 +187,8 @@ impl IncomingTable {
         bytes: u64,
         leases: Vec<ExtentMut>,
     ) -> Result<(), TransferError> {
-        let mut entries = self.lock();
-        let Some(e) = entries.get_mut(&id) else {
+        let mut table = self.lock();
+        let Some(e) = table.entries.get_mut(&id) else {
             return Err(TransferError::Timeout);
         };
         match &e.state {
@@ -176,10 +201,15 @@ impl IncomingTable {
         e.bytes += bytes;
         e.leases.extend(leases);
         e.touched = Instant::now();
-        if e.done_extents >= e.total_extents {
+        let touched = e.touched;
+        let complete = e.done_extents >= e.total_extents;
+        if complete {
             e.state = State::Complete;
             e.leases.clear();
-            drop(entries);
+        }
+        table.touches.push_back((touched, id));
+        if complete {
+            drop(table);
             self.changed.notify_waiters();
         }
         Ok(())
@@ -187,22 +217,25 @@ impl IncomingTable {
 
     /// A part of `attempt` failed in a way a retry will not fix (checksum mismatch).
     pub(crate) fn fail(&self, id: TransferId, attempt: u64, err: TransferError) {
-        let mut entries = self.lock();
-        if let Some(e) = entries.get_mut(&id) {
+        let mut table = self.lock();
+        if let Some(e) = table.entries.get_mut(&id) {
             if e.attempt == attempt && matches!(e.state, State::Pending) {
                 e.state = State::Failed(err);
                 e.leases.clear();
                 e.touched = Instant::now();
-                drop(entries);
+                let touched = e.touched;
+                table.touches.push_back((touched, id));
+                drop(table);
                 self.changed.notify_waiters();
             }
         }
     }
 
     pub(crate) fn abandon(&self, id: TransferId) {
-        let mut entries = self.lock();
+        let mut table = self.lock();
         let now = Instant::now();
-        let e = entries.entry(id).or_insert_with(|| Entry {
+        table.touches.push_back((now, id));
+        let e = table.entries.entry(id).or_insert_with(|| Entry {
             attempt: 0,
             total_extents: 0,
             done_extents: 0,
@@ -228,7 +261,7 @@ impl IncomingTable {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(e) = self.lock().get(&id) {
+            if let Some(e) = self.lock().entries.get(&id) {
                 match &e.state {
                     State::Complete => return Ok(e.receipt(id)),
                     State::Failed(err) => return Err(err.clone()),
@@ -237,13 +270,13 @@ impl IncomingTable {
                 }
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                let entries = self.lock();
-                if let Some(e) = entries.get(&id) {
+                let table = self.lock();
+                if let Some(e) = table.entries.get(&id) {
                     if let State::Complete = e.state {
                         return Ok(e.receipt(id));
                     }
                 }
-                drop(entries);
+                drop(table);
                 self.abandon(id);
                 return Err(TransferError::Timeout);
             }
@@ -256,6 +289,32 @@ mod tests {
     use super::*;
 
     const INC: Incarnation = Incarnation(7);
+
+    #[tokio::test(start_paused = true)]
+    async fn forgets_what_was_untouched_for_a_ttl_and_only_that() {
+        let t = IncomingTable::new(Duration::from_secs(10));
+        let (a, b) = (TransferId(1), TransferId(2));
+        assert!(matches!(t.begin_part(a, 1, 1, INC), PartStart::Proceed));
+        t.finish_part(a, 1, 1, 5, vec![]).unwrap();
+        assert!(matches!(t.begin_part(b, 1, 2, INC), PartStart::Proceed));
+        tokio::time::advance(Duration::from_secs(6)).await;
+        t.finish_part(b, 1, 1, 5, vec![]).unwrap();
+        tokio::time::advance(Duration::from_secs(4)).await;
+        // Ten seconds after its last touch, the complete transfer is forgotten at the next part:
+        // a retry of it is a new transfer, not "already complete".
+        assert!(matches!(t.begin_part(a, 2, 1, INC), PartStart::Proceed));
+        // The other was touched four seconds ago: still pending, its late part welcome.
+        t.check_live(b, 1).unwrap();
+        t.finish_part(b, 1, 1, 5, vec![]).unwrap();
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert!(matches!(
+            t.begin_part(b, 2, 2, INC),
+            PartStart::AlreadyComplete
+        ));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(matches!(t.begin_part(b, 2, 2, INC), PartStart::Proceed));
+        assert!(matches!(t.check_live(a, 2), Err(TransferError::Timeout)));
+    }
 
     #[tokio::test]
     async fn completes_after_the_last_part() {
