@@ -11,14 +11,30 @@ use std::ptr;
 /// Copies at least this long use non-temporal stores (shorter ones likely stay in cache).
 const STREAMING_MIN: usize = 256 << 10;
 
+/// Whether a copy of `len` bytes (alone, or a batch in pieces) is long enough for non-temporal
+/// stores.
+pub(crate) fn streams(len: usize) -> bool {
+    len >= STREAMING_MIN
+}
+
 /// Copies `len` bytes from `src` to `dst`; once it returns, the bytes are visible to other
 /// processes (streaming stores are fenced).
 ///
 /// # Safety
 /// `src` must be readable and `dst` writable for `len` bytes, and the ranges must not overlap.
 pub(crate) unsafe fn copy_to_shared(dst: *mut u8, src: *const u8, len: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { copy_to_shared_as(dst, src, len, streams(len)) }
+}
+
+/// [`copy_to_shared`] with non-temporal stores or not, as the caller decided for the whole batch
+/// this piece belongs to.
+///
+/// # Safety
+/// As [`copy_to_shared`].
+pub(crate) unsafe fn copy_to_shared_as(dst: *mut u8, src: *const u8, len: usize, streaming: bool) {
     #[cfg(target_arch = "x86_64")]
-    if len >= STREAMING_MIN {
+    if streaming {
         if std::is_x86_feature_detected!("avx2") {
             // SAFETY: forwarded from the caller; the CPU has AVX2.
             unsafe { stream_avx2(dst, src, len) };
@@ -123,6 +139,9 @@ mod tests {
     #[test]
     fn copies_every_length_and_alignment() {
         check(copy_to_shared);
+        // SAFETY (both): forwarded from `check`'s calls.
+        check(|d, s, n| unsafe { copy_to_shared_as(d, s, n, true) });
+        check(|d, s, n| unsafe { copy_to_shared_as(d, s, n, false) });
         #[cfg(target_arch = "x86_64")]
         {
             check(stream_sse2);

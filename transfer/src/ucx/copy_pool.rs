@@ -12,7 +12,7 @@
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 
-use super::copy::copy_to_shared;
+use super::copy::{copy_to_shared_as, streams};
 use crate::checksum::{self, STREAM_CHUNK};
 
 /// Bytes per claim: small enough that a helper's last piece is a short wait (about 15 µs at
@@ -37,6 +37,9 @@ pub(crate) struct Piece {
 struct Job {
     pieces: Vec<Piece>,
     checksums: bool,
+    /// Non-temporal stores for every piece when the batch is long enough for them (its last,
+    /// shorter pieces too).
+    streaming: bool,
     next: AtomicUsize,
     done: AtomicUsize,
     crcs: Vec<AtomicU32>,
@@ -58,7 +61,7 @@ impl Job {
             let Some(p) = self.pieces.get(i) else { return };
             // SAFETY: piece `i` is this thread's alone (see `Job`); the caller of
             // `copy_pieces` vouched for both ranges, which do not overlap.
-            unsafe { copy_to_shared(p.dst, p.src, p.len) };
+            unsafe { copy_to_shared_as(p.dst, p.src, p.len, self.streaming) };
             if self.checksums {
                 // SAFETY: as above; the source is only read.
                 let src = unsafe { std::slice::from_raw_parts(p.src, p.len) };
@@ -141,6 +144,7 @@ pub(crate) unsafe fn copy_pieces(pieces: Vec<Piece>, checksums: bool) -> Vec<u32
             .collect(),
         pieces,
         checksums,
+        streaming: streams(bytes),
         next: AtomicUsize::new(0),
         done: AtomicUsize::new(0),
     });
