@@ -452,13 +452,16 @@ fn run() -> Result<usize, CudaError> {
         keep: moe_keep,
     };
     // Build-time alternatives of the MLA split kernels to check and time besides the defaults.
-    let mut tunings: Vec<MlaTuning> = flag("--mla-prefetch")
-        .map(|l| {
-            l.split(',')
-                .filter_map(|p| p.parse().ok())
-                .collect::<Vec<usize>>()
-        })
-        .unwrap_or_default()
+    let numbers = |name: &str| -> Vec<usize> {
+        flag(name)
+            .iter()
+            .flat_map(|l| l.split(','))
+            .filter_map(|v| v.parse().ok())
+            .collect()
+    };
+    let ws_tiles = numbers("--mla-ws-tile");
+    let transposed = args.iter().any(|a| a == "--mla-transposed");
+    let mut tunings: Vec<MlaTuning> = numbers("--mla-prefetch")
         .into_iter()
         .map(|prefetch| MlaTuning {
             prefetch,
@@ -471,36 +474,25 @@ fn run() -> Result<usize, CudaError> {
             ..MlaTuning::default()
         });
     }
-    for ws_tile in flag("--mla-ws-tile")
-        .iter()
-        .flat_map(|l| l.split(','))
-        .filter_map(|t| t.parse().ok())
-    {
+    for &ws_tile in &ws_tiles {
         tunings.push(MlaTuning {
             ws_tile,
             ..MlaTuning::default()
         });
     }
-    if args.iter().any(|a| a == "--mla-transposed") {
+    if transposed {
         tunings.push(MlaTuning {
-            transposed: true,
+            transposed,
             ..MlaTuning::default()
         });
     }
-    // Timing probes of the split-role kernel at each tile size asked for (32 by default).
-    let probe_tiles: Vec<usize> = flag("--mla-ws-tile")
-        .iter()
-        .flat_map(|l| l.split(','))
-        .filter_map(|t| t.parse().ok())
-        .chain([0])
-        .collect();
-    let transposed = args.iter().any(|a| a == "--mla-transposed");
-    for probe in flag("--mla-probe")
-        .iter()
-        .flat_map(|l| l.split(','))
-        .filter_map(|p| p.parse().ok())
+    // Timing probes of the split-role kernel at each tile size asked for and the default (32),
+    // and of the transposed kernel when it is asked for.
+    for probe in numbers("--mla-probe")
+        .into_iter()
+        .filter_map(|p| u8::try_from(p).ok())
     {
-        for &ws_tile in &probe_tiles {
+        for &ws_tile in ws_tiles.iter().chain(&[0]) {
             tunings.push(MlaTuning {
                 ws_tile,
                 probe,
