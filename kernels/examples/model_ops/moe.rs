@@ -109,6 +109,13 @@ pub(crate) fn variants(
             let label = format!("_tc_wl{select}rt{trigger}");
             specs.push((label, MoePath::TensorCores, None, tuning));
         }
+        // The weighted combine inside the down kernel at every batch (no combine kernel), alone
+        // and with the routing by warp lists.
+        for select in [0, 1] {
+            let tuning = set(&[("MOE_TC_FUSED_COMBINE", 64), ("MOE_ROUTE_SELECT", select)]);
+            let label = format!("_tc_fc{}", if select == 1 { "wl1" } else { "" });
+            specs.push((label, MoePath::TensorCores, None, tuning));
+        }
         // Inputs through shared memory for experts of up to 0 (never), 1 or 2 tokens (the
         // default: 4).
         for max in [0, 1, 2] {
@@ -297,6 +304,10 @@ pub(crate) fn check_moe_experts(
         &mut ws,
     )?;
     let mut out = Device { dev }.poisoned_u16(batch * din)?;
+    // The same step twice on the same workspace, the second into its own poisoned output: every
+    // count the first call raised must be back at zero, and the sums land in the same order (bit
+    // for bit).
+    let mut again = Device { dev }.poisoned_u16(batch * din)?;
     let xd = dev.upload(&x)?;
     let host = if mxfp4 {
         let mk = |rng: &mut Rng, rows: usize, cols: usize| {
@@ -357,6 +368,7 @@ pub(crate) fn check_moe_experts(
             down: (&dd.0, &dd.1),
         };
         moe.experts(dev, &xd, &experts, SITU, &mut ws, &mut out)?;
+        moe.experts(dev, &xd, &experts, SITU, &mut ws, &mut again)?;
         host
     } else {
         let (g, u, d) = (
@@ -371,6 +383,7 @@ pub(crate) fn check_moe_experts(
             down: &dd,
         };
         moe.experts(dev, &xd, &experts, SITU, &mut ws, &mut out)?;
+        moe.experts(dev, &xd, &experts, SITU, &mut ws, &mut again)?;
         let split = |w: &[u16], n: usize| -> Vec<Vec<f32>> { w.chunks(n).map(values).collect() };
         HostExperts {
             gate: split(&g, di * din),
@@ -378,7 +391,14 @@ pub(crate) fn check_moe_experts(
             down: split(&d, din * di),
         }
     };
-    let got = values(&dev.download(&out)?);
+    let first = dev.download(&out)?;
+    let differ = dev
+        .download(&again)?
+        .iter()
+        .zip(&first)
+        .filter(|(a, b)| a != b)
+        .count();
+    let got = values(&first);
     let (mut idx, mut w) = (
         vec![0u32; batch * dims.top_k],
         vec![0f32; batch * dims.top_k],
@@ -408,6 +428,7 @@ pub(crate) fn check_moe_experts(
         dims.top_k
     );
     checks.report(&name, rel_err(&got, &want), 1e-2);
+    checks.report(&format!("{name}.again_differs"), differ as f64, 0.0);
     // The routing (the dependent routing kernel's) the step read.
     let (got_i, got_w) = (dev.download(&ws.idx)?, dev.download(&ws.weight)?);
     let wrong = got_i.iter().zip(&idx).filter(|(a, b)| a != b).count();

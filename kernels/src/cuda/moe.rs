@@ -120,6 +120,10 @@ pub struct MoeWorkspace {
     act_pairs: CudaSlice<i32>,
     h: CudaSlice<u16>,
     y: CudaSlice<f32>,
+    /// The down kernel's combine (`FusedCombine` in moe_tc_kernels.cu): (token, row tile)s
+    /// done, then the slots done of each (token, row tile of 16 rows or more); zero between
+    /// calls.
+    combine_counts: CudaSlice<u32>,
 }
 
 impl MoeWorkspace {
@@ -141,6 +145,7 @@ impl MoeWorkspace {
             act_pairs: s.alloc_zeros(pairs.max(1) * MOE_MAX_BATCH)?,
             h: s.alloc_zeros(pairs.max(1) * dims.di)?,
             y: s.alloc_zeros(pairs.max(1) * dims.din)?,
+            combine_counts: s.alloc_zeros(1 + batch.max(1) * dims.din / 16)?,
         })
     }
 
@@ -234,6 +239,9 @@ pub struct MoeDecode {
     /// The routing kernel launched as a dependent of the kernel before it (sm_90;
     /// `MOE_ROUTE_DEPENDENT`, on unless 0).
     route_dependent: bool,
+    /// Most tokens of a call whose combine the down kernel does itself (`MOE_TC_FUSED_COMBINE`,
+    /// 0: never; tensor cores as dependent launches without the copy-engine ring).
+    fused_combine_max: usize,
     combine: CudaFunction,
 }
 
@@ -321,6 +329,11 @@ impl MoeDecode {
             dependent,
             stage_max: define_value(&defines, "MOE_TC_STAGE_X").unwrap_or(STAGE_MAX),
             route_dependent: dependent && define_value(&defines, "MOE_ROUTE_DEPENDENT") != Some(0),
+            // The down-kernel probe skips the stores the fused combine counts.
+            fused_combine_max: match define_value(&defines, "MOE_TC_PROBE") {
+                Some(1) => 0,
+                _ => define_value(&defines, "MOE_TC_FUSED_COMBINE").unwrap_or(0),
+            },
             combine: m.load_function("moe_combine")?,
         })
     }
@@ -545,6 +558,8 @@ impl MoeDecode {
         launch.slice(&ws.h, s);
         ws.push_plan(&mut launch, s);
         launch.slice_mut(&mut ws.y, s).value(din_i).value(di_i);
+        // The combine in the down kernel: its (token, row tile)s, or none (null `out`).
+        let fused = overlap && batch <= self.fused_combine_max;
         if tc {
             // A down warp waits for all gate/up blocks of its expert: the gate/up grid's width.
             let gate_up_blocks = cfg_gate_up.grid_dim.0 as i32;
@@ -552,15 +567,31 @@ impl MoeDecode {
                 .value(ks_down)
                 .value(ready)
                 .value(gate_up_blocks)
-                .value(stage[1] as i32);
+                .value(stage[1] as i32)
+                .slice(&ws.weight, s);
+            if fused {
+                launch.slice_mut(out, s);
+            } else {
+                launch.value(0u64);
+            }
+            let groups = batch * d.din / kernels.down_rows;
+            launch
+                .slice_mut(&mut ws.combine_counts, s)
+                .value(k_i)
+                .value(groups as i32)
+                .value(max_active as i32);
         }
         if let Some(m) = &maps {
             launch.by_ref(&m[2]);
         }
-        // SAFETY: as above for `moe_down_{,tc_}{bf16,mxfp4}`; y holds `pairs` rows of `din`.
-        // Launched as dependent only on the tensor-core path, whose kernels wait for gate/up
-        // before they read h.
+        // SAFETY: as above for `moe_down_{,tc_}{bf16,mxfp4}`; y holds `pairs` rows of `din`,
+        // weight `pairs` values, out (when not null) `batch` rows of `din`, combine_counts 1 +
+        // `batch · din / 16` counts at zero (down_rows ≥ 16). Launched as dependent only on the
+        // tensor-core path, whose kernels wait for gate/up before they read h.
         unsafe { launch.launch(s, &kernels.down, cfg(d.din, 1, ks_down, smem[1]), overlap) }?;
+        if fused {
+            return Ok(());
+        }
         let mut launch = RawLaunch::new();
         launch
             .slice(&ws.y, s)

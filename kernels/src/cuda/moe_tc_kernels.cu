@@ -66,6 +66,81 @@ __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict_
     gate_up_block_done(ready, n_active);
 }
 
+// The weighted combine inside the down kernel (small batches; the host passes `out` non-null
+// instead of launching moe_combine). Each (token, row tile) of the output waits for top_k
+// stores, one per slot: once its own y rows are out (a fence), a row tile's part-0 warp counts
+// one more slot done for each of its expert's tokens, and the warp that completes a token sums
+// the token's slots in slot order and stores the bf16 rows, the same sums as moe_combine's.
+// The warp that completes the call's last (token, tile) sets the gate/up counts back to zero
+// (every down warp is past its wait then), as moe_combine does; each (token, tile) count is set
+// back by the warp that completed it. counts[0]: (token, tile)s done; counts[1 + token · tiles
+// + tile]: the slots done there.
+struct FusedCombine {
+    const float* weight;  // [batch, top_k] routing weights, slot order
+    bf16_t* out;          // [batch, din]; null: moe_combine runs after the kernel
+    unsigned* counts;     // 1 + batch · tiles, zero between calls
+    unsigned* ready;      // the gate/up counts to set back (null: none)
+    int top_k, groups, n_ready;
+};
+
+__device__ __forceinline__ void down_combine_rows(const FusedCombine& fc, const float* y,
+                                                  const int* __restrict__ n_active,
+                                                  const int* __restrict__ act_count,
+                                                  const int* __restrict__ act_pairs, int din,
+                                                  int in_vecs, int ksplit, int tile_rows) {
+    const int a = blockIdx.y;
+    if (a >= *n_active) return;
+    const TcSplit sp(ksplit, in_vecs, tile_rows);
+    if (sp.part != 0 || sp.tile_row0 >= din) return;
+    const int lane = threadIdx.x & 31, tiles = din / tile_rows, tile = sp.tile_row0 / tile_rows;
+    const int nt = min(act_count[a], MOE_MAXT);
+    const int* pairs = act_pairs + a * MOE_MAXT;
+    __threadfence();  // this lane's y stores, before lane 0 counts them
+    __syncwarp();
+    for (int j = 0; j < nt; ++j) {
+        const int tok = pairs[j] / fc.top_k;
+        unsigned* slots = fc.counts + 1 + tok * tiles + tile;
+        unsigned last = 0;
+        if (lane == 0) {
+            last = atomicAdd(slots, 1u) == (unsigned)fc.top_k - 1;
+            if (last) __threadfence();  // the other slots' rows, stored before their counts
+        }
+        if (!__shfl_sync(0xffffffffu, last, 0)) continue;
+        __syncwarp();  // and so before every lane's loads
+        // A lane a row; its slots' values loaded 16 at a time before any is summed (one round
+        // trip to L2 for K3's top-16, not one per slot), then summed in slot order.
+        const float* wt = fc.weight + tok * fc.top_k;
+        for (int r = lane; r < tile_rows; r += 32) {
+            const float* col = y + (size_t)tok * fc.top_k * din + sp.tile_row0 + r;
+            float s = 0.0f;
+            for (int k0 = 0; k0 < fc.top_k; k0 += 16) {
+                float v[16], w[16];
+#pragma unroll
+                for (int u = 0; u < 16; ++u) {
+                    const bool in = k0 + u < fc.top_k;
+                    v[u] = in ? __ldcg(col + (size_t)(k0 + u) * din) : 0.0f;
+                    w[u] = in ? wt[k0 + u] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < 16; ++u)
+                    if (k0 + u < fc.top_k) s = fmaf(w[u], v[u], s);
+            }
+            fc.out[(size_t)tok * din + sp.tile_row0 + r] = f2bf(s);
+        }
+        unsigned done = 0;
+        if (lane == 0) {
+            *slots = 0u;
+            done = atomicAdd(fc.counts, 1u);
+        }
+        done = __shfl_sync(0xffffffffu, done, 0);
+        if (done == (unsigned)fc.groups - 1) {
+            if (fc.ready != nullptr)
+                for (int i = lane; i < fc.n_ready; i += 32) fc.ready[i] = 0u;
+            if (lane == 0) fc.counts[0] = 0u;
+        }
+    }
+}
+
 template <typename W>
 __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                         const int* __restrict__ n_active,
@@ -74,7 +149,7 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                         const int* __restrict__ act_pairs, float* __restrict__ y,
                                         int din, int di, int ksplit, const unsigned* ready,
                                         unsigned ready_target, int stage,
-                                        const void* const (&tmaps)[1]) {
+                                        const void* const (&tmaps)[1], const FusedCombine& fc) {
     grid_dep_launch();
     constexpr bool DEP = MOE_TC_DEPENDENT;
     if (MOE_TC_PROBE == 1) {
@@ -100,8 +175,21 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                   },
                                   ready, ready_target, stage);
     }
+    if constexpr (!(MOE_TMA_ON && W::SCALED)) {
+        constexpr int TILE_ROWS = W::DOWN_TILES == 2 ? 32 : 16;
+        if (fc.out != nullptr)
+            down_combine_rows(fc, y, n_active, act_count, act_pairs, din, di / W::PER_VEC, ksplit,
+                              TILE_ROWS);
+    }
     down_block_done(ready);
 }
+
+// The fused combine's arguments of the down kernels (see FusedCombine; `fc_out` null: off).
+#define FUSED_COMBINE_PARAMS                                                                      \
+    const float* __restrict__ fc_weight, bf16_t* __restrict__ fc_out,                             \
+        unsigned* __restrict__ fc_counts, int fc_top_k, int fc_groups, int fc_n_ready
+#define FUSED_COMBINE(ready)                                                                      \
+    FusedCombine { fc_weight, fc_out, fc_counts, ready, fc_top_k, fc_groups, fc_n_ready }
 
 // The same four projections on the tensor cores (block: MOE_TC_WARPS warps of 16 rows each).
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
@@ -132,21 +220,22 @@ moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_down_tc_bf16(const bf16_t* __restrict__ w_down, const bf16_t* __restrict__ h, PLAN_ARGS,
-                 float* __restrict__ y, int din, int di, int ksplit,
-                 const unsigned* __restrict__ ready, int ready_target, int stage) {
+                 float* __restrict__ y, int din, int di, int ksplit, unsigned* ready,
+                 int ready_target, int stage, FUSED_COMBINE_PARAMS) {
     const void* const tmaps[1] = {nullptr};
     down_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_down)}, h, n_active, act_expert, act_count,
-            act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target, stage, tmaps);
+            act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target, stage, tmaps,
+            FUSED_COMBINE(ready));
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_down_tc_mxfp4(const unsigned char* __restrict__ down_packed,
                   const unsigned char* __restrict__ down_scale, const bf16_t* __restrict__ h,
                   PLAN_ARGS, float* __restrict__ y, int din, int di, int ksplit,
-                  const unsigned* __restrict__ ready, int ready_target,
-                  int stage TMA_PARAMS_1) {
+                  unsigned* ready, int ready_target, int stage,
+                  FUSED_COMBINE_PARAMS TMA_PARAMS_1) {
     TMA_MAPS_1
     down_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(down_packed), down_scale}, h, n_active,
             act_expert, act_count, act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target,
-            stage, tmaps);
+            stage, tmaps, FUSED_COMBINE(ready));
 }
