@@ -32,6 +32,15 @@ fn main() {
     units.push(("moe".into(), MOE_SOURCE, vec![]));
     let warp_lists = vec![("MOE_ROUTE_SELECT", "1".to_string())];
     units.push(("moe-route-lists".into(), MOE_SOURCE, warp_lists));
+    // Batch 1's chain with every option (`tc_chain` of cuda_model_ops_check).
+    let chain = [
+        ("MOE_ROUTE_SELECT", 1),
+        ("MOE_ROUTE_TRIGGER", 1),
+        ("MOE_TC_FUSED_COMBINE", 64),
+        ("MOE_TC_PLAN_EARLY", 1),
+    ];
+    let chain = chain.iter().map(|&(k, v)| (k, v.to_string())).collect();
+    units.push(("moe-chain".into(), MOE_SOURCE, chain));
     units.push(("model".into(), MODEL_SOURCE, vec![]));
     for mt in [2, 3] {
         units.push((

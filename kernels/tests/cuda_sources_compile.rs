@@ -456,6 +456,7 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
             vec![
                 ("MOE_ROUTE_SELECT", "1".to_string()),
                 ("MOE_ROUTE_TRIGGER", "1".to_string()),
+                ("MOE_TC_PLAN_EARLY", "1".to_string()),
             ],
             vec![
                 ("MOE_ROUTE_SELECT", "1".to_string()),

@@ -116,6 +116,26 @@ pub(crate) fn variants(
             let label = format!("_tc_fc{}", if select == 1 { "wl1" } else { "" });
             specs.push((label, MoePath::TensorCores, None, tuning));
         }
+        // MXFP4 projection blocks reading their plan entries with the count of active experts;
+        // and every change of batch 1's chain at once (routing by warp lists, gate/up let launch
+        // once the routing has its input, the combine in the down kernel, the plan read early).
+        specs.push((
+            "_tc_pe1".into(),
+            MoePath::TensorCores,
+            None,
+            set(&[("MOE_TC_PLAN_EARLY", 1)]),
+        ));
+        specs.push((
+            "_tc_chain".into(),
+            MoePath::TensorCores,
+            None,
+            set(&[
+                ("MOE_ROUTE_SELECT", 1),
+                ("MOE_ROUTE_TRIGGER", 1),
+                ("MOE_TC_FUSED_COMBINE", 64),
+                ("MOE_TC_PLAN_EARLY", 1),
+            ]),
+        ));
         // Inputs through shared memory for experts of up to 0 (never), 1 or 2 tokens (the
         // default: 4).
         for max in [0, 1, 2] {

@@ -99,6 +99,22 @@
 #define MOE_TC_LOAD_FIRST 1
 #endif
 
+// 1: a projection block of MXFP4 experts reads its expert's plan entries (expert, token count)
+// together with the count of active experts instead of after it, so that its first weights wait
+// one L2 round trip less (every entry up to the grid's height exists: the grid is as tall as the
+// plan). Off for bf16 experts, whose kernels spilled with it.
+#ifndef MOE_TC_PLAN_EARLY
+#define MOE_TC_PLAN_EARLY 0
+#endif
+
+// A 32-bit load that neither the compiler nor ptxas moves past a branch (volatile: ptxas sank the
+// plain loads below the branch that needs only the first of them).
+__device__ __forceinline__ int ld_volatile_s32(const int* p) {
+    int v;
+    asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // Waits (one lane of the warp, then the warp) until *count reaches target; what was stored
 // before the count was raised is then visible to the warp.
 __device__ __forceinline__ void wait_count(const unsigned* count, unsigned target) {
@@ -503,12 +519,23 @@ __device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restric
                                            Store store, const unsigned* ready = nullptr,
                                            unsigned ready_target = 0, int stage = 0) {
     const int a = blockIdx.y;
-    if (a >= *n_active) return;
+    int e, count;
+    if constexpr (MOE_TC_PLAN_EARLY && W::SCALED) {
+        // Three independent loads issued before the branch (volatile: kept in this order).
+        const int n = ld_volatile_s32(n_active);
+        e = ld_volatile_s32(act_expert + a);
+        count = ld_volatile_s32(act_count + a);
+        if (a >= n) return;
+    } else {
+        if (a >= *n_active) return;
+        e = act_expert[a];
+        count = act_count[a];
+    }
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const TcSplit sp(ksplit, in_dim / W::PER_VEC, tile_rows);
     const int row0 = sp.tile_row0;
     const bool rows_in = row0 < out_rows;
-    const int e = act_expert[a], nt = min(act_count[a], MOE_MAXT);
+    const int nt = min(count, MOE_MAXT);
     const int* pairs = act_pairs + a * MOE_MAXT;
     const size_t lo = (size_t)e * out_rows + min(row0, out_rows - tile_rows) + g, hi = lo + 8;
     // What a dependent projection's inputs wait for. Blocks that returned above write nothing:
