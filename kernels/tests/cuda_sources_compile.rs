@@ -457,6 +457,7 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
                 ("MOE_ROUTE_SELECT", "1".to_string()),
                 ("MOE_ROUTE_TRIGGER", "1".to_string()),
                 ("MOE_TC_PLAN_EARLY", "1".to_string()),
+                ("MOE_TC_RESIDENT", "1".to_string()),
             ],
             vec![
                 ("MOE_ROUTE_SELECT", "1".to_string()),

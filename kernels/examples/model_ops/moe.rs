@@ -118,7 +118,8 @@ pub(crate) fn variants(
         }
         // MXFP4 projection blocks reading their plan entries with the count of active experts;
         // and every change of batch 1's chain at once (routing by warp lists, gate/up let launch
-        // once the routing has its input, the combine in the down kernel, the plan read early).
+        // once the routing has its input, the combine in the down kernel, the plan read early,
+        // resident gate/up blocks).
         specs.push((
             "_tc_pe1".into(),
             MoePath::TensorCores,
@@ -134,7 +135,15 @@ pub(crate) fn variants(
                 ("MOE_ROUTE_TRIGGER", 1),
                 ("MOE_TC_FUSED_COMBINE", 64),
                 ("MOE_TC_PLAN_EARLY", 1),
+                ("MOE_TC_RESIDENT", 1),
             ]),
+        ));
+        // Gate/up by resident blocks, the next task's first pass loaded during the last pass.
+        specs.push((
+            "_tc_res1".into(),
+            MoePath::TensorCores,
+            None,
+            set(&[("MOE_TC_RESIDENT", 1)]),
         ));
         // Inputs through shared memory for experts of up to 0 (never), 1 or 2 tokens (the
         // default: 4).

@@ -131,6 +131,8 @@ pub const MOE_SOURCE: &str = concat!(
     "\n",
     include_str!("moe_tc_tma.cu"),
     "\n",
+    include_str!("moe_tc_resident.cu"),
+    "\n",
     include_str!("moe_tc_kernels.cu")
 );
 

@@ -242,6 +242,10 @@ pub struct MoeDecode {
     /// Most tokens of a call whose combine the down kernel does itself (`MOE_TC_FUSED_COMBINE`,
     /// 0: never; tensor cores as dependent launches without the copy-engine ring).
     fused_combine_max: usize,
+    /// Gate/up by resident blocks walking the block tasks (`MOE_TC_RESIDENT`, see
+    /// moe_tc_resident.cu), where every expert's inputs fit in shared memory and each warp's
+    /// input range is whole passes; [bf16, MXFP4] input vectors a warp's pass covers.
+    resident: Option<[usize; 2]>,
     combine: CudaFunction,
 }
 
@@ -334,6 +338,11 @@ impl MoeDecode {
                 Some(1) => 0,
                 _ => define_value(&defines, "MOE_TC_FUSED_COMBINE").unwrap_or(0),
             },
+            resident: (define_value(&defines, "MOE_TC_RESIDENT").unwrap_or(0) > 0).then(|| {
+                // A pass: 4 lanes × span vectors of a row (moe_tc.cu's defaults).
+                let span = |name, default| 4 * define_value(&defines, name).unwrap_or(default);
+                [span("MOE_TC_SPAN_BF16", 4), span("MOE_TC_SPAN_MXFP4", 2)]
+            }),
             combine: m.load_function("moe_combine")?,
         })
     }
@@ -521,8 +530,31 @@ impl MoeDecode {
         } else {
             0
         };
+        // Resident gate/up blocks: the block tasks an expert has, and the grid one wave of them.
+        let mut cfg_gate_up = cfg(d.di, 0, ks_gate_up, smem[0]);
+        let per_expert = cfg_gate_up.grid_dim.0;
+        let resident = match self.resident {
+            Some(pass) if tc && ring.is_none() && batch <= stage[0] => {
+                // Vectors of 32 inputs (MXFP4) or 8 (bf16) a row, split in ksplit whole passes.
+                let vecs = d.din / if mxfp4 { 32 } else { 8 };
+                let part = vecs / ks_gate_up as usize;
+                let pass = pass[usize::from(mxfp4)];
+                vecs.is_multiple_of(ks_gate_up as usize) && part.is_multiple_of(pass)
+            }
+            _ => false,
+        };
+        if resident {
+            let sms = dev.sm_count()?;
+            let wave = tc_wave_warps(&kernels.gate_up, sms, smem[0])? / TC_WARPS;
+            let tasks = per_expert as usize * max_active as usize;
+            cfg_gate_up.grid_dim = (tasks.min(wave).max(1) as u32, 1, 1);
+        }
         if tc {
-            launch.value(ks_gate_up).value(ready).value(stage[0] as i32);
+            launch
+                .value(ks_gate_up)
+                .value(ready)
+                .value(stage[0] as i32)
+                .value(if resident { per_expert as i32 } else { 0 });
         }
         let maps = match (ring, experts) {
             (Some(_), MoeExperts::Mxfp4 { gate, up, down }) => {
@@ -543,10 +575,11 @@ impl MoeDecode {
         }
         // SAFETY: the argument list matches `moe_gate_up_{,tc_}{bf16,mxfp4}` (ksplit in 1, 2, 4
         // for the tensor-core ones); weights hold `experts` experts (checked), the plan names at
-        // most `max_active` experts, h holds `pairs` rows, ready `pairs` ≥ `max_active` counts.
+        // most `max_active` experts, h holds `pairs` rows, ready `pairs` ≥ `max_active` counts;
+        // resident blocks only where every expert's tokens fit the staged rows (batch ≤ stage)
+        // and each warp's input range is whole passes (checked above).
         // The tensor-core kernels wait for the kernel before them before they read anything, so
         // they may go out as dependents.
-        let cfg_gate_up = cfg(d.di, 0, ks_gate_up, smem[0]);
         unsafe { launch.launch(s, &kernels.gate_up, cfg_gate_up, tc && self.dependent) }?;
         // Down and combine may start while the kernel before them runs (see `dependent`).
         let overlap = tc && self.dependent && ring.is_none();
@@ -561,8 +594,9 @@ impl MoeDecode {
         // The combine in the down kernel: its (token, row tile)s, or none (null `out`).
         let fused = overlap && batch <= self.fused_combine_max;
         if tc {
-            // A down warp waits for all gate/up blocks of its expert: the gate/up grid's width.
-            let gate_up_blocks = cfg_gate_up.grid_dim.0 as i32;
+            // A down warp waits for all gate/up block tasks of its expert (the normal grid's
+            // width; resident blocks count each task as such a block).
+            let gate_up_blocks = per_expert as i32;
             launch
                 .value(ks_down)
                 .value(ready)
