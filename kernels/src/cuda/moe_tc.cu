@@ -339,6 +339,43 @@ __device__ __forceinline__ void tc_mma_pass(typename W::Vec (&wl)[M][W::SPAN],
     }
 }
 
+// Loads the pass at cursors rl/rh (rows lo/hi of the M matrices) into wl/wh.
+template <typename W, int M>
+__device__ __forceinline__ void tc_load_pass(typename W::Vec (&wl)[M][W::SPAN],
+                                             typename W::Vec (&wh)[M][W::SPAN],
+                                             const typename W::Row (&rl)[M],
+                                             const typename W::Row (&rh)[M]) {
+#pragma unroll
+    for (int u = 0; u < W::SPAN; ++u)
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            wl[m][u] = W::load(rl[m], u);
+            wh[m][u] = W::load(rh[m], u);
+        }
+}
+
+// One whole pass's products, and (when `reload`) the pass at rl/rh loaded into the registers it
+// frees: each MXFP4 vector as soon as it is decoded (MOE_TC_ROLL), bf16 once the pass is over.
+template <typename W, int M>
+__device__ __forceinline__ void tc_pass_reload(typename W::Vec (&wl)[M][W::SPAN],
+                                               typename W::Vec (&wh)[M][W::SPAN],
+                                               const uint4* const (&xv)[W::SPAN],
+                                               const bool (&in)[W::SPAN], float (&c)[M][4],
+                                               const typename W::Row (&rl)[M],
+                                               const typename W::Row (&rh)[M], bool reload) {
+    if constexpr (W::SCALED && MOE_TC_ROLL) {
+        tc_mma_pass<W, M, true>(wl, wh, xv, in, c, [&](int m, int u) {
+            if (reload) {
+                wl[m][u] = W::load(rl[m], u);
+                wh[m][u] = W::load(rh[m], u);
+            }
+        });
+    } else {
+        tc_mma_pass<W, M, true>(wl, wh, xv, in, c);
+        if (reload) tc_load_pass<W, M>(wl, wh, rl, rh);
+    }
+}
+
 // Asks L2 for the pass starting at vector v of the warp's rows lo/hi of the M matrices: a pass
 // is 128-byte lines of 4 · W::SPAN vectors per row, which the 4 lanes of a row pair share.
 template <typename W, int M>
@@ -380,16 +417,7 @@ __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
             rh[m] = w[m].row(hi, in_dim, v0 + t * W::SPAN);
         }
         const uint4* xp = reinterpret_cast<const uint4*>(xt) + (size_t)(v0 + t * W::SPAN) * XV;
-        auto load_pass = [&]() {
-#pragma unroll
-            for (int u = 0; u < W::SPAN; ++u)
-#pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    wl[m][u] = W::load(rl[m], u);
-                    wh[m][u] = W::load(rh[m], u);
-                }
-        };
-        load_pass();
+        tc_load_pass<W, M>(wl, wh, rl, rh);
         x_ready();
         // Whole passes only: a pass past the range may be past the weights.
 #pragma unroll
@@ -410,17 +438,7 @@ __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
                 W::advance(rl[m], STEP);
                 W::advance(rh[m], STEP);
             }
-            if constexpr (W::SCALED && MOE_TC_ROLL) {
-                tc_mma_pass<W, M, true>(wl, wh, xv, in, c, [&](int m, int u) {
-                    if (more) {
-                        wl[m][u] = W::load(rl[m], u);
-                        wh[m][u] = W::load(rh[m], u);
-                    }
-                });
-            } else {
-                tc_mma_pass<W, M, true>(wl, wh, xv, in, c);
-                if (more) load_pass();
-            }
+            tc_pass_reload<W, M>(wl, wh, xv, in, c, rl, rh, more);
             xp += STEP * XV;
             v0 += STEP;
             if (!more) break;

@@ -68,19 +68,10 @@ __device__ __forceinline__ void tc_gate_up_resident(const W (&w)[2], const int* 
         }
     };
     typename W::Vec wl[M][W::SPAN], wh[M][W::SPAN];
-    auto load_pass = [&](const typename W::Row (&rl)[M], const typename W::Row (&rh)[M]) {
-#pragma unroll
-        for (int u = 0; u < W::SPAN; ++u)
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                wl[m][u] = W::load(rl[m], u);
-                wh[m][u] = W::load(rh[m], u);
-            }
-    };
     TcTask cur = tc_task(task, per_expert, ksplit, out_rows, act_expert, act_count, act_pairs);
     typename W::Row rl[M], rh[M];
     rows_of(cur, rl, rh);
-    if (cur.rows_in) load_pass(rl, rh);
+    if (cur.rows_in) tc_load_pass<W, M>(wl, wh, rl, rh);
     bool loaded = cur.rows_in;  // this task's first pass is in wl/wh
     // The input rows staged in xs (thread 0 writes the list; every thread reads it after the
     // block barrier that ends each task). The first task always stages.
@@ -116,7 +107,7 @@ __device__ __forceinline__ void tc_gate_up_resident(const W (&w)[2], const int* 
                 staged_nt = nt;
             }
         }
-        if (cur.rows_in && !loaded) load_pass(rl, rh);
+        if (cur.rows_in && !loaded) tc_load_pass<W, M>(wl, wh, rl, rh);
         // The next task's first pass goes out during this task's last one, into the registers
         // that pass frees.
         const bool pre = has_next && nx.rows_in;
@@ -139,15 +130,7 @@ __device__ __forceinline__ void tc_gate_up_resident(const W (&w)[2], const int* 
             for (; v0 + 2 * STEP <= vend; v0 += STEP) {
 #pragma unroll
                 for (int u = 0; u < W::SPAN; ++u) xv[u] = xp + u * XV;
-                if constexpr (W::SCALED && MOE_TC_ROLL) {
-                    tc_mma_pass<W, M, true>(wl, wh, xv, in, c, [&](int m, int u) {
-                        wl[m][u] = W::load(rl[m], u);
-                        wh[m][u] = W::load(rh[m], u);
-                    });
-                } else {
-                    tc_mma_pass<W, M, true>(wl, wh, xv, in, c);
-                    load_pass(rl, rh);
-                }
+                tc_pass_reload<W, M>(wl, wh, xv, in, c, rl, rh, true);
                 advance();
                 xp += STEP * XV;
             }
@@ -155,17 +138,7 @@ __device__ __forceinline__ void tc_gate_up_resident(const W (&w)[2], const int* 
             rows_of(nx, rl, rh);
 #pragma unroll
             for (int u = 0; u < W::SPAN; ++u) xv[u] = xp + u * XV;
-            if constexpr (W::SCALED && MOE_TC_ROLL) {
-                tc_mma_pass<W, M, true>(wl, wh, xv, in, c, [&](int m, int u) {
-                    if (pre) {
-                        wl[m][u] = W::load(rl[m], u);
-                        wh[m][u] = W::load(rh[m], u);
-                    }
-                });
-            } else {
-                tc_mma_pass<W, M, true>(wl, wh, xv, in, c);
-                if (pre) load_pass(rl, rh);
-            }
+            tc_pass_reload<W, M>(wl, wh, xv, in, c, rl, rh, pre);
         } else {
             rows_of(nx, rl, rh);
         }
