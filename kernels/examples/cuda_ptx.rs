@@ -38,7 +38,6 @@ fn main() {
         ("MOE_ROUTE_TRIGGER", 1),
         ("MOE_TC_FUSED_COMBINE", 64),
         ("MOE_TC_PLAN_EARLY", 1),
-        ("MOE_TC_RESIDENT", 1),
     ];
     let chain = chain.iter().map(|&(k, v)| (k, v.to_string())).collect();
     units.push(("moe-chain".into(), MOE_SOURCE, chain));

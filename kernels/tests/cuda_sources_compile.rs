@@ -457,7 +457,6 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
                 ("MOE_ROUTE_SELECT", "1".to_string()),
                 ("MOE_ROUTE_TRIGGER", "1".to_string()),
                 ("MOE_TC_PLAN_EARLY", "1".to_string()),
-                ("MOE_TC_RESIDENT", "1".to_string()),
             ],
             vec![
                 ("MOE_ROUTE_SELECT", "1".to_string()),
@@ -472,6 +471,8 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
             "moe_down_mxfp4",
             "moe_gate_up_tc_bf16",
             "moe_gate_up_tc_mxfp4",
+            "moe_gate_up_tc_res_bf16",
+            "moe_gate_up_tc_res_mxfp4",
             "moe_down_tc_bf16",
             "moe_down_tc_mxfp4",
             "moe_combine",

@@ -199,6 +199,8 @@ pub fn moe_ksplit_from_env() -> Option<usize> {
 
 struct Projections {
     gate_up: CudaFunction,
+    /// Gate/up by resident blocks (tensor cores only; moe_tc_resident.cu).
+    gate_up_resident: Option<CudaFunction>,
     down: CudaFunction,
     /// Warps of one kernel resident on the device at once (the tensor-core kernels' wave).
     wave_warps: [usize; 2],
@@ -313,9 +315,15 @@ impl MoeDecode {
             } else {
                 16
             };
+            let gate_up_resident = if path == "tc_" {
+                Some(m.load_function(&format!("moe_gate_up_tc_res_{format}"))?)
+            } else {
+                None
+            };
             Ok(Projections {
                 wave_warps: [wave(&gate_up)?, wave(&down)?],
                 gate_up,
+                gate_up_resident,
                 down,
                 down_rows,
             })
@@ -533,8 +541,9 @@ impl MoeDecode {
         // Resident gate/up blocks: the block tasks an expert has, and the grid one wave of them.
         let mut cfg_gate_up = cfg(d.di, 0, ks_gate_up, smem[0]);
         let per_expert = cfg_gate_up.grid_dim.0;
-        let resident = match self.resident {
-            Some(pass) if tc && ring.is_none() && batch <= stage[0] => {
+        let resident_fn = kernels.gate_up_resident.as_ref();
+        let resident = match (self.resident, resident_fn) {
+            (Some(pass), Some(_)) if ring.is_none() && batch <= stage[0] => {
                 // Vectors of 32 inputs (MXFP4) or 8 (bf16) a row, split in ksplit whole passes.
                 let vecs = d.din / if mxfp4 { 32 } else { 8 };
                 let part = vecs / ks_gate_up as usize;
@@ -543,18 +552,25 @@ impl MoeDecode {
             }
             _ => false,
         };
-        if resident {
-            let sms = dev.sm_count()?;
-            let wave = tc_wave_warps(&kernels.gate_up, sms, smem[0])? / TC_WARPS;
-            let tasks = per_expert as usize * max_active as usize;
-            cfg_gate_up.grid_dim = (tasks.min(wave).max(1) as u32, 1, 1);
-        }
+        let gate_up_fn = match resident_fn {
+            Some(f) if resident => {
+                let sms = dev.sm_count()?;
+                let wave = tc_wave_warps(f, sms, smem[0])? / TC_WARPS;
+                let tasks = per_expert as usize * max_active as usize;
+                cfg_gate_up.grid_dim = (tasks.min(wave).max(1) as u32, 1, 1);
+                f
+            }
+            _ => &kernels.gate_up,
+        };
         if tc {
-            launch
-                .value(ks_gate_up)
-                .value(ready)
-                .value(stage[0] as i32)
-                .value(if resident { per_expert as i32 } else { 0 });
+            // The resident kernel takes the block tasks an expert has where the other takes
+            // the staged tokens (it stages as many as the call has: batch ≤ stage).
+            let last = if resident {
+                per_expert as i32
+            } else {
+                stage[0] as i32
+            };
+            launch.value(ks_gate_up).value(ready).value(last);
         }
         let maps = match (ring, experts) {
             (Some(_), MoeExperts::Mxfp4 { gate, up, down }) => {
@@ -580,7 +596,7 @@ impl MoeDecode {
         // and each warp's input range is whole passes (checked above).
         // The tensor-core kernels wait for the kernel before them before they read anything, so
         // they may go out as dependents.
-        unsafe { launch.launch(s, &kernels.gate_up, cfg_gate_up, tc && self.dependent) }?;
+        unsafe { launch.launch(s, gate_up_fn, cfg_gate_up, tc && self.dependent) }?;
         // Down and combine may start while the kernel before them runs (see `dependent`).
         let overlap = tc && self.dependent && ring.is_none();
         let mut launch = RawLaunch::new();

@@ -49,43 +49,56 @@ __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict_
                                            const int* __restrict__ act_pairs,
                                            bf16_t* __restrict__ h, int din, int di, int top_k,
                                            float b1, float b2, int ksplit, unsigned* ready,
-                                           int stage, int resident,
-                                           const void* const (&tmaps)[2]) {
+                                           int stage, const void* const (&tmaps)[2]) {
     // A dependent launch (of the routing kernel, or of what the stream ran after it): nothing
     // is read before the wait, and the down kernel, which reads the plan before its own wait,
     // may launch only once every block is past it.
     grid_dep_wait();
     grid_dep_launch();
     const W w[2] = {wg, wu};
-    auto input = [&](int pair) { return x + (size_t)(pair / top_k) * din; };
-    auto store = [&](int pair, int row, const float (&c)[2][4], int j) {
-        h[(size_t)pair * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
-    };
-#if MOE_TC_RESIDENT
-    if (resident > 0) {
-        // Resident blocks walking `resident` block tasks an expert (moe_tc_resident.cu); each
-        // task counts itself done as a block of the normal grid does.
-        auto done = [&](int a) {
-#if MOE_TC_FINE
-            if (ready != nullptr) {
-                __threadfence();
-                __syncthreads();
-                if (threadIdx.x == 0) atomicAdd(ready + a, 1u);
-                return;
-            }
-#endif
-            __syncthreads();
-        };
-        if constexpr (!(MOE_TMA_ON && W::SCALED))
-            tc_gate_up_resident<W>(w, n_active, act_expert, act_count, act_pairs, di, din, ksplit,
-                                   resident, input, store, done);
-        return;
-    }
-#endif
-    if (MOE_TC_PROBE != 2)
-        tc_project_any<W, 2>(w, tmaps, n_active, act_expert, act_count, act_pairs, di, din,
-                             ksplit, input, store, nullptr, 0, stage);
+    if (MOE_TC_PROBE != 2) tc_project_any<W, 2>(
+        w, tmaps, n_active, act_expert, act_count, act_pairs, di, din, ksplit,
+        [&](int pair) { return x + (size_t)(pair / top_k) * din; },
+        [&](int pair, int row, const float (&c)[2][4], int j) {
+            h[(size_t)pair * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
+        },
+        nullptr, 0, stage);
     gate_up_block_done(ready, n_active);
+}
+
+// Gate/up by resident blocks (moe_tc_resident.cu): a grid of one wave walks the block tasks,
+// `per_expert` an active expert; each task counts itself done in `ready` as a block of the normal
+// grid does. Its own kernels, so that the normal grid's keep their registers.
+template <typename W>
+__device__ __forceinline__ void gate_up_tc_resident(W wg, W wu, const bf16_t* __restrict__ x,
+                                                    const int* __restrict__ n_active,
+                                                    const int* __restrict__ act_expert,
+                                                    const int* __restrict__ act_count,
+                                                    const int* __restrict__ act_pairs,
+                                                    bf16_t* __restrict__ h, int din, int di,
+                                                    int top_k, float b1, float b2, int ksplit,
+                                                    unsigned* ready, int per_expert) {
+    grid_dep_wait();  // as gate_up_tc
+    grid_dep_launch();
+    const W w[2] = {wg, wu};
+    auto done = [&](int a) {
+#if MOE_TC_FINE
+        if (ready != nullptr) {
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) atomicAdd(ready + a, 1u);
+            return;
+        }
+#endif
+        __syncthreads();
+    };
+    tc_gate_up_resident<W>(
+        w, n_active, act_expert, act_count, act_pairs, di, din, ksplit, per_expert,
+        [&](int pair) { return x + (size_t)(pair / top_k) * din; },
+        [&](int pair, int row, const float (&c)[2][4], int j) {
+            h[(size_t)pair * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
+        },
+        done);
 }
 
 // The weighted combine inside the down kernel (small batches; the host passes `out` non-null
@@ -218,11 +231,11 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCK
 moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
                     const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
                     int di, int top_k, float b1, float b2, int ksplit,
-                    unsigned* __restrict__ ready, int stage, int resident) {
+                    unsigned* __restrict__ ready, int stage) {
     const void* const tmaps[2] = {nullptr, nullptr};
     gate_up_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
                Bf16Tc{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert, act_count,
-               act_pairs, h, din, di, top_k, b1, b2, ksplit, ready, stage, resident, tmaps);
+               act_pairs, h, din, di, top_k, b1, b2, ksplit, ready, stage, tmaps);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
@@ -231,13 +244,40 @@ moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
                      const unsigned char* __restrict__ up_packed,
                      const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
                      PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
-                     float b2, int ksplit, unsigned* __restrict__ ready, int stage,
-                     int resident TMA_PARAMS_2) {
+                     float b2, int ksplit, unsigned* __restrict__ ready,
+                     int stage TMA_PARAMS_2) {
     TMA_MAPS_2
     gate_up_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
                Mxfp4Tc{reinterpret_cast<const uint4*>(up_packed), up_scale}, x, n_active,
                act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2, ksplit, ready,
-               stage, resident, tmaps);
+               stage, tmaps);
+}
+
+// Gate/up by resident blocks, both formats (the arguments of the normal kernels, `per_expert`
+// in place of `stage`; never the copy-engine ring).
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_gate_up_tc_res_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
+                        const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
+                        int di, int top_k, float b1, float b2, int ksplit,
+                        unsigned* __restrict__ ready, int per_expert) {
+    gate_up_tc_resident(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
+                        Bf16Tc{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert,
+                        act_count, act_pairs, h, din, di, top_k, b1, b2, ksplit, ready,
+                        per_expert);
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
+moe_gate_up_tc_res_mxfp4(const unsigned char* __restrict__ gate_packed,
+                         const unsigned char* __restrict__ gate_scale,
+                         const unsigned char* __restrict__ up_packed,
+                         const unsigned char* __restrict__ up_scale,
+                         const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h,
+                         int din, int di, int top_k, float b1, float b2, int ksplit,
+                         unsigned* __restrict__ ready, int per_expert) {
+    gate_up_tc_resident(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
+                        Mxfp4Tc{reinterpret_cast<const uint4*>(up_packed), up_scale}, x,
+                        n_active, act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2,
+                        ksplit, ready, per_expert);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)

@@ -9,12 +9,6 @@
 // the normal grid does. Inputs come from shared memory, staged again only when a task's tokens
 // differ from the staged ones (never at batch 1: every expert has token 0).
 
-// Compiled in only when asked for (1): the resident path's registers cost the normal grid's
-// kernels spills otherwise. The host then passes the block tasks an expert has, or 0.
-#ifndef MOE_TC_RESIDENT
-#define MOE_TC_RESIDENT 0
-#endif
-
 // A block task: active expert `a` (plan entry), its expert id, tokens and this warp's rows.
 struct TcTask {
     int a, e, nt, row0;
