@@ -45,8 +45,11 @@ __device__ __forceinline__ void tc_gate_up_resident(const W (&w)[2], const int* 
                                                     int per_expert, Input input, Store store,
                                                     Done done) {
     constexpr int M = 2, STEP = 4 * W::SPAN, XV = W::PER_VEC / 8;
-    const int tasks = ld_volatile_s32(n_active) * per_expert;
     int task = blockIdx.x;
+    // The first task's plan entries go out with the count of active experts, not after it (the
+    // grid is at most as long as the plan's block tasks: entry task / per_expert exists).
+    const int tasks = ld_volatile_s32(n_active) * per_expert;
+    TcTask cur = tc_task(task, per_expert, ksplit, out_rows, act_expert, act_count, act_pairs);
     if (task >= tasks) return;  // the whole block
     extern __shared__ __align__(128) unsigned char moe_dyn[];
     bf16_t* xs = reinterpret_cast<bf16_t*>(moe_dyn);
@@ -62,7 +65,6 @@ __device__ __forceinline__ void tc_gate_up_resident(const W (&w)[2], const int* 
         }
     };
     typename W::Vec wl[M][W::SPAN], wh[M][W::SPAN];
-    TcTask cur = tc_task(task, per_expert, ksplit, out_rows, act_expert, act_count, act_pairs);
     typename W::Row rl[M], rh[M];
     rows_of(cur, rl, rh);
     if (cur.rows_in) tc_load_pass<W, M>(wl, wh, rl, rh);
