@@ -23,13 +23,20 @@ __device__ __forceinline__ void tc_project_any(const W (&w)[M], const void* cons
                                 ksplit, 16, input, store, ready, ready_target, stage);
 }
 
-// The end of a gate/up block: one more of expert blockIdx.y's blocks has its h rows stored.
-__device__ __forceinline__ void gate_up_block_done(unsigned* ready, const int* n_active) {
+// The end of a gate/up block (task): one more of active expert a's blocks has its h rows stored
+// (counted when a < *n_active with CHECK, else always). Returns whether it held a block barrier
+// (counts kept: MOE_TC_FINE and `ready`).
+template <bool CHECK>
+__device__ __forceinline__ bool gate_up_block_done(unsigned* ready, unsigned a,
+                                                   const int* n_active) {
 #if MOE_TC_FINE
-    if (ready == nullptr) return;
+    if (ready == nullptr) return false;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0 && (int)blockIdx.y < *n_active) atomicAdd(ready + blockIdx.y, 1u);
+    if (threadIdx.x == 0 && (!CHECK || (int)a < *n_active)) atomicAdd(ready + a, 1u);
+    return true;
+#else
+    return false;
 #endif
 }
 
@@ -63,7 +70,7 @@ __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict_
             h[(size_t)pair * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
         },
         nullptr, 0, stage);
-    gate_up_block_done(ready, n_active);
+    gate_up_block_done<true>(ready, blockIdx.y, n_active);
 }
 
 // Gate/up by resident blocks (moe_tc_resident.cu): a grid of one wave walks the block tasks,
@@ -81,16 +88,9 @@ __device__ __forceinline__ void gate_up_tc_resident(W wg, W wu, const bf16_t* __
     grid_dep_wait();  // as gate_up_tc
     grid_dep_launch();
     const W w[2] = {wg, wu};
+    // A task ends on a block barrier in any case (the next may stage its inputs again).
     auto done = [&](int a) {
-#if MOE_TC_FINE
-        if (ready != nullptr) {
-            __threadfence();
-            __syncthreads();
-            if (threadIdx.x == 0) atomicAdd(ready + a, 1u);
-            return;
-        }
-#endif
-        __syncthreads();
+        if (!gate_up_block_done<false>(ready, a, n_active)) __syncthreads();
     };
     tc_gate_up_resident<W>(
         w, n_active, act_expert, act_count, act_pairs, di, din, ksplit, per_expert,
