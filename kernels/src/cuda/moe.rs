@@ -10,8 +10,8 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMu
 
 use super::launch::RawLaunch;
 use super::moe_policy::{
-    dependent_launches, fine_waits, stage_tokens, tc_down_rows, tc_ksplit, TmaRing, DOWN_TILES,
-    STAGE_MAX, TC_WARPS,
+    dependent_launches, fine_waits, resident_whole_passes, stage_tokens, tc_down_rows, tc_ksplit,
+    TmaRing, DOWN_TILES, STAGE_MAX, TC_WARPS,
 };
 use super::tensor_map::{self, TensorMapArg};
 use super::{CudaDevice, CudaError, MOE_SOURCE};
@@ -544,11 +544,8 @@ impl MoeDecode {
         let resident_fn = kernels.gate_up_resident.as_ref();
         let resident = match (self.resident, resident_fn) {
             (Some(pass), Some(_)) if ring.is_none() && batch <= stage[0] => {
-                // Vectors of 32 inputs (MXFP4) or 8 (bf16) a row, split in ksplit whole passes.
-                let vecs = d.din / if mxfp4 { 32 } else { 8 };
-                let part = vecs / ks_gate_up as usize;
                 let pass = pass[usize::from(mxfp4)];
-                vecs.is_multiple_of(ks_gate_up as usize) && part.is_multiple_of(pass)
+                resident_whole_passes(d.din, mxfp4, ks_gate_up as usize, pass)
             }
             _ => false,
         };

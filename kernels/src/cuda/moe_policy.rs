@@ -105,6 +105,14 @@ pub(super) fn stage_tokens(batch: usize, stage_max: usize, ring: bool, in_dim: u
     }
 }
 
+/// Whether resident gate/up blocks (moe_tc_resident.cu) can take a call's inputs: `din` inputs
+/// in vectors of 32 (MXFP4) or 8 (bf16), split `ksplit` ways, leave each warp whole passes of
+/// `pass` vectors (4 lanes × the format's span); those blocks take no partial last pass.
+pub(super) fn resident_whole_passes(din: usize, mxfp4: bool, ksplit: usize, pass: usize) -> bool {
+    let vecs = din / if mxfp4 { 32 } else { 8 };
+    ksplit > 0 && pass > 0 && vecs.is_multiple_of(ksplit) && (vecs / ksplit).is_multiple_of(pass)
+}
+
 /// The shared-memory ring of the copy-engine MXFP4 projections (`MOE_TMA_*` in moe_tc_tma.cu).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct TmaRing {
@@ -144,7 +152,8 @@ impl TmaRing {
 #[cfg(test)]
 mod tests {
     use super::{
-        dependent_launches, fine_waits, stage_tokens, tc_down_rows, tc_ksplit, TmaRing, DOWN_TILES,
+        dependent_launches, fine_waits, resident_whole_passes, stage_tokens, tc_down_rows,
+        tc_ksplit, TmaRing, DOWN_TILES,
     };
 
     #[test]
@@ -228,6 +237,22 @@ mod tests {
         assert_eq!(ring.block_bytes(2, 3584), 4 * 16384 + 1024);
         // Scale rows are padded to 16 bytes: 384 inputs are 12 blocks, 16 bytes a row.
         assert_eq!(ring.block_bytes(1, 384), 4 * 7168 + 1024);
+    }
+
+    #[test]
+    fn resident_blocks_only_on_whole_passes() {
+        // K3's gate/up at batch 1 (split in two): MXFP4 56 vectors a warp, 7 passes of 8; bf16
+        // 224 vectors, 14 passes of 16.
+        assert!(resident_whole_passes(3584, true, 2, 8));
+        assert!(resident_whole_passes(3584, false, 2, 16));
+        // 512 inputs: MXFP4 16 vectors, whole in two parts (one pass each), not in four.
+        assert!(resident_whole_passes(512, true, 2, 8));
+        assert!(!resident_whole_passes(512, true, 4, 8));
+        // A split that does not divide the vectors (98 in four), and no split or pass at all.
+        assert!(!resident_whole_passes(98 * 32, true, 4, 8));
+        assert!(resident_whole_passes(96 * 32, true, 4, 8));
+        assert!(!resident_whole_passes(3584, true, 0, 8));
+        assert!(!resident_whole_passes(3584, true, 2, 0));
     }
 
     #[test]
