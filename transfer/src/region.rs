@@ -21,7 +21,7 @@
 //! - Leases are ordered through one mutex per region, so a lease taken after another was released
 //!   sees all writes made under it.
 //!
-//! Code that must work on the raw bytes (a page arena fed to kernels, later) can use
+//! Code that must work on the raw bytes (UCX maps a region's memory for its transports) can use
 //! [`RegionHandle::as_ptr`]; it then owns the same contract by other means (page reservations and
 //! refcounts): never touch bytes a transfer may be writing before its completion is notified.
 
