@@ -465,12 +465,17 @@ __device__ __forceinline__ void tc_rows(const W (&w)[M], size_t lo, size_t hi,
 // warp w takes row tile w / ksplit of the block and input part w % ksplit, and the parts' sums
 // meet in shared memory. Few active experts (batch 1) make few row tiles, too few to fill every
 // multiprocessor evenly: splitting the input multiplies the warps without changing the bytes.
+// The first row of this warp's tile in block (task) bx of an expert.
+__device__ __forceinline__ int tc_tile_row0(unsigned bx, int ksplit, int tile_rows) {
+    const int warp = threadIdx.x >> 5;
+    return (bx * (MOE_TC_WARPS / ksplit) + warp / ksplit) * tile_rows;
+}
 struct TcSplit {
     int part, tile_row0, vbeg, vend;
     __device__ __forceinline__ TcSplit(int ksplit, int vecs, int tile_rows = 16) {
         const int warp = threadIdx.x >> 5, per = (vecs + ksplit - 1) / ksplit;
         part = warp % ksplit;
-        tile_row0 = (blockIdx.x * (MOE_TC_WARPS / ksplit) + warp / ksplit) * tile_rows;
+        tile_row0 = tc_tile_row0(blockIdx.x, ksplit, tile_rows);
         vbeg = min(part * per, vecs);
         vend = min(vbeg + per, vecs);
     }

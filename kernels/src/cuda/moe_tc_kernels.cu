@@ -48,6 +48,25 @@ __device__ __forceinline__ void down_block_done(const unsigned* ready) {
 #endif
 }
 
+// Gate/up's input rows (token pair / top_k of x) and stores (SiTU of the two sums into h), for
+// the normal and the resident grids alike.
+struct GateUpInput {
+    const bf16_t* x;
+    int din, top_k;
+    __device__ __forceinline__ const bf16_t* operator()(int pair) const {
+        return x + (size_t)(pair / top_k) * din;
+    }
+};
+struct GateUpStore {
+    bf16_t* h;
+    int di;
+    float b1, b2;
+    __device__ __forceinline__ void operator()(int pair, int row, const float (&c)[2][4],
+                                               int j) const {
+        h[(size_t)pair * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
+    }
+};
+
 template <typename W>
 __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict__ x,
                                            const int* __restrict__ n_active,
@@ -63,13 +82,10 @@ __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict_
     grid_dep_wait();
     grid_dep_launch();
     const W w[2] = {wg, wu};
-    if (MOE_TC_PROBE != 2) tc_project_any<W, 2>(
-        w, tmaps, n_active, act_expert, act_count, act_pairs, di, din, ksplit,
-        [&](int pair) { return x + (size_t)(pair / top_k) * din; },
-        [&](int pair, int row, const float (&c)[2][4], int j) {
-            h[(size_t)pair * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
-        },
-        nullptr, 0, stage);
+    if (MOE_TC_PROBE != 2)
+        tc_project_any<W, 2>(w, tmaps, n_active, act_expert, act_count, act_pairs, di, din,
+                             ksplit, GateUpInput{x, din, top_k}, GateUpStore{h, di, b1, b2},
+                             nullptr, 0, stage);
     gate_up_block_done<true>(ready, blockIdx.y, n_active);
 }
 
@@ -92,13 +108,9 @@ __device__ __forceinline__ void gate_up_tc_resident(W wg, W wu, const bf16_t* __
     auto done = [&](int a) {
         if (!gate_up_block_done<false>(ready, a, n_active)) __syncthreads();
     };
-    tc_gate_up_resident<W>(
-        w, n_active, act_expert, act_count, act_pairs, di, din, ksplit, per_expert,
-        [&](int pair) { return x + (size_t)(pair / top_k) * din; },
-        [&](int pair, int row, const float (&c)[2][4], int j) {
-            h[(size_t)pair * di + row] = f2bf(situ(c[0][j], c[1][j], b1, b2));
-        },
-        done);
+    tc_gate_up_resident<W>(w, n_active, act_expert, act_count, act_pairs, di, din, ksplit,
+                           per_expert, GateUpInput{x, din, top_k}, GateUpStore{h, di, b1, b2},
+                           done);
 }
 
 // The weighted combine inside the down kernel (small batches; the host passes `out` non-null

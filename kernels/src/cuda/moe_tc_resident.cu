@@ -23,8 +23,7 @@ __device__ __forceinline__ TcTask tc_task(int task, int per_expert, int ksplit, 
                                           const int* act_pairs) {
     TcTask k;
     k.a = task / per_expert;
-    const int bx = task - k.a * per_expert, warp = threadIdx.x >> 5;
-    k.row0 = (bx * (MOE_TC_WARPS / ksplit) + warp / ksplit) * 16;
+    k.row0 = tc_tile_row0(task - k.a * per_expert, ksplit, 16);
     k.rows_in = k.row0 < out_rows;
     k.e = ld_volatile_s32(act_expert + k.a);
     k.nt = ld_volatile_s32(act_count + k.a);
