@@ -41,6 +41,18 @@ fn main() {
     ];
     let chain = chain.iter().map(|&(k, v)| (k, v.to_string())).collect();
     units.push(("moe-chain".into(), MOE_SOURCE, chain));
+    // Batch 1 routed by the projection blocks themselves (`tc_sr1`), K3's 896 experts.
+    let self_route = [
+        ("MOE_TC_SELF_ROUTE", 1),
+        ("MOE_ROUTE_SELECT", 1),
+        ("MOE_ROUTE_TRIGGER", 1),
+        ("MOE_SR_PER", 7),
+    ];
+    let self_route = self_route
+        .iter()
+        .map(|&(k, v)| (k, v.to_string()))
+        .collect();
+    units.push(("moe-self-route".into(), MOE_SOURCE, self_route));
     units.push(("model".into(), MODEL_SOURCE, vec![]));
     for mt in [2, 3] {
         units.push((

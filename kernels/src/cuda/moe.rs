@@ -10,8 +10,8 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMu
 
 use super::launch::RawLaunch;
 use super::moe_policy::{
-    dependent_launches, fine_waits, resident_whole_passes, stage_tokens, tc_down_rows, tc_ksplit,
-    TmaRing, DOWN_TILES, STAGE_MAX, TC_WARPS,
+    dependent_launches, fine_waits, resident_whole_passes, self_routes, stage_tokens, tc_down_rows,
+    tc_ksplit, TmaRing, DOWN_TILES, STAGE_MAX, TC_WARPS,
 };
 use super::tensor_map::{self, TensorMapArg};
 use super::{CudaDevice, CudaError, MOE_SOURCE};
@@ -216,6 +216,28 @@ fn tc_wave_warps(f: &CudaFunction, sms: usize, smem: usize) -> Result<usize, Cud
     Ok(sms * blocks as usize * TC_WARPS)
 }
 
+/// `TESSERA_MOE_TUNING=NAME=VALUE,…` adds build-time settings of moe.cu to every load (for
+/// measurements of a whole model under a variant): names of `MOE_*` settings, whole-number
+/// values; anything else is left out.
+pub fn moe_tuning_from_env() -> Vec<(String, String)> {
+    let Ok(list) = std::env::var("TESSERA_MOE_TUNING") else {
+        return Vec::new();
+    };
+    parse_moe_tuning(&list)
+}
+
+fn parse_moe_tuning(list: &str) -> Vec<(String, String)> {
+    let setting = |item: &str| {
+        let (name, value) = item.trim().split_once('=')?;
+        let name_ok = name.starts_with("MOE_")
+            && name
+                .chars()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+        (name_ok && value.parse::<u32>().is_ok()).then(|| (name.to_string(), value.to_string()))
+    };
+    list.split(',').filter_map(setting).collect()
+}
+
 /// The compiled MoE decode kernels.
 pub struct MoeDecode {
     /// Most experts `moe_route` was compiled for (256 threads of up to 4 each).
@@ -248,6 +270,11 @@ pub struct MoeDecode {
     /// moe_tc_resident.cu), where every expert's inputs fit in shared memory and each warp's
     /// input range is whole passes; [bf16, MXFP4] input vectors a warp's pass covers.
     resident: Option<[usize; 2]>,
+    /// At batch 1 under [`Self::route_experts`], the projection blocks choose the token's
+    /// experts themselves (`MOE_TC_SELF_ROUTE`, see [`self_routes`]).
+    self_route: bool,
+    /// Most experts a projection block's own choice holds (`MOE_SR_PER` per thread).
+    block_experts: usize,
     combine: CudaFunction,
 }
 
@@ -272,9 +299,13 @@ impl MoeDecode {
     }
 
     /// The kernels for layers of at most `experts` experts (routing keeps that many scores per
-    /// warp in registers, so a small count routes faster).
+    /// warp in registers, so a small count routes faster), with the settings of
+    /// [`moe_tuning_from_env`].
     pub fn load_for(dev: &CudaDevice, experts: usize) -> Result<Self, CudaError> {
-        Self::load_tuned(dev, experts, &[])
+        let env = moe_tuning_from_env();
+        let tuning: Vec<(&str, String)> =
+            env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        Self::load_tuned(dev, experts, &tuning)
     }
 
     /// [`Self::load_for`] with extra compile-time settings of `moe.cu` (measurements).
@@ -284,12 +315,15 @@ impl MoeDecode {
         tuning: &[(&str, String)],
     ) -> Result<Self, CudaError> {
         let per_thread = experts.clamp(1, MAX_EXPERTS).div_ceil(ROUTE_THREADS);
+        let block_threads = TC_WARPS * 32;
+        let sr_per = experts.clamp(1, MAX_EXPERTS).div_ceil(block_threads);
         let mut defines = vec![
             ("MOE_WARPS", WARPS.to_string()),
             ("MOE_COLS_PER_WARP", COLS_PER_WARP.to_string()),
             ("MOE_TC_WARPS", TC_WARPS.to_string()),
             ("MOE_MAXT", MOE_MAX_BATCH.to_string()),
             ("ROUTE_PER_THREAD", per_thread.to_string()),
+            ("MOE_SR_PER", sr_per.to_string()),
         ];
         for (name, tiles) in DOWN_TILES {
             if define_value(tuning, name).is_none() {
@@ -351,6 +385,8 @@ impl MoeDecode {
                 let span = |name, default| 4 * define_value(&defines, name).unwrap_or(default);
                 [span("MOE_TC_SPAN_BF16", 4), span("MOE_TC_SPAN_MXFP4", 2)]
             }),
+            self_route: define_value(&defines, "MOE_TC_SELF_ROUTE").unwrap_or(0) > 0,
+            block_experts: sr_per * block_threads,
             combine: m.load_function("moe_combine")?,
         })
     }
@@ -457,6 +493,43 @@ impl MoeDecode {
         ws: &mut MoeWorkspace,
         out: &mut CudaSlice<u16>,
     ) -> Result<(), CudaError> {
+        self.experts_after(dev, x, experts, act, ws, out, None)
+    }
+
+    /// [`Self::route`] then [`Self::experts`], enqueued back to back: with `MOE_TC_SELF_ROUTE`
+    /// the projection blocks of one token choose its experts from `logits` themselves and start
+    /// on their weights while the routing kernel still runs (it writes the weights and the plan
+    /// the combine reads).
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_experts(
+        &self,
+        dev: &CudaDevice,
+        logits: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        routing: &MoeRouting,
+        x: &CudaSlice<u16>,
+        experts: &MoeExperts,
+        act: MoeActivation,
+        ws: &mut MoeWorkspace,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), CudaError> {
+        self.route(dev, logits, bias, routing, ws)?;
+        self.experts_after(dev, x, experts, act, ws, out, Some((logits, bias)))
+    }
+
+    /// [`Self::experts`]; `routed`: the routing kernel's logits and bias, that kernel the last
+    /// one enqueued on the stream.
+    #[allow(clippy::too_many_arguments)]
+    fn experts_after(
+        &self,
+        dev: &CudaDevice,
+        x: &CudaSlice<u16>,
+        experts: &MoeExperts,
+        act: MoeActivation,
+        ws: &mut MoeWorkspace,
+        out: &mut CudaSlice<u16>,
+        routed: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+    ) -> Result<(), CudaError> {
         let (d, batch) = (ws.dims, ws.batch);
         expect_len("x", x.len(), batch * d.din)?;
         expect_len("out", out.len(), batch * d.din)?;
@@ -559,6 +632,32 @@ impl MoeDecode {
             }
             _ => &kernels.gate_up,
         };
+        // Down and combine may start while the kernel before them runs (see `dependent`).
+        let overlap = tc && self.dependent && ring.is_none();
+        // The combine in the down kernel: its (token, row tile)s, or none (null `out`).
+        let fused = overlap && batch <= self.fused_combine_max;
+        let self_routed = routed.filter(|_| {
+            let (k, e, blocks) = (d.top_k, d.experts, self.block_experts);
+            let (dependent, ring) = (self.dependent, ring.is_some());
+            self.self_route
+                && tc
+                && self_routes(true, dependent, batch, k, e, blocks, resident, ring, fused)
+        });
+        // The routing's logits and bias, the experts and the gate/up blocks (the first wave)
+        // that choose for themselves; zeros: the blocks read the plan.
+        let push_self_route = |launch: &mut RawLaunch<'_>, blocks: u32| match self_routed {
+            Some((logits, bias)) => {
+                let e = d.experts as i32;
+                launch
+                    .slice(logits, s)
+                    .slice(bias, s)
+                    .value(e)
+                    .value(blocks as i32);
+            }
+            None => {
+                launch.value(0u64).value(0u64).value(0i32).value(0i32);
+            }
+        };
         if tc {
             // The resident kernel takes the block tasks an expert has where the other takes
             // the staged tokens (it stages as many as the call has: batch ≤ stage).
@@ -568,6 +667,9 @@ impl MoeDecode {
                 stage[0] as i32
             };
             launch.value(ks_gate_up).value(ready).value(last);
+            if !resident {
+                push_self_route(&mut launch, (waves[0] / TC_WARPS) as u32);
+            }
         }
         let maps = match (ring, experts) {
             (Some(_), MoeExperts::Mxfp4 { gate, up, down }) => {
@@ -592,10 +694,11 @@ impl MoeDecode {
         // resident blocks only where every expert's tokens fit the staged rows (batch ≤ stage)
         // and each warp's input range is whole passes (checked above).
         // The tensor-core kernels wait for the kernel before them before they read anything, so
-        // they may go out as dependents.
+        // they may go out as dependents; self-routed (one token, logits and bias of `experts`
+        // values), only the logits, bias and x are read before that wait, and the kernel before
+        // is the routing kernel, which lets gate/up launch only once it is past its own wait,
+        // when the logits and x are out.
         unsafe { launch.launch(s, gate_up_fn, cfg_gate_up, tc && self.dependent) }?;
-        // Down and combine may start while the kernel before them runs (see `dependent`).
-        let overlap = tc && self.dependent && ring.is_none();
         let mut launch = RawLaunch::new();
         match experts {
             MoeExperts::Bf16 { down, .. } => launch.slice(down, s),
@@ -604,8 +707,6 @@ impl MoeDecode {
         launch.slice(&ws.h, s);
         ws.push_plan(&mut launch, s);
         launch.slice_mut(&mut ws.y, s).value(din_i).value(di_i);
-        // The combine in the down kernel: its (token, row tile)s, or none (null `out`).
-        let fused = overlap && batch <= self.fused_combine_max;
         if tc {
             // A down warp waits for all gate/up block tasks of its expert (the normal grid's
             // width; resident blocks count each task as such a block).
@@ -627,6 +728,7 @@ impl MoeDecode {
                 .value(k_i)
                 .value(groups as i32)
                 .value(max_active as i32);
+            push_self_route(&mut launch, 0);
         }
         if let Some(m) = &maps {
             launch.by_ref(&m[2]);
@@ -634,7 +736,8 @@ impl MoeDecode {
         // SAFETY: as above for `moe_down_{,tc_}{bf16,mxfp4}`; y holds `pairs` rows of `din`,
         // weight `pairs` values, out (when not null) `batch` rows of `din`, combine_counts 1 +
         // `batch · din / 16` counts at zero (down_rows ≥ 16). Launched as dependent only on the
-        // tensor-core path, whose kernels wait for gate/up before they read h.
+        // tensor-core path, whose kernels wait for gate/up before they read h; self-routed,
+        // they read the logits, which were out before gate/up launched.
         unsafe { launch.launch(s, &kernels.down, cfg(d.din, 1, ks_down, smem[1]), overlap) }?;
         if fused {
             return Ok(());
@@ -700,5 +803,23 @@ fn check_weights(experts: &MoeExperts, d: &MoeDims) -> Result<(), CudaError> {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_moe_tuning;
+
+    #[test]
+    fn tuning_from_env_keeps_only_moe_settings() {
+        let got = parse_moe_tuning("MOE_TC_SELF_ROUTE=1, MOE_ROUTE_TRIGGER=1,X=1,MOE_A=-1,MOE_b=2");
+        let want = [("MOE_TC_SELF_ROUTE", "1"), ("MOE_ROUTE_TRIGGER", "1")];
+        let want: Vec<(String, String)> = want
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(got, want);
+        assert!(parse_moe_tuning("").is_empty());
+        assert!(parse_moe_tuning("MOE_TC_PROBE=1 -DX").is_empty());
     }
 }
