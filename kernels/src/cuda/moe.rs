@@ -636,13 +636,22 @@ impl MoeDecode {
         let overlap = tc && self.dependent && ring.is_none();
         // The combine in the down kernel: its (token, row tile)s, or none (null `out`).
         let fused = overlap && batch <= self.fused_combine_max;
-        let self_routed = routed.filter(|_| {
+        let self_routed = {
             let (k, e, blocks) = (d.top_k, d.experts, self.block_experts);
             let (dependent, ring) = (self.dependent, ring.is_some());
-            self.self_route
-                && tc
-                && self_routes(true, dependent, batch, k, e, blocks, resident, ring, fused)
-        });
+            let on = self_routes(
+                routed.is_some(),
+                dependent,
+                batch,
+                k,
+                e,
+                blocks,
+                resident,
+                ring,
+                fused,
+            );
+            routed.filter(|_| self.self_route && tc && on)
+        };
         // The routing's logits and bias, the experts and the gate/up blocks (the first wave)
         // that choose for themselves; zeros: the blocks read the plan.
         let push_self_route = |launch: &mut RawLaunch<'_>, blocks: u32| match self_routed {
