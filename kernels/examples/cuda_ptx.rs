@@ -81,6 +81,8 @@ fn main() {
             let name = format!("mla_decode_tr{heads}_sm90");
             units.push((name, MLA_DECODE_SM90_SOURCE, tr));
         }
+        let ahead = vec![("MLA_PAGE_AHEAD", "1".to_string())];
+        units.push(("mla_decode_pa_sm90".into(), MLA_DECODE_SM90_SOURCE, ahead));
         units.push((
             "kda_scan_sm90".into(),
             KDA_SCAN_SM90_SOURCE,

@@ -90,11 +90,14 @@ pub struct MlaTuning {
     /// wrong by design, never for use): 1 skips the P·V products, 2 the S products (P uniform), 3 both (the tile
     /// copies, barriers and softmax alone).
     pub probe: u8,
+    /// The split-role kernels' producer loads each page id a copy ahead (`MLA_PAGE_AHEAD`).
+    pub page_ahead: bool,
 }
 
 impl MlaTuning {
-    fn defines(&self) -> [(&'static str, String); 4] {
+    fn defines(&self) -> [(&'static str, String); 5] {
         [
+            ("MLA_PAGE_AHEAD", u8::from(self.page_ahead).to_string()),
             ("MLA_PREFETCH", self.prefetch.to_string()),
             ("MLA_COALESCED", u8::from(self.coalesced).to_string()),
             ("MLA_WS_BN", self.ws_tile().to_string()),
@@ -102,10 +105,11 @@ impl MlaTuning {
         ]
     }
 
-    /// Whether these choices change `kernel` (tile, probe and transposition concern the Hopper
-    /// kernel only).
+    /// Whether these choices change `kernel` (tile, probe, transposition and page ids ahead
+    /// concern the Hopper kernel only).
     pub fn applies_to(&self, kernel: MlaKernel) -> bool {
-        kernel == MlaKernel::Hopper || (self.ws_tile == 0 && self.probe == 0 && !self.transposed)
+        kernel == MlaKernel::Hopper
+            || (self.ws_tile == 0 && self.probe == 0 && !self.transposed && !self.page_ahead)
     }
 
     /// Tokens per tile of the split-role kernel.
