@@ -497,9 +497,9 @@ impl MoeDecode {
     }
 
     /// [`Self::route`] then [`Self::experts`], enqueued back to back: with `MOE_TC_SELF_ROUTE`
-    /// the projection blocks of one token choose its experts from `logits` themselves and start
-    /// on their weights while the routing kernel still runs (it writes the weights and the plan
-    /// the combine reads).
+    /// the first wave of gate/up blocks of one token choose its experts from `logits`
+    /// themselves and start on their weights while the routing kernel still runs (it writes the
+    /// weights and the plan that the later blocks, down and the combine read).
     #[allow(clippy::too_many_arguments)]
     pub fn route_experts(
         &self,
@@ -648,24 +648,8 @@ impl MoeDecode {
                 blocks,
                 resident,
                 ring,
-                fused,
             );
             routed.filter(|_| self.self_route && tc && on)
-        };
-        // The routing's logits and bias, the experts and the gate/up blocks (the first wave)
-        // that choose for themselves; zeros: the blocks read the plan.
-        let push_self_route = |launch: &mut RawLaunch<'_>, blocks: u32| match self_routed {
-            Some((logits, bias)) => {
-                let e = d.experts as i32;
-                launch
-                    .slice(logits, s)
-                    .slice(bias, s)
-                    .value(e)
-                    .value(blocks as i32);
-            }
-            None => {
-                launch.value(0u64).value(0u64).value(0i32).value(0i32);
-            }
         };
         if tc {
             // The resident kernel takes the block tasks an expert has where the other takes
@@ -676,8 +660,18 @@ impl MoeDecode {
                 stage[0] as i32
             };
             launch.value(ks_gate_up).value(ready).value(last);
-            if !resident {
-                push_self_route(&mut launch, (waves[0] / TC_WARPS) as u32);
+            // The routing's logits and bias, the experts and the gate/up blocks (the first
+            // wave) that choose for themselves; zeros: every block reads the plan.
+            match (resident, self_routed) {
+                (true, _) => {}
+                (false, Some((logits, bias))) => {
+                    let wave = (waves[0] / TC_WARPS) as i32;
+                    let e = d.experts as i32;
+                    launch.slice(logits, s).slice(bias, s).value(e).value(wave);
+                }
+                (false, None) => {
+                    launch.value(0u64).value(0u64).value(0i32).value(0i32);
+                }
             }
         }
         let maps = match (ring, experts) {
@@ -737,7 +731,6 @@ impl MoeDecode {
                 .value(k_i)
                 .value(groups as i32)
                 .value(max_active as i32);
-            push_self_route(&mut launch, 0);
         }
         if let Some(m) = &maps {
             launch.by_ref(&m[2]);
@@ -745,8 +738,8 @@ impl MoeDecode {
         // SAFETY: as above for `moe_down_{,tc_}{bf16,mxfp4}`; y holds `pairs` rows of `din`,
         // weight `pairs` values, out (when not null) `batch` rows of `din`, combine_counts 1 +
         // `batch · din / 16` counts at zero (down_rows ≥ 16). Launched as dependent only on the
-        // tensor-core path, whose kernels wait for gate/up before they read h; self-routed,
-        // they read the logits, which were out before gate/up launched.
+        // tensor-core path, whose kernels wait for gate/up before they read h (and launch only
+        // once every gate/up block is past its wait for the routing kernel: the plan is out).
         unsafe { launch.launch(s, &kernels.down, cfg(d.din, 1, ks_down, smem[1]), overlap) }?;
         if fused {
             return Ok(());

@@ -67,13 +67,14 @@ struct GateUpStore {
     }
 };
 
-// Batch 1 routed by the projection blocks themselves (MOE_TC_SELF_ROUTE; the host's
+// Batch 1's first gate/up wave routed by its blocks themselves (MOE_TC_SELF_ROUTE; the host's
 // `route_experts`, where the routing kernel goes out right before gate/up and lets it launch
 // once past its own wait): each block chooses the token's top_k from the router's logits
 // exactly as moe_route does (the same keys; the order by choice descending, expert ascending is
-// the same whatever the select), so gate/up and down start on their weights without waiting for
-// the routing kernel, which still writes the weights and the plan for the combine. At batch 1
-// the plan is the slots in order: active expert a is slot a's expert, serving pair a alone.
+// the same whatever the select), so it starts on its weights without waiting for the routing
+// kernel, which still writes the weights and the plan that later blocks, down and the combine
+// read. At batch 1 the plan is the slots in order: active expert a is slot a's expert, serving
+// pair a alone.
 #ifndef MOE_TC_SELF_ROUTE
 #define MOE_TC_SELF_ROUTE 0
 #endif
@@ -85,7 +86,7 @@ struct SelfRoute {
     const float* logits;  // [experts] (null: the blocks read the routing kernel's plan)
     const float* bias;    // [experts]
     int experts;
-    int blocks;           // gate/up: the blocks (in launch order) that choose; later ones wait
+    int blocks;           // the blocks (in launch order) that choose; later ones wait
 };
 #define SELF_ROUTE_PARAMS                                                                         \
     , const float *__restrict__ sr_logits, const float *__restrict__ sr_bias, int sr_experts,     \
@@ -136,31 +137,34 @@ __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict_
                                  nullptr, 0, stage);
     } else {
 #if MOE_TC_SELF_ROUTE
-        const bool self = sr.logits != nullptr;
+        const bool chose = sr.logits != nullptr && blockIdx.y * gridDim.x + blockIdx.x <
+                                                       (unsigned)sr.blocks;
 #else
-        constexpr bool self = false;
+        constexpr bool chose = false;
 #endif
-        // Self-routed, the down kernel chooses its experts too: it may launch at once.
-        if (self) grid_dep_launch();
         TcPlanTask task;
         bool active = true;
 #if MOE_TC_SELF_ROUTE
-        if (self && blockIdx.y * gridDim.x + blockIdx.x < (unsigned)sr.blocks)
+        if (chose)
             task = self_routed_task(sr, top_k);
         else
 #endif
         {
             // As above.
             grid_dep_wait();
-            if (!self) grid_dep_launch();
+            grid_dep_launch();
             active = tc_plan_task<W>(n_active, act_expert, act_count, act_pairs, task);
         }
         if (active && MOE_TC_PROBE != 2)
             tc_project_task<W, 2>(w, task, di, din, ksplit, 16, GateUpInput{x, din, top_k},
                                   GateUpStore{h, di, b1, b2}, nullptr, 0, stage);
-        // Self-routed, the kernel still ends after the routing kernel (what runs after the
-        // down kernel reads the routing's weights).
-        if (self) grid_dep_wait();
+        // A block that chose lets the down kernel (which reads the plan) launch only once past
+        // the wait, at its end: the routing kernel is over long before, and gate/up's later
+        // waves hold the slots until then anyway.
+        if (chose) {
+            grid_dep_wait();
+            grid_dep_launch();
+        }
     }
     gate_up_block_done<true>(ready, blockIdx.y, n_active);
 }
@@ -272,8 +276,7 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
                                         const int* __restrict__ act_pairs, float* __restrict__ y,
                                         int din, int di, int ksplit, const unsigned* ready,
                                         unsigned ready_target, int stage,
-                                        const void* const (&tmaps)[1], const FusedCombine& fc,
-                                        const SelfRoute& sr) {
+                                        const void* const (&tmaps)[1], const FusedCombine& fc) {
     grid_dep_launch();
     constexpr bool DEP = MOE_TC_DEPENDENT;
     if (MOE_TC_PROBE == 1) {
@@ -281,38 +284,23 @@ __device__ __forceinline__ void down_tc(W wd, const bf16_t* __restrict__ h,
         return;
     }
     auto input = [&](int pair) { return h + (size_t)pair * di; };
-    auto store1 = [&](int pair, int row, const float (&c)[1][4], int j) {
-        y[(size_t)pair * din + row] = c[0][j];
-    };
-    if constexpr (MOE_TMA_ON && W::SCALED) {
+    if constexpr (W::DOWN_TILES == 2 && !(MOE_TMA_ON && W::SCALED)) {
+        const W w[2] = {wd, wd.from_row(16, di)};
+        tc_project<W, 2, DEP>(w, n_active, act_expert, act_count, act_pairs, din, di, ksplit, 32,
+                              input,
+                              [&](int pair, int row, const float (&c)[2][4], int j) {
+                                  y[(size_t)pair * din + row] = c[0][j];
+                                  y[(size_t)pair * din + row + 16] = c[1][j];
+                              },
+                              ready, ready_target, stage);
+    } else {
         const W w[1] = {wd};
         tc_project_any<W, 1, DEP>(w, tmaps, n_active, act_expert, act_count, act_pairs, din, di,
-                                  ksplit, input, store1, ready, ready_target, stage);
-    } else {
-        TcPlanTask task;
-        bool active;
-#if MOE_TC_SELF_ROUTE
-        if (sr.logits != nullptr) {
-            task = self_routed_task(sr, fc.top_k);
-            active = true;
-        } else
-#endif
-            active = tc_plan_task<W>(n_active, act_expert, act_count, act_pairs, task);
-        if (active) {
-            if constexpr (W::DOWN_TILES == 2) {
-                const W w[2] = {wd, wd.from_row(16, di)};
-                auto store2 = [&](int pair, int row, const float (&c)[2][4], int j) {
-                    y[(size_t)pair * din + row] = c[0][j];
-                    y[(size_t)pair * din + row + 16] = c[1][j];
-                };
-                tc_project_task<W, 2, DEP>(w, task, din, di, ksplit, 32, input, store2, ready,
-                                           ready_target, stage);
-            } else {
-                const W w[1] = {wd};
-                tc_project_task<W, 1, DEP>(w, task, din, di, ksplit, 16, input, store1, ready,
-                                           ready_target, stage);
-            }
-        }
+                                  ksplit, input,
+                                  [&](int pair, int row, const float (&c)[1][4], int j) {
+                                      y[(size_t)pair * din + row] = c[0][j];
+                                  },
+                                  ready, ready_target, stage);
     }
     if constexpr (!(MOE_TMA_ON && W::SCALED)) {
         constexpr int TILE_ROWS = W::DOWN_TILES == 2 ? 32 : 16;
@@ -387,11 +375,11 @@ moe_gate_up_tc_res_mxfp4(const unsigned char* __restrict__ gate_packed,
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
 moe_down_tc_bf16(const bf16_t* __restrict__ w_down, const bf16_t* __restrict__ h, PLAN_ARGS,
                  float* __restrict__ y, int din, int di, int ksplit, unsigned* ready,
-                 int ready_target, int stage, FUSED_COMBINE_PARAMS SELF_ROUTE_PARAMS) {
+                 int ready_target, int stage, FUSED_COMBINE_PARAMS) {
     const void* const tmaps[1] = {nullptr};
     down_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_down)}, h, n_active, act_expert, act_count,
             act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target, stage, tmaps,
-            FUSED_COMBINE(ready), SELF_ROUTE);
+            FUSED_COMBINE(ready));
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
@@ -399,9 +387,9 @@ moe_down_tc_mxfp4(const unsigned char* __restrict__ down_packed,
                   const unsigned char* __restrict__ down_scale, const bf16_t* __restrict__ h,
                   PLAN_ARGS, float* __restrict__ y, int din, int di, int ksplit,
                   unsigned* ready, int ready_target, int stage,
-                  FUSED_COMBINE_PARAMS SELF_ROUTE_PARAMS TMA_PARAMS_1) {
+                  FUSED_COMBINE_PARAMS TMA_PARAMS_1) {
     TMA_MAPS_1
     down_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(down_packed), down_scale}, h, n_active,
             act_expert, act_count, act_pairs, y, din, di, ksplit, ready, (unsigned)ready_target,
-            stage, tmaps, FUSED_COMBINE(ready), SELF_ROUTE);
+            stage, tmaps, FUSED_COMBINE(ready));
 }
