@@ -4,7 +4,7 @@
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
-//!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 64] [--mla-probe 1,2,3]
+//!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 64] [--mla-probe 1,2,3,4]
 //!       [--mla-transposed] [--mla-page-ahead] [--moe-tunings] [--moe-variants L,..]
 //!       [--moe-profile B,..] [--mla-profile]
 //!
@@ -15,7 +15,8 @@
 //! ahead), `--mla-coalesced` with its wider tile copies, `--mla-ws-tile 64` with the Hopper
 //! split-role kernel on 64-token tiles (pages of 64 tokens and more), `--mla-probe 1,2,3` times
 //! that kernel (at each tile size named, and the transposed one when asked for) without its P·V
-//! products, its S products, or both (never checked: wrong by design), `--mla-transposed` the
+//! products, its S products, or both, or (4, not the transposed one) keeps its tile stream alone
+//! (never checked: wrong by design), `--mla-transposed` the
 //! Hopper kernel with both products transposed (heads as wgmma's N, no padding; pages of 64
 //! tokens and more), `--mla-page-ahead` the split-role kernels with each page id loaded a copy
 //! ahead (and the transposed one's, with `--mla-transposed`); `--mla-profile`
@@ -515,7 +516,7 @@ fn run() -> Result<usize, CudaError> {
                 ..MlaTuning::default()
             });
         }
-        if transposed {
+        if transposed && probe < 4 {
             tunings.push(MlaTuning {
                 transposed,
                 probe,

@@ -83,6 +83,8 @@ fn main() {
         }
         let ahead = vec![("MLA_PAGE_AHEAD", "1".to_string())];
         units.push(("mla_decode_pa_sm90".into(), MLA_DECODE_SM90_SOURCE, ahead));
+        let stream = vec![("MLA_WS_PROBE", "4".to_string())];
+        units.push(("mla_decode_stream_sm90".into(), MLA_DECODE_SM90_SOURCE, stream));
         units.push((
             "kda_scan_sm90".into(),
             KDA_SCAN_SM90_SOURCE,

@@ -87,8 +87,9 @@ pub struct MlaTuning {
     /// where pages hold whole 64-token tiles.
     pub transposed: bool,
     /// A timing probe of the split-role kernels, transposed or not (`MLA_WS_PROBE`; outputs
-    /// wrong by design, never for use): 1 skips the P·V products, 2 the S products (P uniform), 3 both (the tile
-    /// copies, barriers and softmax alone).
+    /// wrong by design, never for use): 1 skips the P·V products, 2 the S products (P uniform),
+    /// 3 both (the tile copies, barriers and softmax alone); 4 (not transposed) the tile
+    /// stream alone (each tile waited for and released at once).
     pub probe: u8,
     /// The split-role kernels' producer loads each page id a copy ahead (`MLA_PAGE_AHEAD`).
     pub page_ahead: bool,

@@ -509,6 +509,8 @@ struct TilePipe {
         fence_async_smem();
         mbar_arrive(at(p_full, i % PBUF));
     }
+    // Tile i is in (the tile-stream probe's wait).
+    __device__ void wait_tile(int i) const { mbar_wait(at(full, i % STAGES), (i / STAGES) & 1); }
     // Before tile i's products: the tile and its P.
     __device__ void wait_products(int i) const {
         mbar_wait(at(full, i % STAGES), (i / STAGES) & 1);
@@ -548,7 +550,9 @@ struct TilePipe {
 #endif
 #define WS_BN MLA_WS_BN
 // Timing probes of the split-role kernels, this one and the transposed one (outputs wrong by
-// design): bit 0 skips the P·V products, bit 1 the S products.
+// design): bit 0 skips the P·V products, bit 1 the S products; bit 2 (this one only) keeps the
+// tile stream alone: every warpgroup waits for each tile and releases it at once (no Q, no
+// softmax, no P).
 #ifndef MLA_WS_PROBE
 #define MLA_WS_PROBE 0
 #endif
@@ -590,6 +594,17 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                                                    num_pages};
     const int ntiles = pipe.ntiles;
     pipe.start();
+    if (MLA_WS_PROBE & 4) {
+        int ahead = pipe.first_ahead();
+        for (int i = 0; i < ntiles; ++i) {
+            pipe.wait_tile(i);
+            if (wg == 0)
+                pipe.scores_done(i, wt);
+            else
+                pipe.products_done(i, wt, ahead);
+        }
+        return;
+    }
 
     const int g = lane >> 2, t4 = lane & 3;
     const int r0 = 16 * (wt >> 5) + g, r1 = r0 + 8;
