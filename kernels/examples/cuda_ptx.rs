@@ -41,18 +41,6 @@ fn main() {
     ];
     let chain = chain.iter().map(|&(k, v)| (k, v.to_string())).collect();
     units.push(("moe-chain".into(), MOE_SOURCE, chain));
-    // Batch 1 routed by the projection blocks themselves (`tc_sr1`), K3's 896 experts.
-    let self_route = [
-        ("MOE_TC_SELF_ROUTE", 1),
-        ("MOE_ROUTE_SELECT", 1),
-        ("MOE_ROUTE_TRIGGER", 1),
-        ("MOE_SR_PER", 7),
-    ];
-    let self_route = self_route
-        .iter()
-        .map(|&(k, v)| (k, v.to_string()))
-        .collect();
-    units.push(("moe-self-route".into(), MOE_SOURCE, self_route));
     units.push(("model".into(), MODEL_SOURCE, vec![]));
     for mt in [2, 3] {
         units.push((
@@ -84,7 +72,11 @@ fn main() {
         let ahead = vec![("MLA_PAGE_AHEAD", "1".to_string())];
         units.push(("mla_decode_pa_sm90".into(), MLA_DECODE_SM90_SOURCE, ahead));
         let stream = vec![("MLA_WS_PROBE", "4".to_string())];
-        units.push(("mla_decode_stream_sm90".into(), MLA_DECODE_SM90_SOURCE, stream));
+        units.push((
+            "mla_decode_stream_sm90".into(),
+            MLA_DECODE_SM90_SOURCE,
+            stream,
+        ));
         units.push((
             "kda_scan_sm90".into(),
             KDA_SCAN_SM90_SOURCE,

@@ -463,12 +463,6 @@ fn moe_decode_compiles_for_hopper_and_ampere() {
                 ("ROUTE_PER_THREAD", "1".to_string()),
             ],
             vec![
-                ("MOE_TC_SELF_ROUTE", "1".to_string()),
-                ("MOE_ROUTE_TRIGGER", "1".to_string()),
-                ("MOE_SR_PER", "7".to_string()),
-                ("MOE_TC_PLAN_EARLY", "1".to_string()),
-            ],
-            vec![
                 ("MOE_TC_RESIDENT", "1".to_string()),
                 ("MOE_TC_FUSED_COMBINE", "64".to_string()),
             ],

@@ -4,7 +4,6 @@
 
 use crate::common::{fill, rel_err, time_us_back_to_back, Checks, Device, Rng};
 use crate::{bf16_vec, report_time, values};
-use cudarc::driver::CudaSlice;
 use tessera_kernels::cpu::{self, MoeRouting};
 use tessera_kernels::cuda::{
     mxfp4_device_codes, CudaDevice, CudaError, MoeActivation, MoeDecode, MoeDims, MoeExperts,
@@ -140,21 +139,6 @@ pub(crate) fn variants(
             ]),
         ));
         // Gate/up by resident blocks, the next task's first pass loaded during the last pass.
-        // Batch 1 routed by the projection blocks themselves (the routing kernel by warp lists,
-        // letting gate/up launch once past its wait), alone and with the plan read early.
-        let self_route = [
-            ("MOE_TC_SELF_ROUTE", 1),
-            ("MOE_ROUTE_SELECT", 1),
-            ("MOE_ROUTE_TRIGGER", 1),
-        ];
-        specs.push((
-            "_tc_sr1".into(),
-            MoePath::TensorCores,
-            None,
-            set(&self_route),
-        ));
-        let early = [self_route.as_slice(), &[("MOE_TC_PLAN_EARLY", 1)]].concat();
-        specs.push(("_tc_sr1pe1".into(), MoePath::TensorCores, None, set(&early)));
         specs.push((
             "_tc_res1".into(),
             MoePath::TensorCores,
@@ -314,19 +298,6 @@ pub(crate) fn check_routing(
     Ok(())
 }
 
-/// Routes `logits` (with `bias`) and runs the experts in one call, as a decode step does.
-fn route_experts(
-    dev: &CudaDevice,
-    moe: &MoeDecode,
-    (logits, bias, routing): (&CudaSlice<f32>, &CudaSlice<f32>, &MoeRouting),
-    x: &CudaSlice<u16>,
-    experts: &MoeExperts,
-    ws: &mut MoeWorkspace,
-    out: &mut CudaSlice<u16>,
-) -> Result<(), CudaError> {
-    moe.route_experts(dev, logits, bias, routing, x, experts, SITU, ws, out)
-}
-
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_moe_experts(
     dev: &CudaDevice,
@@ -354,12 +325,17 @@ pub(crate) fn check_moe_experts(
     let bias = vec![0.0f32; e];
     let x = bf16_vec(batch * din, rng, 1.0);
     let mut ws = MoeWorkspace::new(dev, dims, batch)?;
-    let (logits_d, bias_d) = (dev.upload(&logits)?, dev.upload(&bias)?);
+    moe.route(
+        dev,
+        &dev.upload(&logits)?,
+        &dev.upload(&bias)?,
+        &routing,
+        &mut ws,
+    )?;
     let mut out = Device { dev }.poisoned_u16(batch * din)?;
     // The same step twice on the same workspace, the second into its own poisoned output: every
     // count the first call raised must be back at zero, and the sums land in the same order (bit
-    // for bit). The first routes and runs the experts together (the projection blocks of a
-    // self-routing build choose batch 1's experts themselves), the second reads the plan.
+    // for bit).
     let mut again = Device { dev }.poisoned_u16(batch * din)?;
     let xd = dev.upload(&x)?;
     let host = if mxfp4 {
@@ -420,8 +396,7 @@ pub(crate) fn check_moe_experts(
             up: (&ud.0, &ud.1),
             down: (&dd.0, &dd.1),
         };
-        let routed = (&logits_d, &bias_d, &routing);
-        route_experts(dev, moe, routed, &xd, &experts, &mut ws, &mut out)?;
+        moe.experts(dev, &xd, &experts, SITU, &mut ws, &mut out)?;
         moe.experts(dev, &xd, &experts, SITU, &mut ws, &mut again)?;
         host
     } else {
@@ -436,8 +411,7 @@ pub(crate) fn check_moe_experts(
             up: &ud,
             down: &dd,
         };
-        let routed = (&logits_d, &bias_d, &routing);
-        route_experts(dev, moe, routed, &xd, &experts, &mut ws, &mut out)?;
+        moe.experts(dev, &xd, &experts, SITU, &mut ws, &mut out)?;
         moe.experts(dev, &xd, &experts, SITU, &mut ws, &mut again)?;
         let split = |w: &[u16], n: usize| -> Vec<Vec<f32>> { w.chunks(n).map(values).collect() };
         HostExperts {
@@ -580,8 +554,8 @@ pub(crate) fn bench_moe(
                 })?;
                 report_time(&format!("moe_experts_{kind}"), &shape, us, bytes, &extra);
                 let us = time_us_back_to_back(dev, samples, reps, || {
-                    let routed = (&logits, &bias, &routing);
-                    route_experts(dev, moe, routed, &x, &experts, &mut ws, &mut out)
+                    moe.route(dev, &logits, &bias, &routing, &mut ws)?;
+                    moe.experts(dev, &x, &experts, SITU, &mut ws, &mut out)
                 })?;
                 report_time(&format!("moe_decode_{kind}"), &shape, us, bytes, &extra);
                 // Routing and plan alone (the floor: reading the router logits once).

@@ -149,26 +149,6 @@ __device__ __forceinline__ void plan_block(const unsigned* idx, int pairs, int e
     for (int a = tid; a < (int)total; a += PLAN_THREADS) act_count[a] = s_count[a];
 }
 
-// The scores (sigmoid of the logits) and choice keys of experts e0 .. e0 + PER of one token's
-// logits row `lg` (through L2), key 0 past the experts.
-template <int PER>
-__device__ __forceinline__ void route_keys(const float* __restrict__ lg,
-                                           const float* __restrict__ bias, int experts, int e0,
-                                           unsigned (&key)[PER], float (&score)[PER]) {
-    const float ninf = -__int_as_float(0x7f800000);
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int e = e0 + i;
-        key[i] = 0u;
-        score[i] = 0.0f;
-        if (e < experts) {
-            score[i] = 1.0f / (1.0f + expf(-__ldcg(lg + e)));
-            const float c = score[i] + __ldcg(bias + e);
-            key[i] = order_key(c != c ? ninf : c);
-        }
-    }
-}
-
 // The ranked choice of one token by the ROUTE_THREADS threads of its block, each holding the
 // keys and scores of experts e0 .. e0 + ROUTE_PER_THREAD (key 0 past the experts): the taken
 // experts into s_idx[0..top_k) in slot order (choice descending, expert ascending), their
@@ -285,15 +265,15 @@ __device__ __forceinline__ void warp_pop_best(unsigned (&key)[N], int (&ex)[N], 
     }
 }
 
-// The best top_k of the LISTS warps' lists (SPAN ≥ top_k entries of each read) in slot order,
-// by warp 0: lane l reads LANE entries of list l / (SPAN / LANE) from (l · LANE) % SPAN on, best
+// The best top_k of the warps' lists (SPAN ≥ top_k entries of each read) in slot order, by
+// warp 0: lane l reads LANE entries of list l / (SPAN / LANE) from (l · LANE) % SPAN on, best
 // first; a lower lane holds lower experts for equal keys, as the warps' experts ascend with the
 // warp.
-template <int SPAN, int LISTS>
+template <int SPAN>
 __device__ __forceinline__ void merge_lists(int top_k, const unsigned* s_key, const int* s_exp,
                                             const float* s_score, unsigned* s_idx, float* s_w) {
-    constexpr int LANE = LISTS * SPAN / 32;
-    static_assert(LANE * 32 == LISTS * SPAN, "list layout");
+    constexpr int LANE = (ROUTE_THREADS / 32) * SPAN / 32;
+    static_assert(LANE * 32 == (ROUTE_THREADS / 32) * SPAN, "list layout");
     const int lane = threadIdx.x & 31;
     const int list = lane * LANE / SPAN, first = lane * LANE % SPAN;
     unsigned k[LANE];
@@ -310,15 +290,15 @@ __device__ __forceinline__ void merge_lists(int top_k, const unsigned* s_key, co
     warp_pop_best<LANE>(k, x, c, top_k, nullptr, reinterpret_cast<int*>(s_idx), s_w);
 }
 
-// By warp lists (top_k ≤ ROUTE_LIST_MAX), over a block of THREADS threads of PER experts each:
-// each thread sorts its own experts, each warp pops its best top_k into its list
-// (s_key/s_exp/s_score[warp · ROUTE_LIST_MAX ..]), then warp 0 pops the best top_k of the lists,
-// already in slot order (at 256 threads four entries a lane up to top_k 16, eight beyond).
-template <int THREADS, int PER>
-__device__ __forceinline__ void route_rank_lists(unsigned (&key)[PER], float (&score)[PER], int e0,
+// By warp lists (top_k ≤ ROUTE_LIST_MAX): each thread sorts its own experts, each warp pops
+// its best top_k into its list (s_key/s_exp/s_score[warp · ROUTE_LIST_MAX ..]), then warp 0
+// pops the best top_k of the lists, already in slot order (four entries a lane up to top_k 16,
+// eight beyond).
+__device__ __forceinline__ void route_rank_lists(unsigned (&key)[ROUTE_PER_THREAD],
+                                                 float (&score)[ROUTE_PER_THREAD], int e0,
                                                  int top_k, unsigned* s_key, int* s_exp,
                                                  float* s_score, unsigned* s_idx, float* s_w) {
-    constexpr int LISTS = THREADS / 32;
+    constexpr int PER = ROUTE_PER_THREAD;
     const int warp = threadIdx.x >> 5;
     int ex[PER];
 #pragma unroll
@@ -346,9 +326,9 @@ __device__ __forceinline__ void route_rank_lists(unsigned (&key)[PER], float (&s
     __syncthreads();
     if (warp != 0) return;
     if (top_k <= ROUTE_LIST_MAX / 2)
-        merge_lists<ROUTE_LIST_MAX / 2, LISTS>(top_k, s_key, s_exp, s_score, s_idx, s_w);
+        merge_lists<ROUTE_LIST_MAX / 2>(top_k, s_key, s_exp, s_score, s_idx, s_w);
     else
-        merge_lists<ROUTE_LIST_MAX, LISTS>(top_k, s_key, s_exp, s_score, s_idx, s_w);
+        merge_lists<ROUTE_LIST_MAX>(top_k, s_key, s_exp, s_score, s_idx, s_w);
 }
 
 // moe_route (see above) may go out as a dependent launch: nothing is read before it waits for
@@ -371,17 +351,28 @@ moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
     __shared__ float s_w[CAP];
     __shared__ bool s_last;
     const int b = blockIdx.x, tid = threadIdx.x;
+    const float* lg = logits + (size_t)b * experts;
+    const float ninf = -__int_as_float(0x7f800000);
     const int e0 = tid * ROUTE_PER_THREAD;
     unsigned key[ROUTE_PER_THREAD];  // 0: past the experts (below every choice, -inf included)
     float score[ROUTE_PER_THREAD];
-    route_keys(logits + (size_t)b * experts, bias, experts, e0, key, score);
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_THREAD; ++i) {
+        const int e = e0 + i;
+        key[i] = 0u;
+        score[i] = 0.0f;
+        if (e < experts) {
+            score[i] = 1.0f / (1.0f + expf(-__ldcg(lg + e)));
+            const float c = score[i] + __ldcg(bias + e);
+            key[i] = order_key(c != c ? ninf : c);
+        }
+    }
     if (MOE_ROUTE_PROBE == 1) {
         if (key[0] == 0x12345678u) idx[0] = __float_as_uint(score[0]);  // keeps the loads
         return;
     }
     if (MOE_ROUTE_SELECT == 1 && top_k <= ROUTE_LIST_MAX)
-        route_rank_lists<ROUTE_THREADS, ROUTE_PER_THREAD>(key, score, e0, top_k, s_key, s_exp,
-                                                          s_score, s_idx, s_w);
+        route_rank_lists(key, score, e0, top_k, s_key, s_exp, s_score, s_idx, s_w);
     else
         route_rank_radix(key, score, e0, top_k, hist, s_warp, s_sel, s_key, s_exp, s_score, s_idx,
                          s_w);

@@ -10,8 +10,8 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMu
 
 use super::launch::RawLaunch;
 use super::moe_policy::{
-    dependent_launches, fine_waits, resident_whole_passes, self_routes, stage_tokens, tc_down_rows,
-    tc_ksplit, TmaRing, DOWN_TILES, STAGE_MAX, TC_WARPS,
+    dependent_launches, fine_waits, resident_whole_passes, stage_tokens, tc_down_rows, tc_ksplit,
+    TmaRing, DOWN_TILES, STAGE_MAX, TC_WARPS,
 };
 use super::tensor_map::{self, TensorMapArg};
 use super::{CudaDevice, CudaError, MOE_SOURCE};
@@ -270,11 +270,6 @@ pub struct MoeDecode {
     /// moe_tc_resident.cu), where every expert's inputs fit in shared memory and each warp's
     /// input range is whole passes; [bf16, MXFP4] input vectors a warp's pass covers.
     resident: Option<[usize; 2]>,
-    /// At batch 1 under [`Self::route_experts`], the projection blocks choose the token's
-    /// experts themselves (`MOE_TC_SELF_ROUTE`, see [`self_routes`]).
-    self_route: bool,
-    /// Most experts a projection block's own choice holds (`MOE_SR_PER` per thread).
-    block_experts: usize,
     combine: CudaFunction,
 }
 
@@ -315,15 +310,12 @@ impl MoeDecode {
         tuning: &[(&str, String)],
     ) -> Result<Self, CudaError> {
         let per_thread = experts.clamp(1, MAX_EXPERTS).div_ceil(ROUTE_THREADS);
-        let block_threads = TC_WARPS * 32;
-        let sr_per = experts.clamp(1, MAX_EXPERTS).div_ceil(block_threads);
         let mut defines = vec![
             ("MOE_WARPS", WARPS.to_string()),
             ("MOE_COLS_PER_WARP", COLS_PER_WARP.to_string()),
             ("MOE_TC_WARPS", TC_WARPS.to_string()),
             ("MOE_MAXT", MOE_MAX_BATCH.to_string()),
             ("ROUTE_PER_THREAD", per_thread.to_string()),
-            ("MOE_SR_PER", sr_per.to_string()),
         ];
         for (name, tiles) in DOWN_TILES {
             if define_value(tuning, name).is_none() {
@@ -385,8 +377,6 @@ impl MoeDecode {
                 let span = |name, default| 4 * define_value(&defines, name).unwrap_or(default);
                 [span("MOE_TC_SPAN_BF16", 4), span("MOE_TC_SPAN_MXFP4", 2)]
             }),
-            self_route: define_value(&defines, "MOE_TC_SELF_ROUTE").unwrap_or(0) > 0,
-            block_experts: sr_per * block_threads,
             combine: m.load_function("moe_combine")?,
         })
     }
@@ -493,43 +483,6 @@ impl MoeDecode {
         ws: &mut MoeWorkspace,
         out: &mut CudaSlice<u16>,
     ) -> Result<(), CudaError> {
-        self.experts_after(dev, x, experts, act, ws, out, None)
-    }
-
-    /// [`Self::route`] then [`Self::experts`], enqueued back to back: with `MOE_TC_SELF_ROUTE`
-    /// the first wave of gate/up blocks of one token choose its experts from `logits`
-    /// themselves and start on their weights while the routing kernel still runs (it writes the
-    /// weights and the plan that the later blocks, down and the combine read).
-    #[allow(clippy::too_many_arguments)]
-    pub fn route_experts(
-        &self,
-        dev: &CudaDevice,
-        logits: &CudaSlice<f32>,
-        bias: &CudaSlice<f32>,
-        routing: &MoeRouting,
-        x: &CudaSlice<u16>,
-        experts: &MoeExperts,
-        act: MoeActivation,
-        ws: &mut MoeWorkspace,
-        out: &mut CudaSlice<u16>,
-    ) -> Result<(), CudaError> {
-        self.route(dev, logits, bias, routing, ws)?;
-        self.experts_after(dev, x, experts, act, ws, out, Some((logits, bias)))
-    }
-
-    /// [`Self::experts`]; `routed`: the routing kernel's logits and bias, that kernel the last
-    /// one enqueued on the stream.
-    #[allow(clippy::too_many_arguments)]
-    fn experts_after(
-        &self,
-        dev: &CudaDevice,
-        x: &CudaSlice<u16>,
-        experts: &MoeExperts,
-        act: MoeActivation,
-        ws: &mut MoeWorkspace,
-        out: &mut CudaSlice<u16>,
-        routed: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
-    ) -> Result<(), CudaError> {
         let (d, batch) = (ws.dims, ws.batch);
         expect_len("x", x.len(), batch * d.din)?;
         expect_len("out", out.len(), batch * d.din)?;
@@ -632,25 +585,6 @@ impl MoeDecode {
             }
             _ => &kernels.gate_up,
         };
-        // Down and combine may start while the kernel before them runs (see `dependent`).
-        let overlap = tc && self.dependent && ring.is_none();
-        // The combine in the down kernel: its (token, row tile)s, or none (null `out`).
-        let fused = overlap && batch <= self.fused_combine_max;
-        let self_routed = {
-            let (k, e, blocks) = (d.top_k, d.experts, self.block_experts);
-            let (dependent, ring) = (self.dependent, ring.is_some());
-            let on = self_routes(
-                routed.is_some(),
-                dependent,
-                batch,
-                k,
-                e,
-                blocks,
-                resident,
-                ring,
-            );
-            routed.filter(|_| self.self_route && tc && on)
-        };
         if tc {
             // The resident kernel takes the block tasks an expert has where the other takes
             // the staged tokens (it stages as many as the call has: batch ≤ stage).
@@ -660,19 +594,6 @@ impl MoeDecode {
                 stage[0] as i32
             };
             launch.value(ks_gate_up).value(ready).value(last);
-            // The routing's logits and bias, the experts and the gate/up blocks (the first
-            // wave) that choose for themselves; zeros: every block reads the plan.
-            match (resident, self_routed) {
-                (true, _) => {}
-                (false, Some((logits, bias))) => {
-                    let wave = (waves[0] / TC_WARPS) as i32;
-                    let e = d.experts as i32;
-                    launch.slice(logits, s).slice(bias, s).value(e).value(wave);
-                }
-                (false, None) => {
-                    launch.value(0u64).value(0u64).value(0i32).value(0i32);
-                }
-            }
         }
         let maps = match (ring, experts) {
             (Some(_), MoeExperts::Mxfp4 { gate, up, down }) => {
@@ -697,11 +618,10 @@ impl MoeDecode {
         // resident blocks only where every expert's tokens fit the staged rows (batch ≤ stage)
         // and each warp's input range is whole passes (checked above).
         // The tensor-core kernels wait for the kernel before them before they read anything, so
-        // they may go out as dependents; self-routed (one token, logits and bias of `experts`
-        // values), only the logits, bias and x are read before that wait, and the kernel before
-        // is the routing kernel, which lets gate/up launch only once it is past its own wait,
-        // when the logits and x are out.
+        // they may go out as dependents.
         unsafe { launch.launch(s, gate_up_fn, cfg_gate_up, tc && self.dependent) }?;
+        // Down and combine may start while the kernel before them runs (see `dependent`).
+        let overlap = tc && self.dependent && ring.is_none();
         let mut launch = RawLaunch::new();
         match experts {
             MoeExperts::Bf16 { down, .. } => launch.slice(down, s),
@@ -710,6 +630,8 @@ impl MoeDecode {
         launch.slice(&ws.h, s);
         ws.push_plan(&mut launch, s);
         launch.slice_mut(&mut ws.y, s).value(din_i).value(di_i);
+        // The combine in the down kernel: its (token, row tile)s, or none (null `out`).
+        let fused = overlap && batch <= self.fused_combine_max;
         if tc {
             // A down warp waits for all gate/up block tasks of its expert (the normal grid's
             // width; resident blocks count each task as such a block).
@@ -738,8 +660,7 @@ impl MoeDecode {
         // SAFETY: as above for `moe_down_{,tc_}{bf16,mxfp4}`; y holds `pairs` rows of `din`,
         // weight `pairs` values, out (when not null) `batch` rows of `din`, combine_counts 1 +
         // `batch · din / 16` counts at zero (down_rows ≥ 16). Launched as dependent only on the
-        // tensor-core path, whose kernels wait for gate/up before they read h (and launch only
-        // once every gate/up block is past its wait for the routing kernel: the plan is out).
+        // tensor-core path, whose kernels wait for gate/up before they read h.
         unsafe { launch.launch(s, &kernels.down, cfg(d.din, 1, ks_down, smem[1]), overlap) }?;
         if fused {
             return Ok(());
@@ -814,8 +735,8 @@ mod tests {
 
     #[test]
     fn tuning_from_env_keeps_only_moe_settings() {
-        let got = parse_moe_tuning("MOE_TC_SELF_ROUTE=1, MOE_ROUTE_TRIGGER=1,X=1,MOE_A=-1,MOE_b=2");
-        let want = [("MOE_TC_SELF_ROUTE", "1"), ("MOE_ROUTE_TRIGGER", "1")];
+        let got = parse_moe_tuning("MOE_TC_RESIDENT=1, MOE_ROUTE_TRIGGER=1,X=1,MOE_A=-1,MOE_b=2");
+        let want = [("MOE_TC_RESIDENT", "1"), ("MOE_ROUTE_TRIGGER", "1")];
         let want: Vec<(String, String)> = want
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))

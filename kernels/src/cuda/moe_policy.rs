@@ -113,35 +113,6 @@ pub(super) fn resident_whole_passes(din: usize, mxfp4: bool, ksplit: usize, pass
     ksplit > 0 && pass > 0 && vecs.is_multiple_of(ksplit) && (vecs / ksplit).is_multiple_of(pass)
 }
 
-/// Most experts a token may pick in a block's own choice (`ROUTE_LIST_MAX` in moe.cu).
-pub(super) const SELF_ROUTE_TOP_K: usize = 32;
-
-/// Whether the first gate/up blocks of a call choose its experts themselves
-/// (`MOE_TC_SELF_ROUTE`, moe_tc_kernels.cu): only for one token, whose plan is its slots in
-/// order; routing and projections enqueued together (`routed`), gate/up launched as the routing
-/// kernel's dependent (`dependent`); top_k within the warp lists and the experts within what a
-/// block's threads hold (`block_experts`); the normal gate/up grid (not `resident`, no
-/// copy-engine `ring`).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn self_routes(
-    routed: bool,
-    dependent: bool,
-    batch: usize,
-    top_k: usize,
-    experts: usize,
-    block_experts: usize,
-    resident: bool,
-    ring: bool,
-) -> bool {
-    routed
-        && dependent
-        && batch == 1
-        && top_k <= SELF_ROUTE_TOP_K
-        && experts <= block_experts
-        && !resident
-        && !ring
-}
-
 /// The shared-memory ring of the copy-engine MXFP4 projections (`MOE_TMA_*` in moe_tc_tma.cu).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct TmaRing {
@@ -181,8 +152,8 @@ impl TmaRing {
 #[cfg(test)]
 mod tests {
     use super::{
-        dependent_launches, fine_waits, resident_whole_passes, self_routes, stage_tokens,
-        tc_down_rows, tc_ksplit, TmaRing, DOWN_TILES,
+        dependent_launches, fine_waits, resident_whole_passes, stage_tokens, tc_down_rows,
+        tc_ksplit, TmaRing, DOWN_TILES,
     };
 
     #[test]
@@ -282,25 +253,6 @@ mod tests {
         assert!(resident_whole_passes(96 * 32, true, 4, 8));
         assert!(!resident_whole_passes(3584, true, 0, 8));
         assert!(!resident_whole_passes(3584, true, 2, 0));
-    }
-
-    #[test]
-    fn blocks_route_themselves_only_for_one_routed_token() {
-        // K3 at batch 1: 896 experts top-16, blocks of 128 threads × 7 experts.
-        let k3 = |routed, batch, resident, ring| {
-            self_routes(routed, true, batch, 16, 896, 896, resident, ring)
-        };
-        assert!(k3(true, 1, false, false));
-        // experts() alone (what ran before gate/up is not the routing), two tokens, the
-        // resident grid, the copy-engine ring.
-        assert!(!k3(false, 1, false, false));
-        assert!(!k3(true, 2, false, false));
-        assert!(!k3(true, 1, true, false));
-        assert!(!k3(true, 1, false, true));
-        // Plain launches; top_k past the warp lists; more experts than a block holds.
-        assert!(!self_routes(true, false, 1, 16, 896, 896, false, false));
-        assert!(!self_routes(true, true, 1, 33, 896, 896, false, false));
-        assert!(!self_routes(true, true, 1, 16, 897, 896, false, false));
     }
 
     #[test]

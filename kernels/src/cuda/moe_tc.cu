@@ -533,51 +533,33 @@ __device__ __forceinline__ void tc_store_pass(float (&c)[M][4], int ksplit, int 
 // them there: the inputs, which every warp of the block reads again, then never queue in L1
 // behind the streamed weights. The copies go out, and are waited for (a block barrier), once
 // each warp's first pass of weights is on its way.
-//
-// tc_project reads its task from the plan (tc_plan_task); tc_project_task takes it as given.
-struct TcPlanTask {
-    int a, e, count;    // active expert index, expert, its (token, slot) pairs
-    const int* pairs;   // the pairs
-};
-
-// Block (task) blockIdx.y's expert of the plan; false past the active experts.
-template <typename W>
-__device__ __forceinline__ bool tc_plan_task(const int* __restrict__ n_active,
-                                             const int* __restrict__ act_expert,
-                                             const int* __restrict__ act_count,
-                                             const int* __restrict__ act_pairs, TcPlanTask& task) {
+template <typename W, int M, bool DEPENDENT = false, typename Input, typename Store>
+__device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restrict__ n_active,
+                                           const int* __restrict__ act_expert,
+                                           const int* __restrict__ act_count,
+                                           const int* __restrict__ act_pairs, int out_rows,
+                                           int in_dim, int ksplit, int tile_rows, Input input,
+                                           Store store, const unsigned* ready = nullptr,
+                                           unsigned ready_target = 0, int stage = 0) {
     const int a = blockIdx.y;
-    task.a = a;
+    int e, count;
     if constexpr (MOE_TC_PLAN_EARLY && W::SCALED) {
         // Three independent loads issued before the branch (volatile: kept in this order).
         const int n = ld_volatile_s32(n_active);
-        task.e = ld_volatile_s32(act_expert + a);
-        task.count = ld_volatile_s32(act_count + a);
-        if (a >= n) return false;
-        task.pairs = act_pairs + a * MOE_MAXT;
-        return true;
+        e = ld_volatile_s32(act_expert + a);
+        count = ld_volatile_s32(act_count + a);
+        if (a >= n) return;
     } else {
-        if (a >= *n_active) return false;
-        task.e = act_expert[a];
-        task.count = act_count[a];
-        task.pairs = act_pairs + a * MOE_MAXT;
-        return true;
+        if (a >= *n_active) return;
+        e = act_expert[a];
+        count = act_count[a];
     }
-}
-
-template <typename W, int M, bool DEPENDENT = false, typename Input, typename Store>
-__device__ __forceinline__ void tc_project_task(const W (&w)[M], const TcPlanTask& task,
-                                                int out_rows, int in_dim, int ksplit,
-                                                int tile_rows, Input input, Store store,
-                                                const unsigned* ready = nullptr,
-                                                unsigned ready_target = 0, int stage = 0) {
-    const int a = task.a, e = task.e, count = task.count;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const TcSplit sp(ksplit, in_dim / W::PER_VEC, tile_rows);
     const int row0 = sp.tile_row0;
     const bool rows_in = row0 < out_rows;
     const int nt = min(count, MOE_MAXT);
-    const int* pairs = task.pairs;
+    const int* pairs = act_pairs + a * MOE_MAXT;
     const size_t lo = (size_t)e * out_rows + min(row0, out_rows - tile_rows) + g, hi = lo + 8;
     // What a dependent projection's inputs wait for. Blocks that returned above write nothing:
     // the combine waits only for those that do.
@@ -633,18 +615,4 @@ __device__ __forceinline__ void tc_project_task(const W (&w)[M], const TcPlanTas
         if (rows_in) tc_rows<W, M>(w, lo, hi, xt, in_dim, sp.vbeg, sp.vend, t, c, wait_once);
         tc_store_pass<M>(c, ksplit, sp.part, rows_in, t0, nt, row0, pairs, store);
     }
-}
-
-template <typename W, int M, bool DEPENDENT = false, typename Input, typename Store>
-__device__ __forceinline__ void tc_project(const W (&w)[M], const int* __restrict__ n_active,
-                                           const int* __restrict__ act_expert,
-                                           const int* __restrict__ act_count,
-                                           const int* __restrict__ act_pairs, int out_rows,
-                                           int in_dim, int ksplit, int tile_rows, Input input,
-                                           Store store, const unsigned* ready = nullptr,
-                                           unsigned ready_target = 0, int stage = 0) {
-    TcPlanTask task;
-    if (!tc_plan_task<W>(n_active, act_expert, act_count, act_pairs, task)) return;
-    tc_project_task<W, M, DEPENDENT>(w, task, out_rows, in_dim, ksplit, tile_rows, input, store,
-                                     ready, ready_target, stage);
 }

@@ -67,53 +67,6 @@ struct GateUpStore {
     }
 };
 
-// Batch 1's first gate/up wave routed by its blocks themselves (MOE_TC_SELF_ROUTE; the host's
-// `route_experts`, where the routing kernel goes out right before gate/up and lets it launch
-// once past its own wait): each block chooses the token's top_k from the router's logits
-// exactly as moe_route does (the same keys; the order by choice descending, expert ascending is
-// the same whatever the select), so it starts on its weights without waiting for the routing
-// kernel, which still writes the weights and the plan that later blocks, down and the combine
-// read. At batch 1 the plan is the slots in order: active expert a is slot a's expert, serving
-// pair a alone.
-#ifndef MOE_TC_SELF_ROUTE
-#define MOE_TC_SELF_ROUTE 0
-#endif
-// Experts per thread of a block's choice (MOE_TC_WARPS · 32 threads; set per model by the host).
-#ifndef MOE_SR_PER
-#define MOE_SR_PER 8
-#endif
-struct SelfRoute {
-    const float* logits;  // [experts] (null: the blocks read the routing kernel's plan)
-    const float* bias;    // [experts]
-    int experts;
-    int blocks;           // the blocks (in launch order) that choose; later ones wait
-};
-#define SELF_ROUTE_PARAMS                                                                         \
-    , const float *__restrict__ sr_logits, const float *__restrict__ sr_bias, int sr_experts,     \
-        int sr_blocks
-#define SELF_ROUTE SelfRoute{sr_logits, sr_bias, sr_experts, sr_blocks}
-
-#if MOE_TC_SELF_ROUTE
-// This block's task at batch 1, chosen by the block (every thread calls it).
-__device__ __forceinline__ TcPlanTask self_routed_task(const SelfRoute& sr, int top_k) {
-    constexpr int THREADS = MOE_TC_WARPS * 32, LISTS = THREADS / 32, PER = MOE_SR_PER;
-    __shared__ unsigned s_key[LISTS * ROUTE_LIST_MAX];
-    __shared__ int s_exp[LISTS * ROUTE_LIST_MAX];
-    __shared__ float s_score[LISTS * ROUTE_LIST_MAX];
-    __shared__ unsigned s_idx[ROUTE_LIST_MAX];
-    __shared__ float s_w[ROUTE_LIST_MAX];
-    __shared__ int s_pair;
-    const int e0 = threadIdx.x * PER;
-    unsigned key[PER];
-    float score[PER];
-    route_keys<PER>(sr.logits, sr.bias, sr.experts, e0, key, score);
-    if (threadIdx.x == 0) s_pair = blockIdx.y;
-    route_rank_lists<THREADS, PER>(key, score, e0, top_k, s_key, s_exp, s_score, s_idx, s_w);
-    __syncthreads();
-    return TcPlanTask{(int)blockIdx.y, (int)s_idx[blockIdx.y], 1, &s_pair};
-}
-#endif
-
 template <typename W>
 __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict__ x,
                                            const int* __restrict__ n_active,
@@ -122,50 +75,17 @@ __device__ __forceinline__ void gate_up_tc(W wg, W wu, const bf16_t* __restrict_
                                            const int* __restrict__ act_pairs,
                                            bf16_t* __restrict__ h, int din, int di, int top_k,
                                            float b1, float b2, int ksplit, unsigned* ready,
-                                           int stage, const void* const (&tmaps)[2],
-                                           const SelfRoute& sr) {
+                                           int stage, const void* const (&tmaps)[2]) {
+    // A dependent launch (of the routing kernel, or of what the stream ran after it): nothing
+    // is read before the wait, and the down kernel, which reads the plan before its own wait,
+    // may launch only once every block is past it.
+    grid_dep_wait();
+    grid_dep_launch();
     const W w[2] = {wg, wu};
-    if constexpr (MOE_TMA_ON && W::SCALED) {
-        // A dependent launch (of the routing kernel, or of what the stream ran after it):
-        // nothing is read before the wait, and the down kernel, which reads the plan before its
-        // own wait, may launch only once every block is past it.
-        grid_dep_wait();
-        grid_dep_launch();
-        if (MOE_TC_PROBE != 2)
-            tc_project_any<W, 2>(w, tmaps, n_active, act_expert, act_count, act_pairs, di, din,
-                                 ksplit, GateUpInput{x, din, top_k}, GateUpStore{h, di, b1, b2},
-                                 nullptr, 0, stage);
-    } else {
-#if MOE_TC_SELF_ROUTE
-        const bool chose = sr.logits != nullptr && blockIdx.y * gridDim.x + blockIdx.x <
-                                                       (unsigned)sr.blocks;
-#else
-        constexpr bool chose = false;
-#endif
-        TcPlanTask task;
-        bool active = true;
-#if MOE_TC_SELF_ROUTE
-        if (chose)
-            task = self_routed_task(sr, top_k);
-        else
-#endif
-        {
-            // As above.
-            grid_dep_wait();
-            grid_dep_launch();
-            active = tc_plan_task<W>(n_active, act_expert, act_count, act_pairs, task);
-        }
-        if (active && MOE_TC_PROBE != 2)
-            tc_project_task<W, 2>(w, task, di, din, ksplit, 16, GateUpInput{x, din, top_k},
-                                  GateUpStore{h, di, b1, b2}, nullptr, 0, stage);
-        // A block that chose lets the down kernel (which reads the plan) launch only once past
-        // the wait, at its end: the routing kernel is over long before, and gate/up's later
-        // waves hold the slots until then anyway.
-        if (chose) {
-            grid_dep_wait();
-            grid_dep_launch();
-        }
-    }
+    if (MOE_TC_PROBE != 2)
+        tc_project_any<W, 2>(w, tmaps, n_active, act_expert, act_count, act_pairs, di, din,
+                             ksplit, GateUpInput{x, din, top_k}, GateUpStore{h, di, b1, b2},
+                             nullptr, 0, stage);
     gate_up_block_done<true>(ready, blockIdx.y, n_active);
 }
 
@@ -323,11 +243,11 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCK
 moe_gate_up_tc_bf16(const bf16_t* __restrict__ w_gate, const bf16_t* __restrict__ w_up,
                     const bf16_t* __restrict__ x, PLAN_ARGS, bf16_t* __restrict__ h, int din,
                     int di, int top_k, float b1, float b2, int ksplit,
-                    unsigned* __restrict__ ready, int stage SELF_ROUTE_PARAMS) {
+                    unsigned* __restrict__ ready, int stage) {
     const void* const tmaps[2] = {nullptr, nullptr};
     gate_up_tc(Bf16Tc{reinterpret_cast<const uint4*>(w_gate)},
                Bf16Tc{reinterpret_cast<const uint4*>(w_up)}, x, n_active, act_expert, act_count,
-               act_pairs, h, din, di, top_k, b1, b2, ksplit, ready, stage, tmaps, SELF_ROUTE);
+               act_pairs, h, din, di, top_k, b1, b2, ksplit, ready, stage, tmaps);
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_TC_WARPS * 32, MOE_TC_MIN_BLOCKS)
@@ -337,12 +257,12 @@ moe_gate_up_tc_mxfp4(const unsigned char* __restrict__ gate_packed,
                      const unsigned char* __restrict__ up_scale, const bf16_t* __restrict__ x,
                      PLAN_ARGS, bf16_t* __restrict__ h, int din, int di, int top_k, float b1,
                      float b2, int ksplit, unsigned* __restrict__ ready,
-                     int stage SELF_ROUTE_PARAMS TMA_PARAMS_2) {
+                     int stage TMA_PARAMS_2) {
     TMA_MAPS_2
     gate_up_tc(Mxfp4Tc{reinterpret_cast<const uint4*>(gate_packed), gate_scale},
                Mxfp4Tc{reinterpret_cast<const uint4*>(up_packed), up_scale}, x, n_active,
                act_expert, act_count, act_pairs, h, din, di, top_k, b1, b2, ksplit, ready,
-               stage, tmaps, SELF_ROUTE);
+               stage, tmaps);
 }
 
 // Gate/up by resident blocks, both formats (the arguments of the normal kernels, `per_expert`

@@ -214,13 +214,12 @@ impl DExperts {
                 e.insert(MoeWorkspace::new(&gpu.dev, f.dims, rows)?)
             }
         };
+        f.kernels.route(&gpu.dev, logits, &f.bias, routing, ws)?;
         let xb = gpu.scratch::<u16>(rows * din)?;
         gpu.k.to_act(&gpu.dev, x, gpu.p(&xb), rows * din)?;
         let mut yb = gpu.scratch::<u16>(rows * din)?;
-        // Routing and experts back to back (nothing between them on the stream).
-        let (dev, bias, act) = (&gpu.dev, &f.bias, self.act);
         f.kernels
-            .route_experts(dev, logits, bias, routing, &xb, &experts, act, ws, &mut yb)?;
+            .experts(&gpu.dev, &xb, &experts, self.act, ws, &mut yb)?;
         gpu.k
             .from_bf16(&gpu.dev, gpu.p(&yb), gpu.p(&out), rows * din)?;
         Ok(out)
