@@ -5,7 +5,7 @@
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
 //!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 64] [--mla-probe 1,2,3,4]
-//!       [--mla-transposed] [--mla-page-ahead] [--moe-tunings] [--moe-variants L,..]
+//!       [--mla-transposed] [--moe-tunings] [--moe-variants L,..]
 //!       [--moe-profile B,..] [--mla-profile]
 //!
 //! `mla-flash` is the whole-model forward's MLA attention over the paged f32 history (the flash
@@ -18,8 +18,7 @@
 //! products, its S products, or both, or (4, not the transposed one) keeps its tile stream alone
 //! (never checked: wrong by design), `--mla-transposed` the
 //! Hopper kernel with both products transposed (heads as wgmma's N, no padding; pages of 64
-//! tokens and more), `--mla-page-ahead` the split-role kernels with each page id loaded a copy
-//! ahead (and the transposed one's, with `--mla-transposed`); `--mla-profile`
+//! tokens and more); `--mla-profile`
 //! only times the MLA
 //! decode kernels at B=64 and 16K context, unchecked (a profiler's target).
 //! MoE projections are checked and timed on both paths, the tensor cores with each input split;
@@ -487,21 +486,6 @@ fn run() -> Result<usize, CudaError> {
             transposed,
             ..MlaTuning::default()
         });
-    }
-    // The split-role kernels' producer loading each page id a copy ahead (and the transposed
-    // kernel's, when it is asked for).
-    if args.iter().any(|a| a == "--mla-page-ahead") {
-        let page_ahead = MlaTuning {
-            page_ahead: true,
-            ..MlaTuning::default()
-        };
-        tunings.push(page_ahead);
-        if transposed {
-            tunings.push(MlaTuning {
-                transposed,
-                ..page_ahead
-            });
-        }
     }
     // Timing probes of the split-role kernel at each tile size asked for and the default (32),
     // and of the transposed kernel when it is asked for.

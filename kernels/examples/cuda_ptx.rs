@@ -69,8 +69,6 @@ fn main() {
             let name = format!("mla_decode_tr{heads}_sm90");
             units.push((name, MLA_DECODE_SM90_SOURCE, tr));
         }
-        let ahead = vec![("MLA_PAGE_AHEAD", "1".to_string())];
-        units.push(("mla_decode_pa_sm90".into(), MLA_DECODE_SM90_SOURCE, ahead));
         let stream = vec![("MLA_WS_PROBE", "4".to_string())];
         units.push((
             "mla_decode_stream_sm90".into(),

@@ -169,9 +169,6 @@ pub(crate) fn tuning_label(t: MlaTuning) -> String {
     if t.transposed {
         label += ".tr";
     }
-    if t.page_ahead {
-        label += ".pa";
-    }
     if t.probe != 0 {
         label += &format!(".probe{}", t.probe);
     }

@@ -91,14 +91,11 @@ pub struct MlaTuning {
     /// 3 both (the tile copies, barriers and softmax alone); 4 (not transposed) the tile
     /// stream alone (each tile waited for and released at once).
     pub probe: u8,
-    /// The split-role kernels' producer loads each page id a copy ahead (`MLA_PAGE_AHEAD`).
-    pub page_ahead: bool,
 }
 
 impl MlaTuning {
-    fn defines(&self) -> [(&'static str, String); 5] {
+    fn defines(&self) -> [(&'static str, String); 4] {
         [
-            ("MLA_PAGE_AHEAD", u8::from(self.page_ahead).to_string()),
             ("MLA_PREFETCH", self.prefetch.to_string()),
             ("MLA_COALESCED", u8::from(self.coalesced).to_string()),
             ("MLA_WS_BN", self.ws_tile().to_string()),
@@ -106,11 +103,10 @@ impl MlaTuning {
         ]
     }
 
-    /// Whether these choices change `kernel` (tile, probe, transposition and page ids ahead
-    /// concern the Hopper kernel only).
+    /// Whether these choices change `kernel` (tile, probe and transposition concern the Hopper
+    /// kernel only).
     pub fn applies_to(&self, kernel: MlaKernel) -> bool {
-        kernel == MlaKernel::Hopper
-            || (self.ws_tile == 0 && self.probe == 0 && !self.transposed && !self.page_ahead)
+        kernel == MlaKernel::Hopper || (self.ws_tile == 0 && self.probe == 0 && !self.transposed)
     }
 
     /// Tokens per tile of the split-role kernel.

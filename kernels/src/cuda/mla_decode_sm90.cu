@@ -421,12 +421,6 @@ mla_decode_split_wg(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cac
 }
 
 #ifdef TESSERA_TMA
-// 1: the producer loads the page id of the tile after the one it copies right after that copy,
-// so that the load's latency passes behind a tile of its own products (0: it loads each page id
-// just before the copy that needs it).
-#ifndef MLA_PAGE_AHEAD
-#define MLA_PAGE_AHEAD 0
-#endif
 // The copy-engine pipeline of the split-role kernels (mla_decode_split_ws and _tr): tile i of a
 // split (BN tokens of one page) lands in stage i % STAGES by one tensor copy issued by the
 // block's thread 128; per stage a `full` barrier (the copy's bytes) and a `kv_empty` one (the
@@ -463,16 +457,10 @@ struct TilePipe {
         if (producer())
             for (int i = 0; i < min(ntiles, STAGES); ++i) produce(i);
     }
-    // The page id of tile i of the split, and -1 past its tiles.
-    __device__ int page_at(int i) const { return pages[(tile0 + i) * BN / page_size]; }
-    __device__ int page_of(int i) const { return i < ntiles ? page_at(i) : -1; }
-    // With MLA_PAGE_AHEAD, the producer's page id of its next copy (tile STAGES) once start()
-    // has issued the first ones; products_done keeps it one copy ahead.
-    __device__ int first_ahead() const { return MLA_PAGE_AHEAD && producer() ? page_of(STAGES) : -1; }
     // Tile i into stage i % STAGES, with its count of rows inside the context.
-    __device__ void produce(int i) const { produce(i, page_at(i)); }
-    __device__ void produce(int i, int page) const {
+    __device__ void produce(int i) const {
         const int st = i % STAGES, tok = (tile0 + i) * BN;
+        const int page = pages[tok / page_size];
         const bool valid = page >= 0 && page < num_pages;
         rows[st] = valid ? min(BN, len - tok) : 0;
         mbar_expect_tx(at(full, st), valid ? STAGE_BYTES : 0);
@@ -518,8 +506,7 @@ struct TilePipe {
     }
     // A product warpgroup is done with tile i (thread wt of 128); the producer then refills the
     // stage with tile i + STAGES once the other roles are done with it too.
-    // `ahead`: the producer's page id of tile i + STAGES (MLA_PAGE_AHEAD; see first_ahead).
-    __device__ void products_done(int i, int wt, int& ahead) const {
+    __device__ void products_done(int i, int wt) const {
         const int st = i % STAGES;
         if (wt == 0) {
             mbar_arrive(at(kv_empty, st));
@@ -527,12 +514,7 @@ struct TilePipe {
         }
         if (producer() && i + STAGES < ntiles) {
             mbar_wait(at(kv_empty, st), (i / STAGES) & 1);
-            if (MLA_PAGE_AHEAD) {
-                produce(i + STAGES, ahead);
-                ahead = page_of(i + STAGES + 1);
-            } else {
-                produce(i + STAGES);
-            }
+            produce(i + STAGES);
         }
     }
 };
@@ -595,13 +577,12 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
     const int ntiles = pipe.ntiles;
     pipe.start();
     if (MLA_WS_PROBE & 4) {
-        int ahead = pipe.first_ahead();
         for (int i = 0; i < ntiles; ++i) {
             pipe.wait_tile(i);
             if (wg == 0)
                 pipe.scores_done(i, wt);
             else
-                pipe.products_done(i, wt, ahead);
+                pipe.products_done(i, wt);
         }
         return;
     }
@@ -669,7 +650,6 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
     const unsigned long long dv = wg_desc(sm.kv[0] + 32 * pw * (WS_PLANE / 2), 128, WS_PLANE);
     const unsigned long long dp = wg_desc(sm.p[0], 128, WS_PGROUP);
     constexpr unsigned long long P_BUF = (WG_HB * WS_BN * 2) >> 4;
-    int ahead = pipe.first_ahead();
     for (int i = 0; i < ntiles; ++i) {
         const int st = i % WS_STAGES, pb = i % WS_PBUF;
         pipe.wait_products(i);
@@ -682,7 +662,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             wg_commit();
             wg_wait0();
         }
-        pipe.products_done(i, wt, ahead);
+        pipe.products_done(i, wt);
     }
     all_sync();
     store_rows(o, o_part, lse_part, sp.part, heads, h0, nh, r0, 256 * pw, t4, sm.l[r0], sm.l[r1],

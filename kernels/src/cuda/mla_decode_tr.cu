@@ -217,7 +217,6 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
     const unsigned long long dp = wg_desc(sm.p[0], 128, TR_PGROUP);
     constexpr unsigned long long P_BUF = (TR_BN * TR_H * 2) >> 4;
     constexpr unsigned long long M_TILE = (8 * TR_PLANE) >> 4;
-    int ahead = pipe.first_ahead();
     for (int i = 0; i < ntiles; ++i) {
         const int st = i % TR_STAGES, pb = i & 1;
         pipe.wait_products(i);
@@ -243,7 +242,7 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             wg_commit();
             wg_wait0();
         }
-        pipe.products_done(i, wt, ahead);
+        pipe.products_done(i, wt);
     }
     all_sync();
     // This split's normalised Oᵀ: dims 256·pw + 64·mt + 16·warp + g (+ 8), heads 8j + 2·t4 + e
