@@ -468,12 +468,14 @@ struct TilePipe {
             tensor_box3_g2s(smem_addr(kv) + st * STAGE_BYTES, map, 0,
                             page * page_size + tok % page_size, 0, at(full, st));
     }
+    // Tile i is in.
+    __device__ void wait_tile(int i) const { mbar_wait(at(full, i % STAGES), (i / STAGES) & 1); }
     // Waits for tile i; by the softmax warpgroup (thread wt of 128), rows past the context (or
     // of a page outside the pool) are then zeroed: the products read the tile as V only after
     // this tile's P, which is zero there, and 0·NaN would not be.
     __device__ void wait_tile_zeroed(int i, int wt) const {
         const int st = i % STAGES;
-        mbar_wait(at(full, st), (i / STAGES) & 1);
+        wait_tile(i);
         const int valid_rows = rows[st];
         if (valid_rows < BN) {
             const int gap = BN - valid_rows;
@@ -497,11 +499,9 @@ struct TilePipe {
         fence_async_smem();
         mbar_arrive(at(p_full, i % PBUF));
     }
-    // Tile i is in (the tile-stream probe's wait).
-    __device__ void wait_tile(int i) const { mbar_wait(at(full, i % STAGES), (i / STAGES) & 1); }
     // Before tile i's products: the tile and its P.
     __device__ void wait_products(int i) const {
-        mbar_wait(at(full, i % STAGES), (i / STAGES) & 1);
+        wait_tile(i);
         mbar_wait(at(p_full, i % PBUF), (i / PBUF) & 1);
     }
     // A product warpgroup is done with tile i (thread wt of 128); the producer then refills the
