@@ -5,7 +5,7 @@
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
 //!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 64] [--mla-probe 1,2,3,4]
-//!       [--mla-transposed] [--moe-tunings] [--moe-variants L,..]
+//!       [--mla-transposed] [--mla-sw128] [--moe-tunings] [--moe-variants L,..]
 //!       [--moe-profile B,..] [--mla-profile]
 //!
 //! `mla-flash` is the whole-model forward's MLA attention over the paged f32 history (the flash
@@ -18,8 +18,8 @@
 //! products, its S products, or both, or (4, not the transposed one) keeps its tile stream alone
 //! (never checked: wrong by design), `--mla-transposed` the
 //! Hopper kernel with both products transposed (heads as wgmma's N, no padding; pages of 64
-//! tokens and more); `--mla-profile`
-//! only times the MLA
+//! tokens and more), `--mla-sw128` the split-role kernel with its tiles in the 128-byte swizzle
+//! (at each tile size named; probes then run swizzled too); `--mla-profile` only times the MLA
 //! decode kernels at B=64 and 16K context, unchecked (a profiler's target).
 //! MoE projections are checked and timed on both paths, the tensor cores with each input split;
 //! `--moe-tunings` adds build-time alternatives of the tensor-core kernels (`--moe-variants
@@ -487,18 +487,34 @@ fn run() -> Result<usize, CudaError> {
             ..MlaTuning::default()
         });
     }
+    // The split-role kernel with swizzled tiles at each tile size asked for and the default.
+    let swizzles: &[bool] = if args.iter().any(|a| a == "--mla-sw128") {
+        for &ws_tile in ws_tiles.iter().chain(&[0]) {
+            tunings.push(MlaTuning {
+                ws_tile,
+                swizzled: true,
+                ..MlaTuning::default()
+            });
+        }
+        &[false, true]
+    } else {
+        &[false]
+    };
     // Timing probes of the split-role kernel at each tile size asked for and the default (32),
-    // and of the transposed kernel when it is asked for.
+    // swizzled too with --mla-sw128, and of the transposed kernel when it is asked for.
     for probe in numbers("--mla-probe")
         .into_iter()
         .filter_map(|p| u8::try_from(p).ok())
     {
         for &ws_tile in ws_tiles.iter().chain(&[0]) {
-            tunings.push(MlaTuning {
-                ws_tile,
-                probe,
-                ..MlaTuning::default()
-            });
+            for &swizzled in swizzles {
+                tunings.push(MlaTuning {
+                    ws_tile,
+                    probe,
+                    swizzled,
+                    ..MlaTuning::default()
+                });
+            }
         }
         if transposed && probe < 4 {
             tunings.push(MlaTuning {

@@ -241,24 +241,29 @@ fn mla_decode_compiles_with_tensor_cores_for_every_head_block() {
 }
 
 /// The Hopper split kernels (warpgroup, split roles, transposed) in every build setting:
-/// (prefetch, coalesced copies, split-role tile, probe, heads per transposed block).
+/// (prefetch, coalesced copies, split-role tile, probe, heads per transposed block, swizzled
+/// split-role tiles).
 #[test]
 fn mla_decode_hopper_kernels_compile_for_sm90a_in_every_setting() {
     let settings = [
-        (0, 0, 32, 0, 48),
-        (3, 0, 32, 0, 32),
-        (0, 1, 32, 0, 16),
-        (0, 0, 64, 0, 48),
-        (0, 0, 64, 1, 48),
-        (0, 0, 32, 2, 48),
+        (0, 0, 32, 0, 48, 0),
+        (3, 0, 32, 0, 32, 0),
+        (0, 1, 32, 0, 16, 0),
+        (0, 0, 64, 0, 48, 0),
+        (0, 0, 64, 1, 48, 0),
+        (0, 0, 32, 2, 48, 0),
+        (0, 0, 32, 0, 48, 1),
+        (0, 0, 64, 0, 48, 1),
+        (0, 0, 32, 4, 48, 1),
     ];
-    for (prefetch, coalesced, tile, probe, tr_heads) in settings {
+    for (prefetch, coalesced, tile, probe, tr_heads, swizzled) in settings {
         let defines = [
             ("MLA_PREFETCH", format!("{prefetch}")),
             ("MLA_COALESCED", format!("{coalesced}")),
             ("MLA_WS_BN", format!("{tile}")),
             ("MLA_WS_PROBE", format!("{probe}")),
             ("MLA_TR_HEADS", format!("{tr_heads}")),
+            ("MLA_WS_SW128", format!("{swizzled}")),
         ];
         match compile(
             "sm_90a",

@@ -91,22 +91,28 @@ pub struct MlaTuning {
     /// 3 both (the tile copies, barriers and softmax alone); 4 (not transposed) the tile
     /// stream alone (each tile waited for and released at once).
     pub probe: u8,
+    /// The split-role kernel's tiles in the copy engine's 128-byte swizzle (`MLA_WS_SW128`):
+    /// boxes of 128-byte rows (9 chunks of 64 dims) read by wgmma in that swizzle, where the
+    /// default copies 16-byte columns into the no-swizzle core-matrix layout.
+    pub swizzled: bool,
 }
 
 impl MlaTuning {
-    fn defines(&self) -> [(&'static str, String); 4] {
+    fn defines(&self) -> [(&'static str, String); 5] {
         [
             ("MLA_PREFETCH", self.prefetch.to_string()),
             ("MLA_COALESCED", u8::from(self.coalesced).to_string()),
             ("MLA_WS_BN", self.ws_tile().to_string()),
             ("MLA_WS_PROBE", self.probe.to_string()),
+            ("MLA_WS_SW128", u8::from(self.swizzled).to_string()),
         ]
     }
 
-    /// Whether these choices change `kernel` (tile, probe and transposition concern the Hopper
-    /// kernel only).
+    /// Whether these choices change `kernel` (tile, probe, transposition and swizzle concern
+    /// the Hopper kernel only).
     pub fn applies_to(&self, kernel: MlaKernel) -> bool {
-        kernel == MlaKernel::Hopper || (self.ws_tile == 0 && self.probe == 0 && !self.transposed)
+        kernel == MlaKernel::Hopper
+            || (self.ws_tile == 0 && self.probe == 0 && !self.transposed && !self.swizzled)
     }
 
     /// Tokens per tile of the split-role kernel.
@@ -126,10 +132,12 @@ const WS_THREADS: u32 = 384;
 
 /// Shared memory of `mla_decode_split_ws` (`WsSmem`) at `tile` tokens a tile: Q, the stages (four
 /// of 32 tokens, two of 64), the P buffers with their rescale factors (two; one at 64), the row
-/// sums and maxima, two barriers per stage and per P buffer, and a row count per stage.
-fn ws_smem(tile: usize) -> usize {
+/// sums and maxima, two barriers per stage and per P buffer, and a row count per stage; with
+/// swizzled stages 1 KiB of slack to align them.
+fn ws_smem(tile: usize, swizzled: bool) -> usize {
     let (stages, pbuf) = if tile == 64 { (2, 1) } else { (4, 2) };
-    64 * D * 2
+    usize::from(swizzled) * 1024
+        + 64 * D * 2
         + stages * tile * D * 2
         + pbuf * 64 * tile * 2
         + pbuf * 64 * 4
@@ -165,27 +173,39 @@ fn tr_smem(h: usize) -> usize {
         + 2 * 4
 }
 
-/// The tensor map of the latent cache (`rows` tokens of 576 bf16) for `mla_decode_split_ws`,
-/// read in 3-D boxes of 8 dims × `tile` tokens × 72 chunks of 8 dims: a tile lands as 72 planes
-/// of `tile` tokens × 16 bytes.
-fn cache_map(ptr: u64, rows: usize, tile: usize) -> Result<TensorMapArg, CudaError> {
+/// The tensor map of the latent cache (`rows` tokens of 576 bf16) for the copy-engine split
+/// kernels, read in 3-D boxes of `width` dims × `tile` tokens × 576 / `width` chunks: with 8
+/// (no swizzle) a tile lands as 72 planes of `tile` tokens × 16 bytes, with 64 (the 128-byte
+/// swizzle) as 9 chunks of `tile` rows × 128 bytes.
+fn cache_map(
+    ptr: u64,
+    rows: usize,
+    tile: usize,
+    swizzled: bool,
+) -> Result<TensorMapArg, CudaError> {
     use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
-    let chunks = (D / 8) as u64;
+    let (width, swizzle) = if swizzled {
+        (64, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
+    } else {
+        (8, CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE)
+    };
+    let chunks = (D / width) as u64;
     tensor_map::tiled(
         CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
         ptr,
-        &[8, rows as u64, chunks],
-        &[D as u64 * 2, 16],
-        &[8, tile as u32, chunks as u32],
-        CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+        &[width as u64, rows as u64, chunks],
+        &[D as u64 * 2, width as u64 * 2],
+        &[width as u32, tile as u32, chunks as u32],
+        swizzle,
     )
 }
 
 /// A copy-engine split kernel chosen for a call: tokens per tile (the tensor map's box), threads,
-/// shared memory and heads per block.
+/// shared memory, heads per block and whether tiles land swizzled.
 struct Launchable<'a> {
     func: &'a CudaFunction,
     tile: usize,
+    swizzled: bool,
     threads: u32,
     smem: u32,
     heads_per_block: usize,
@@ -283,7 +303,7 @@ impl MlaDecode {
         let split_ws = m.load_function("mla_decode_split_ws")?;
         split_ws.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            ws_smem(tuning.ws_tile()) as i32,
+            ws_smem(tuning.ws_tile(), tuning.swizzled) as i32,
         )?;
         let split_tr = if tuning.transposed {
             let f = m.load_function("mla_decode_split_tr")?;
@@ -358,6 +378,7 @@ impl MlaDecode {
             return Some(Launchable {
                 func,
                 tile: TR_BN,
+                swizzled: false,
                 threads: TR_THREADS,
                 smem: tr_smem(*h) as u32,
                 heads_per_block: *h,
@@ -368,8 +389,9 @@ impl MlaDecode {
         Some(Launchable {
             func,
             tile,
+            swizzled: self.tuning.swizzled,
             threads: WS_THREADS,
-            smem: ws_smem(tile) as u32,
+            smem: ws_smem(tile, self.tuning.swizzled) as u32,
             heads_per_block: self.heads_per_block,
         })
     }
@@ -474,7 +496,12 @@ impl MlaDecode {
         let (cache_ptr, _keep) = pages.cache.device_ptr(s);
         let engine = self.copy_engine_kernel(pages.page_size);
         let map = match &engine {
-            Some(k) => Some(cache_map(cache_ptr, num_pages * pages.page_size, k.tile)?),
+            Some(k) => Some(cache_map(
+                cache_ptr,
+                num_pages * pages.page_size,
+                k.tile,
+                k.swizzled,
+            )?),
             None => None,
         };
         let (func, threads, smem, per_block) = match engine {

@@ -288,19 +288,18 @@ struct WgRows {
 };
 
 // Issues S for 32 or 64 tokens (NS = 16 or 32 values a thread): 36 K steps of m64n32k16 or
-// m64n64k16 (Q and the tile K-major), each `q_step` / `k_step` (in 16 bytes) on; the caller
-// fences, commits and waits.
-template <int NS>
+// m64n64k16 (Q and the tile K-major), Q's each `q_step` (in 16 bytes) on, the tile's descriptor
+// of step kk from `k_at(kk)`; the caller fences, commits and waits.
+template <int NS, typename KAt>
 __device__ __forceinline__ void wg_scores_issue(float (&s)[NS], unsigned long long dq,
-                                                unsigned long long dk, unsigned long long q_step,
-                                                unsigned long long k_step) {
+                                                unsigned long long q_step, KAt k_at) {
     static_assert(NS == 16 || NS == 32, "32 or 64 tokens");
 #pragma unroll
     for (int kk = 0; kk < WG_D / 16; ++kk) {
         if constexpr (NS == 16)
-            wgmma_n32(s, dq + kk * q_step, dk + kk * k_step, kk > 0);
+            wgmma_n32(s, dq + kk * q_step, k_at(kk), kk > 0);
         else
-            wgmma_n64(s, dq + kk * q_step, dk + kk * k_step, kk > 0);
+            wgmma_n64(s, dq + kk * q_step, k_at(kk), kk > 0);
     }
 }
 
@@ -404,7 +403,7 @@ mla_decode_split_wg(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cac
         // A K step of S is 2 core matrices (256 bytes) in both; of O, 2 token groups.
         float s[16];
         wg_fence();
-        wg_scores_issue(s, dq, dk + stage, 16, 16);
+        wg_scores_issue(s, dq, 16, [&](int kk) { return dk + stage + kk * 16; });
         wg_commit();
         wg_wait0();
         rows.softmax(s, tile, len, scale_log2, sm.red, reinterpret_cast<unsigned char*>(sm.p), sync);
@@ -425,8 +424,10 @@ mla_decode_split_wg(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cac
 // split (BN tokens of one page) lands in stage i % STAGES by one tensor copy issued by the
 // block's thread 128; per stage a `full` barrier (the copy's bytes) and a `kv_empty` one (the
 // three warpgroups done with it); per P buffer (PBUF of them) a `p_full` barrier (128 arrivals
-// of the softmax warpgroup) and a `p_empty` one (one per product warpgroup).
-template <int BN, int STAGES, int PBUF>
+// of the softmax warpgroup) and a `p_empty` one (one per product warpgroup). A tile lands as 72
+// planes of BN tokens × 16 bytes, or with SW128 as 9 chunks (64 dims each) of BN rows × 128
+// bytes in the copy engine's 128-byte swizzle.
+template <int BN, int STAGES, int PBUF, bool SW128 = false>
 struct TilePipe {
     static constexpr unsigned STAGE_BYTES = BN * WG_D * 2;
     static constexpr int PLANE = BN * 16;
@@ -480,8 +481,15 @@ struct TilePipe {
         if (valid_rows < BN) {
             const int gap = BN - valid_rows;
             uint4* t = reinterpret_cast<uint4*>(kv + st * BN * WG_D);
-            for (int k = wt; k < WG_KC * gap; k += 128)
-                t[(k / gap) * (PLANE / 16) + valid_rows + k % gap] = make_uint4(0, 0, 0, 0);
+            if (SW128) {
+                // A row's 8 units in each chunk, in whatever order the swizzle put them.
+                const int per = 8 * gap;
+                for (int k = wt; k < (WG_KC / 8) * per; k += 128)
+                    t[(k / per) * BN * 8 + valid_rows * 8 + k % per] = make_uint4(0, 0, 0, 0);
+            } else {
+                for (int k = wt; k < WG_KC * gap; k += 128)
+                    t[(k / gap) * (PLANE / 16) + valid_rows + k % gap] = make_uint4(0, 0, 0, 0);
+            }
             fence_async_smem();
             asm volatile("bar.sync 2, 128;" ::: "memory");
         }
@@ -545,6 +553,46 @@ struct TilePipe {
 #define WS_PLANE (WS_BN * 16)
 #define WS_STAGE_BYTES (WS_BN * WG_D * 2)
 #define WS_PGROUP ((WS_BN / 8) * 128)
+// 1: tiles land in the copy engine's 128-byte swizzle, 9 chunks of 64 dims × WS_BN rows of 128
+// bytes (the map's boxes 128 bytes wide, as the host encodes it), read by wgmma in that swizzle:
+// K-major for S (a K step of 16 dims is 32 bytes within a row, 4 steps a chunk), N-major for
+// P·V (the latent dims N, chunks WS_CHUNK apart; 8 tokens a 1024-byte atom). 0: 72 planes of
+// WS_BN rows × 16 bytes in the no-swizzle core-matrix layout.
+#ifndef MLA_WS_SW128
+#define MLA_WS_SW128 0
+#endif
+#define WS_CHUNK (WS_BN * 128)
+
+#if MLA_WS_SW128
+// A stage's descriptor at shared address a: 8-row atoms 1024 bytes apart, chunks of 64 dims
+// WS_CHUNK apart (what the N-major reads step over).
+__device__ __forceinline__ unsigned long long ws_swizzled_desc(unsigned a) {
+    return (unsigned long long)((a & 0x3ffffu) >> 4) | ((unsigned long long)(WS_CHUNK >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+// The tile at stage address a as S's operand (K-major) and, for latent dims 256·pw.. (chunks
+// 4·pw..), as P·V's (N-major); offsets in 16 bytes of S's K step kk (16 dims, 32 bytes within a
+// row) and of P·V's (16 tokens: two atoms).
+__device__ __forceinline__ unsigned long long ws_k_desc(unsigned a) { return ws_swizzled_desc(a); }
+__device__ __forceinline__ unsigned long long ws_v_desc(unsigned a, int pw) {
+    return ws_swizzled_desc(a + 4 * pw * WS_CHUNK);
+}
+__device__ __forceinline__ unsigned ws_s_step(int kk) {
+    return ((kk / 4) * WS_CHUNK + (kk % 4) * 32) >> 4;
+}
+#define WS_V_STEP (2048 >> 4)
+#else
+// The same in the core-matrix layout: S's K step is 2 planes; P·V reads planes 32·pw.. with the
+// leading and stride offsets swapped, a K step being 2 token groups.
+__device__ __forceinline__ unsigned long long ws_k_desc(unsigned a) {
+    return wg_desc_at(a, WS_PLANE, 128);
+}
+__device__ __forceinline__ unsigned long long ws_v_desc(unsigned a, int pw) {
+    return wg_desc_at(a + 32 * pw * WS_PLANE, 128, WS_PLANE);
+}
+__device__ __forceinline__ unsigned ws_s_step(int kk) { return kk * (2 * WS_PLANE >> 4); }
+#define WS_V_STEP 16
+#endif
 
 struct WsSmem {
     bf16_t q[WG_HB * WG_D];
@@ -564,12 +612,14 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                     float* __restrict__ o_part, float* __restrict__ lse_part, int heads,
                     int page_size, int max_pages, int num_pages, float scale_log2) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    WsSmem& sm = *reinterpret_cast<WsSmem*>(smem_raw);
+    // Swizzled stages need 1024-byte alignment (Q before them is 72 KiB; the host adds the slack).
+    WsSmem& sm = *reinterpret_cast<WsSmem*>(
+        smem_raw + (MLA_WS_SW128 ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
     const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, lane = tid & 31;
     const WgSplit sp(seq_lens, heads, max_pages, page_size, WS_BN);
     if (sp.done_if_empty(o_part, lse_part, heads, tid, WS_THREADS)) return;
     const int b = sp.b, h0 = sp.h0, nh = sp.nh, len = sp.len, tile0 = sp.tile0;
-    const TilePipe<WS_BN, WS_STAGES, WS_PBUF> pipe{sm.kv[0], sm.full, sm.kv_empty, sm.p_full,
+    const TilePipe<WS_BN, WS_STAGES, WS_PBUF, MLA_WS_SW128> pipe{sm.kv[0], sm.full, sm.kv_empty, sm.p_full,
                                                    sm.p_empty, sm.rows, &cache_map,
                                                    page_table + (size_t)b * max_pages, tile0,
                                                    sp.tile1 - sp.tile0, len, page_size,
@@ -602,7 +652,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
         asm volatile("bar.sync 2, 128;" ::: "memory");
         float m0 = ninf, m1 = ninf, l0 = 0.0f, l1 = 0.0f;
         const unsigned long long dq = wg_desc(sm.q, 128, WG_GROUP);
-        const unsigned long long dk = wg_desc(sm.kv[0], WS_PLANE, 128);
+        const unsigned long long dk = ws_k_desc(smem_addr(sm.kv[0]));
         for (int i = 0; i < ntiles; ++i) {
             const int st = i % WS_STAGES, pb = i % WS_PBUF;
             pipe.wait_tile_zeroed(i, wt);
@@ -612,7 +662,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                 for (int k = 0; k < WS_NS; ++k) s[k] = 0.0f;
             } else {
                 wg_fence();
-                wg_scores_issue(s, dq, dk + st * STAGE, 16, 2 * WS_PLANE >> 4);
+                wg_scores_issue(s, dq, 16, [&](int kk) { return dk + st * STAGE + ws_s_step(kk); });
                 wg_commit();
                 wg_wait0();
             }
@@ -642,12 +692,12 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
         return;
     }
 
-    // P·V over latent dims 256·pw.. (planes 32·pw..).
+    // P·V over latent dims 256·pw...
     const int pw = wg - 1;
     float o[128];
 #pragma unroll
     for (int k = 0; k < 128; ++k) o[k] = 0.0f;
-    const unsigned long long dv = wg_desc(sm.kv[0] + 32 * pw * (WS_PLANE / 2), 128, WS_PLANE);
+    const unsigned long long dv = ws_v_desc(smem_addr(sm.kv[0]), pw);
     const unsigned long long dp = wg_desc(sm.p[0], 128, WS_PGROUP);
     constexpr unsigned long long P_BUF = (WG_HB * WS_BN * 2) >> 4;
     for (int i = 0; i < ntiles; ++i) {
@@ -658,7 +708,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < WS_BN / 16; ++kk)
-                wgmma_n256_bt(o, dp + pb * P_BUF + kk * 16, dv + st * STAGE + kk * 16);
+                wgmma_n256_bt(o, dp + pb * P_BUF + kk * 16, dv + st * STAGE + kk * WS_V_STEP);
             wg_commit();
             wg_wait0();
         }
