@@ -4,23 +4,23 @@
 //!
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
-//!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 64] [--mla-probe 1,2,3,4]
-//!       [--mla-transposed] [--mla-sw128] [--moe-tunings] [--moe-variants L,..]
+//!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 32,64] [--mla-probe 1,2,3,4]
+//!       [--mla-transposed] [--mla-no-swizzle] [--moe-tunings] [--moe-variants L,..]
 //!       [--moe-profile B,..] [--mla-profile]
 //!
 //! `mla-flash` is the whole-model forward's MLA attention over the paged f32 history (the flash
-//! kernel and the generic one, prefill and decode rows). MLA decode is checked and timed with
-//! every split kernel the device runs (the portable one, and on Hopper the warpgroup one);
+//! kernel and the generic one, prefill and decode rows). MLA decode is checked and timed with every
+//! split kernel the device runs (the portable one, and on Hopper the warpgroup one);
 //! `--mla-prefetch` also checks and times each kernel with those L2 prefetch distances (tiles
-//! ahead), `--mla-coalesced` with its wider tile copies, `--mla-ws-tile 64` with the Hopper
-//! split-role kernel on 64-token tiles (pages of 64 tokens and more), `--mla-probe 1,2,3` times
-//! that kernel (at each tile size named, and the transposed one when asked for) without its P·V
-//! products, its S products, or both, or (4, not the transposed one) keeps its tile stream alone
-//! (never checked: wrong by design), `--mla-transposed` the
-//! Hopper kernel with both products transposed (heads as wgmma's N, no padding; pages of 64
-//! tokens and more), `--mla-sw128` the split-role kernel with its tiles in the 128-byte swizzle
-//! (at each tile size named; probes then run swizzled too); `--mla-profile` only times the MLA
-//! decode kernels at B=64 and 16K context, unchecked (a profiler's target).
+//! ahead), `--mla-coalesced` with its wider tile copies, `--mla-ws-tile 32,64` with the Hopper
+//! split-role kernel on only 32- or 64-token tiles (the default takes 64 where pages allow),
+//! `--mla-probe 1,2,3` times that kernel (at each tile size named, and the transposed one when
+//! asked for) without its P·V products, its S products, or both, or (4, not the transposed one)
+//! keeps its tile stream alone (never checked: wrong by design), `--mla-transposed` the Hopper
+//! kernel with both products transposed (heads as wgmma's N, no padding; pages of 64 tokens and
+//! more), `--mla-no-swizzle` the copy-engine kernels with their tiles copied without the 128-byte
+//! swizzle (probes then run both ways); `--mla-profile` only times the MLA decode kernels at B=64
+//! and 16K context, unchecked (a profiler's target).
 //! MoE projections are checked and timed on both paths, the tensor cores with each input split;
 //! `--moe-tunings` adds build-time alternatives of the tensor-core kernels (`--moe-variants
 //! tc,tc_tma8x3` keeps only the named ones, as printed without the format); `--moe-profile 1,16`
@@ -487,12 +487,21 @@ fn run() -> Result<usize, CudaError> {
             ..MlaTuning::default()
         });
     }
-    // The split-role kernel with swizzled tiles at each tile size asked for and the default.
-    let swizzles: &[bool] = if args.iter().any(|a| a == "--mla-sw128") {
+    // The copy-engine kernels with unswizzled tiles at each tile size asked for and the default
+    // (and transposed when asked for).
+    let no_swizzle = args.iter().any(|a| a == "--mla-no-swizzle");
+    let layouts: &[bool] = if no_swizzle {
         for &ws_tile in ws_tiles.iter().chain(&[0]) {
             tunings.push(MlaTuning {
                 ws_tile,
-                swizzled: true,
+                unswizzled: true,
+                ..MlaTuning::default()
+            });
+        }
+        if transposed {
+            tunings.push(MlaTuning {
+                transposed,
+                unswizzled: true,
                 ..MlaTuning::default()
             });
         }
@@ -500,28 +509,29 @@ fn run() -> Result<usize, CudaError> {
     } else {
         &[false]
     };
-    // Timing probes of the split-role kernel at each tile size asked for and the default (32),
-    // swizzled too with --mla-sw128, and of the transposed kernel when it is asked for.
+    // Timing probes of the split-role kernel at each tile size asked for and the default, and
+    // of the transposed kernel when it is asked for; unswizzled too with --mla-no-swizzle.
     for probe in numbers("--mla-probe")
         .into_iter()
         .filter_map(|p| u8::try_from(p).ok())
     {
-        for &ws_tile in ws_tiles.iter().chain(&[0]) {
-            for &swizzled in swizzles {
+        for &unswizzled in layouts {
+            for &ws_tile in ws_tiles.iter().chain(&[0]) {
                 tunings.push(MlaTuning {
                     ws_tile,
                     probe,
-                    swizzled,
+                    unswizzled,
                     ..MlaTuning::default()
                 });
             }
-        }
-        if transposed && probe < 4 {
-            tunings.push(MlaTuning {
-                transposed,
-                probe,
-                ..MlaTuning::default()
-            });
+            if transposed && probe < 4 {
+                tunings.push(MlaTuning {
+                    transposed,
+                    probe,
+                    unswizzled,
+                    ..MlaTuning::default()
+                });
+            }
         }
     }
     let dev = CudaDevice::open(0, default_cache_dir())?;

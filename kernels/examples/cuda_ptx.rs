@@ -69,11 +69,11 @@ fn main() {
             let name = format!("mla_decode_tr{heads}_sm90");
             units.push((name, MLA_DECODE_SM90_SOURCE, tr));
         }
-        let swizzled = vec![("MLA_WS_SW128", "1".to_string())];
+        let plain = vec![("MLA_SW128", "0".to_string())];
         units.push((
-            "mla_decode_sw128_sm90".into(),
+            "mla_decode_plain_sm90".into(),
             MLA_DECODE_SM90_SOURCE,
-            swizzled,
+            plain,
         ));
         let stream = vec![("MLA_WS_PROBE", "4".to_string())];
         units.push((

@@ -241,20 +241,21 @@ fn mla_decode_compiles_with_tensor_cores_for_every_head_block() {
 }
 
 /// The Hopper split kernels (warpgroup, split roles, transposed) in every build setting:
-/// (prefetch, coalesced copies, split-role tile, probe, heads per transposed block, swizzled
-/// split-role tiles).
+/// (prefetch, coalesced copies, split-role tile, probe, heads per transposed block, tiles of the
+/// copy-engine kernels in the 128-byte swizzle).
 #[test]
 fn mla_decode_hopper_kernels_compile_for_sm90a_in_every_setting() {
     let settings = [
-        (0, 0, 32, 0, 48, 0),
-        (3, 0, 32, 0, 32, 0),
-        (0, 1, 32, 0, 16, 0),
-        (0, 0, 64, 0, 48, 0),
-        (0, 0, 64, 1, 48, 0),
-        (0, 0, 32, 2, 48, 0),
         (0, 0, 32, 0, 48, 1),
+        (3, 0, 32, 0, 32, 1),
+        (0, 1, 32, 0, 16, 1),
         (0, 0, 64, 0, 48, 1),
-        (0, 0, 32, 4, 48, 1),
+        (0, 0, 64, 1, 48, 1),
+        (0, 0, 32, 2, 48, 1),
+        (0, 0, 64, 4, 16, 1),
+        (0, 0, 32, 0, 48, 0),
+        (0, 0, 64, 0, 32, 0),
+        (0, 0, 32, 4, 48, 0),
     ];
     for (prefetch, coalesced, tile, probe, tr_heads, swizzled) in settings {
         let defines = [
@@ -263,7 +264,7 @@ fn mla_decode_hopper_kernels_compile_for_sm90a_in_every_setting() {
             ("MLA_WS_BN", format!("{tile}")),
             ("MLA_WS_PROBE", format!("{probe}")),
             ("MLA_TR_HEADS", format!("{tr_heads}")),
-            ("MLA_WS_SW128", format!("{swizzled}")),
+            ("MLA_SW128", format!("{swizzled}")),
         ];
         match compile(
             "sm_90a",
@@ -283,7 +284,7 @@ fn mla_decode_hopper_kernels_compile_for_sm90a_in_every_setting() {
                 // The split-role kernel's S over 64-token tiles.
                 assert_eq!(
                     text.contains("wgmma.mma_async.sync.aligned.m64n64k16"),
-                    tile == 64 && probe & 2 == 0
+                    tile == 64 && probe & 6 == 0
                 );
                 // The transposed kernel's products: the block's heads as N.
                 let mma = format!("wgmma.mma_async.sync.aligned.m64n{tr_heads}k16");

@@ -169,8 +169,8 @@ pub(crate) fn tuning_label(t: MlaTuning) -> String {
     if t.transposed {
         label += ".tr";
     }
-    if t.swizzled {
-        label += ".sw128";
+    if t.unswizzled {
+        label += ".nosw";
     }
     if t.probe != 0 {
         label += &format!(".probe{}", t.probe);

@@ -3,9 +3,10 @@
 // two products on warpgroup MMAs (wgmma, operands read from shared memory by the tensor cores).
 //
 // A block serves 64 heads (rows past `heads` are zero and never stored). Two split kernels:
-//   mla_decode_split_ws   pages of whole 32-token tiles: the copy engine brings tiles into four
-//                         stages and the warpgroups split the roles (S and softmax; P·V of each
-//                         half of the latent), so that one tile's P·V runs beside the next S;
+//   mla_decode_split_ws   pages of whole tiles (32 or 64 tokens): the copy engine brings tiles
+//                         into four or two stages and the warpgroups split the roles (S and
+//                         softmax; P·V of each half of the latent), so that one tile's P·V runs
+//                         beside the next S;
 //   mla_decode_split_wg   any page size: tiles copied by the threads (cp.async), two stages,
 //                         two warpgroups and tiles of 64 tokens, per tile:
 //   S = Q·Kᵀ   warpgroup w computes the 64 heads × tokens 32w..32w+31 (m64n32k16, K = 576);
@@ -13,9 +14,10 @@
 //              write P (bf16) to shared memory and keep partial row sums to merge at the end;
 //   O += P·V   warpgroup w owns latent dims 256w..256w+255 (one m64n256k16 per 16 tokens).
 //
-// Shared-memory operands are kept in the no-swizzle core-matrix layout: 8 rows × 16 bytes per
-// 128-byte core matrix, the core matrices of a row group adjacent along K. Both the tile and Q
-// are K-major for S; the same tile read as V is N-major (latent dims contiguous) for O.
+// Shared-memory operands copied by threads are kept in the no-swizzle core-matrix layout: 8 rows
+// × 16 bytes per 128-byte core matrix, the core matrices of a row group adjacent along K; the
+// copy engine's tiles by default in its 128-byte swizzle (TileLayout). Both the tile and Q are
+// K-major for S; the same tile read as V is N-major (latent dims contiguous) for O.
 
 #define WG_BN 64
 #define WG_D 576
@@ -420,14 +422,60 @@ mla_decode_split_wg(const bf16_t* __restrict__ q, const bf16_t* __restrict__ cac
 }
 
 #ifdef TESSERA_TMA
+// How the copy engine lays a tile of BN tokens down (the host's tensor map agrees), as
+// MLA_SW128 says: 1 (default) in its 128-byte swizzle, 9 chunks of 64 dims, each BN rows × 128
+// bytes (8-row atoms of 1024 bytes); 0 as 72 planes of BN tokens × 16 bytes, the no-swizzle
+// core-matrix layout. Descriptors from a stage's shared address `a`: the tile read K-major
+// (tokens × dims: S, and Sᵀ as A) with K step kk (16 dims) `k_step(kk)` on, and read dims-major
+// (V as P·V's N-major B, Vᵀ as M-major A) from 64-dim chunk c on, a K step (16 tokens)
+// TOKEN_STEP on; offsets in 16 bytes.
+#ifndef MLA_SW128
+#define MLA_SW128 1
+#endif
+template <int BN>
+struct TileLayout {
+#if MLA_SW128
+    static constexpr unsigned CHUNK = BN * 128;
+    __device__ static unsigned long long swizzled(unsigned a) {
+        return (unsigned long long)((a & 0x3ffffu) >> 4) |
+               ((unsigned long long)(CHUNK >> 4) << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+               (1ull << 62);
+    }
+    __device__ static unsigned long long k_major(unsigned a) { return swizzled(a); }
+    __device__ static unsigned long long dims_major(unsigned a, int c) {
+        return swizzled(a + c * CHUNK);
+    }
+    // 32 bytes within a row, 4 steps a chunk.
+    __device__ static unsigned k_step(int kk) { return ((kk / 4) * CHUNK + (kk % 4) * 32) >> 4; }
+    static constexpr unsigned TOKEN_STEP = 2048 >> 4;
+    static constexpr unsigned DIMS64 = CHUNK >> 4;
+#else
+    static constexpr unsigned PLANE = BN * 16;
+    __device__ static unsigned long long k_major(unsigned a) { return wg_desc_at(a, PLANE, 128); }
+    // Planes 8c.. with the leading and stride offsets swapped.
+    __device__ static unsigned long long dims_major(unsigned a, int c) {
+        return wg_desc_at(a + c * 8 * PLANE, 128, PLANE);
+    }
+    __device__ static unsigned k_step(int kk) { return kk * (2 * PLANE >> 4); }
+    static constexpr unsigned TOKEN_STEP = 16;
+    static constexpr unsigned DIMS64 = 8 * PLANE >> 4;
+#endif
+};
+
+// The dynamic shared memory of a copy-engine kernel: swizzled stages need 1024-byte alignment
+// (the host adds that much slack; Q before the stages is a multiple of 1 KiB).
+template <typename Smem>
+__device__ __forceinline__ Smem& tile_smem(unsigned char* raw) {
+    return *reinterpret_cast<Smem*>(raw + (MLA_SW128 ? (1024 - (smem_addr(raw) & 1023)) & 1023 : 0));
+}
+
 // The copy-engine pipeline of the split-role kernels (mla_decode_split_ws and _tr): tile i of a
 // split (BN tokens of one page) lands in stage i % STAGES by one tensor copy issued by the
 // block's thread 128; per stage a `full` barrier (the copy's bytes) and a `kv_empty` one (the
 // three warpgroups done with it); per P buffer (PBUF of them) a `p_full` barrier (128 arrivals
-// of the softmax warpgroup) and a `p_empty` one (one per product warpgroup). A tile lands as 72
-// planes of BN tokens × 16 bytes, or with SW128 as 9 chunks (64 dims each) of BN rows × 128
-// bytes in the copy engine's 128-byte swizzle.
-template <int BN, int STAGES, int PBUF, bool SW128 = false>
+// of the softmax warpgroup) and a `p_empty` one (one per product warpgroup). Tiles in the
+// TileLayout.
+template <int BN, int STAGES, int PBUF>
 struct TilePipe {
     static constexpr unsigned STAGE_BYTES = BN * WG_D * 2;
     static constexpr int PLANE = BN * 16;
@@ -481,7 +529,7 @@ struct TilePipe {
         if (valid_rows < BN) {
             const int gap = BN - valid_rows;
             uint4* t = reinterpret_cast<uint4*>(kv + st * BN * WG_D);
-            if (SW128) {
+            if (MLA_SW128) {
                 // A row's 8 units in each chunk, in whatever order the swizzle put them.
                 const int per = 8 * gap;
                 for (int k = wt; k < (WG_KC / 8) * per; k += 128)
@@ -550,50 +598,8 @@ struct TilePipe {
 #define WS_PBUF (WS_BN == 64 ? 1 : 2)
 #define WS_NS (WS_BN / 2)
 #define WS_THREADS 384
-#define WS_PLANE (WS_BN * 16)
 #define WS_STAGE_BYTES (WS_BN * WG_D * 2)
 #define WS_PGROUP ((WS_BN / 8) * 128)
-// 1: tiles land in the copy engine's 128-byte swizzle, 9 chunks of 64 dims × WS_BN rows of 128
-// bytes (the map's boxes 128 bytes wide, as the host encodes it), read by wgmma in that swizzle:
-// K-major for S (a K step of 16 dims is 32 bytes within a row, 4 steps a chunk), N-major for
-// P·V (the latent dims N, chunks WS_CHUNK apart; 8 tokens a 1024-byte atom). 0: 72 planes of
-// WS_BN rows × 16 bytes in the no-swizzle core-matrix layout.
-#ifndef MLA_WS_SW128
-#define MLA_WS_SW128 0
-#endif
-#define WS_CHUNK (WS_BN * 128)
-
-#if MLA_WS_SW128
-// A stage's descriptor at shared address a: 8-row atoms 1024 bytes apart, chunks of 64 dims
-// WS_CHUNK apart (what the N-major reads step over).
-__device__ __forceinline__ unsigned long long ws_swizzled_desc(unsigned a) {
-    return (unsigned long long)((a & 0x3ffffu) >> 4) | ((unsigned long long)(WS_CHUNK >> 4) << 16) |
-           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
-}
-// The tile at stage address a as S's operand (K-major) and, for latent dims 256·pw.. (chunks
-// 4·pw..), as P·V's (N-major); offsets in 16 bytes of S's K step kk (16 dims, 32 bytes within a
-// row) and of P·V's (16 tokens: two atoms).
-__device__ __forceinline__ unsigned long long ws_k_desc(unsigned a) { return ws_swizzled_desc(a); }
-__device__ __forceinline__ unsigned long long ws_v_desc(unsigned a, int pw) {
-    return ws_swizzled_desc(a + 4 * pw * WS_CHUNK);
-}
-__device__ __forceinline__ unsigned ws_s_step(int kk) {
-    return ((kk / 4) * WS_CHUNK + (kk % 4) * 32) >> 4;
-}
-#define WS_V_STEP (2048 >> 4)
-#else
-// The same in the core-matrix layout: S's K step is 2 planes; P·V reads planes 32·pw.. with the
-// leading and stride offsets swapped, a K step being 2 token groups.
-__device__ __forceinline__ unsigned long long ws_k_desc(unsigned a) {
-    return wg_desc_at(a, WS_PLANE, 128);
-}
-__device__ __forceinline__ unsigned long long ws_v_desc(unsigned a, int pw) {
-    return wg_desc_at(a + 32 * pw * WS_PLANE, 128, WS_PLANE);
-}
-__device__ __forceinline__ unsigned ws_s_step(int kk) { return kk * (2 * WS_PLANE >> 4); }
-#define WS_V_STEP 16
-#endif
-
 struct WsSmem {
     bf16_t q[WG_HB * WG_D];
     bf16_t kv[WS_STAGES][WS_BN * WG_D];
@@ -612,14 +618,12 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                     float* __restrict__ o_part, float* __restrict__ lse_part, int heads,
                     int page_size, int max_pages, int num_pages, float scale_log2) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    // Swizzled stages need 1024-byte alignment (Q before them is 72 KiB; the host adds the slack).
-    WsSmem& sm = *reinterpret_cast<WsSmem*>(
-        smem_raw + (MLA_WS_SW128 ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
+    WsSmem& sm = tile_smem<WsSmem>(smem_raw);
     const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, lane = tid & 31;
     const WgSplit sp(seq_lens, heads, max_pages, page_size, WS_BN);
     if (sp.done_if_empty(o_part, lse_part, heads, tid, WS_THREADS)) return;
     const int b = sp.b, h0 = sp.h0, nh = sp.nh, len = sp.len, tile0 = sp.tile0;
-    const TilePipe<WS_BN, WS_STAGES, WS_PBUF, MLA_WS_SW128> pipe{sm.kv[0], sm.full, sm.kv_empty, sm.p_full,
+    const TilePipe<WS_BN, WS_STAGES, WS_PBUF> pipe{sm.kv[0], sm.full, sm.kv_empty, sm.p_full,
                                                    sm.p_empty, sm.rows, &cache_map,
                                                    page_table + (size_t)b * max_pages, tile0,
                                                    sp.tile1 - sp.tile0, len, page_size,
@@ -652,7 +656,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
         asm volatile("bar.sync 2, 128;" ::: "memory");
         float m0 = ninf, m1 = ninf, l0 = 0.0f, l1 = 0.0f;
         const unsigned long long dq = wg_desc(sm.q, 128, WG_GROUP);
-        const unsigned long long dk = ws_k_desc(smem_addr(sm.kv[0]));
+        const unsigned long long dk = TileLayout<WS_BN>::k_major(smem_addr(sm.kv[0]));
         for (int i = 0; i < ntiles; ++i) {
             const int st = i % WS_STAGES, pb = i % WS_PBUF;
             pipe.wait_tile_zeroed(i, wt);
@@ -662,7 +666,9 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                 for (int k = 0; k < WS_NS; ++k) s[k] = 0.0f;
             } else {
                 wg_fence();
-                wg_scores_issue(s, dq, 16, [&](int kk) { return dk + st * STAGE + ws_s_step(kk); });
+                wg_scores_issue(s, dq, 16, [&](int kk) {
+                    return dk + st * STAGE + TileLayout<WS_BN>::k_step(kk);
+                });
                 wg_commit();
                 wg_wait0();
             }
@@ -697,7 +703,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
     float o[128];
 #pragma unroll
     for (int k = 0; k < 128; ++k) o[k] = 0.0f;
-    const unsigned long long dv = ws_v_desc(smem_addr(sm.kv[0]), pw);
+    const unsigned long long dv = TileLayout<WS_BN>::dims_major(smem_addr(sm.kv[0]), 4 * pw);
     const unsigned long long dp = wg_desc(sm.p[0], 128, WS_PGROUP);
     constexpr unsigned long long P_BUF = (WG_HB * WS_BN * 2) >> 4;
     for (int i = 0; i < ntiles; ++i) {
@@ -708,7 +714,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < WS_BN / 16; ++kk)
-                wgmma_n256_bt(o, dp + pb * P_BUF + kk * 16, dv + st * STAGE + kk * WS_V_STEP);
+                wgmma_n256_bt(o, dp + pb * P_BUF + kk * 16, dv + st * STAGE + kk * TileLayout<WS_BN>::TOKEN_STEP);
             wg_commit();
             wg_wait0();
         }

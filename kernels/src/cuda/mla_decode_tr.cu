@@ -21,7 +21,6 @@
 #define TR_BN 64
 #define TR_STAGES 2
 #define TR_THREADS 384
-#define TR_PLANE (TR_BN * 16)
 #define TR_STAGE_BYTES (TR_BN * WG_D * 2)
 // Bytes between 8-head groups of Q (all 72 chunks of 8 dims of a group) and of Pᵀ (its 8 token
 // groups).
@@ -42,7 +41,7 @@ struct TrSmem {
     unsigned long long full[TR_STAGES], kv_empty[TR_STAGES], p_full[2], p_empty[2];
     int rows[TR_STAGES];
 };
-// What the host allocates (mla.rs, `tr_smem`).
+// What the host allocates (mla.rs, `tr_smem`, besides the slack for aligning swizzled stages).
 static_assert(sizeof(TrSmem) == TR_H * WG_D * 2 + TR_STAGES * TR_BN * WG_D * 2 +
                                     2 * TR_BN * TR_H * 2 + 2 * TR_H * 4 + 8 * TR_H * 4 +
                                     2 * TR_H * 4 + (2 * TR_STAGES + 4) * 8 + TR_STAGES * 4,
@@ -54,7 +53,7 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                     float* __restrict__ o_part, float* __restrict__ lse_part, int heads,
                     int page_size, int max_pages, int num_pages, float scale_log2) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    TrSmem& sm = *reinterpret_cast<TrSmem*>(smem_raw);
+    TrSmem& sm = tile_smem<TrSmem>(smem_raw);
     const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, lane = tid & 31;
     const int warp = wt >> 5, g = lane >> 2, t4 = lane & 3;
     const WgSplit sp(seq_lens, heads, max_pages, page_size, TR_BN, TR_H);
@@ -86,9 +85,8 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
         cp_async_wait<0>();
         fence_async_smem();
         wg0_sync();
-        // Sᵀ: the tile as A (K-major: 8 tokens × 16 bytes a core matrix, a plane per 8 dims),
-        // Q as B (K-major). A K step of 16 dims is two planes of the tile and two chunks of Q.
-        const unsigned long long da = wg_desc(sm.kv[0], TR_PLANE, 128);
+        // Sᵀ: the tile as A (K-major), Q as B (K-major; a K step of 16 dims is two chunks).
+        const unsigned long long da = TileLayout<TR_BN>::k_major(smem_addr(sm.kv[0]));
         const unsigned long long dq = wg_desc(sm.q, 128, TR_QGROUP);
         // This thread's tokens (rows) r0 and r1 of a tile; its heads (columns) 8j + 2·t4 + e.
         const int r0 = 16 * warp + g, r1 = r0 + 8;
@@ -111,7 +109,7 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                 wg_fence();
 #pragma unroll
                 for (int kk = 0; kk < WG_D / 16; ++kk)
-                    wgmma_ss<TR_H, 0, 0>(s, da + st * STAGE + kk * (2 * TR_PLANE >> 4),
+                    wgmma_ss<TR_H, 0, 0>(s, da + st * STAGE + TileLayout<TR_BN>::k_step(kk),
                                          dq + kk * 16, kk > 0);
                 wg_commit();
                 wg_wait0();
@@ -204,19 +202,18 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
         return;
     }
 
-    // Oᵀ over latent dims 256·pw + 64·mt .. (planes 32·pw + 8·mt ..): Vᵀ as A, M-major (a core
-    // matrix is 8 tokens × 8 dims, one plane's rows; 8 dims on is the next plane, 8 tokens on
-    // 128 bytes), Pᵀ as B, N-major. A K step of 16 tokens is 256 bytes in both.
+    // Oᵀ over latent dims 256·pw + 64·mt ..: Vᵀ as A, M-major (the tile read dims-major), Pᵀ as
+    // B, N-major (a K step of 16 tokens is 256 bytes).
     const int pw = wg - 1;
     float o[4][TR_NS];
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int k = 0; k < TR_NS; ++k) o[mt][k] = 0.0f;
-    const unsigned long long dv = wg_desc(sm.kv[0] + 32 * pw * (TR_PLANE / 2), 128, TR_PLANE);
+    const unsigned long long dv = TileLayout<TR_BN>::dims_major(smem_addr(sm.kv[0]), 4 * pw);
     const unsigned long long dp = wg_desc(sm.p[0], 128, TR_PGROUP);
     constexpr unsigned long long P_BUF = (TR_BN * TR_H * 2) >> 4;
-    constexpr unsigned long long M_TILE = (8 * TR_PLANE) >> 4;
+    constexpr unsigned long long M_TILE = TileLayout<TR_BN>::DIMS64;
     for (int i = 0; i < ntiles; ++i) {
         const int st = i % TR_STAGES, pb = i & 1;
         pipe.wait_products(i);
@@ -237,7 +234,9 @@ mla_decode_split_tr(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
                 for (int kk = 0; kk < TR_BN / 16; ++kk)
-                    wgmma_ss<TR_H, 1, 1>(o[mt], dv + st * STAGE + mt * M_TILE + kk * 16,
+                    wgmma_ss<TR_H, 1, 1>(o[mt],
+                                         dv + st * STAGE + mt * M_TILE +
+                                             kk * TileLayout<TR_BN>::TOKEN_STEP,
                                          dp + pb * P_BUF + kk * 16, 1);
             wg_commit();
             wg_wait0();
