@@ -69,6 +69,14 @@ fn main() {
             let name = format!("mla_decode_tr{heads}_sm90");
             units.push((name, MLA_DECODE_SM90_SOURCE, tr));
         }
+        for q_regs in [8, 16, 24, 36] {
+            let qreg = vec![
+                ("MLA_WS_BN", "64".to_string()),
+                ("MLA_WS_QREG", q_regs.to_string()),
+            ];
+            let name = format!("mla_decode_ws64_qreg{q_regs}_sm90");
+            units.push((name, MLA_DECODE_SM90_SOURCE, qreg));
+        }
         let plain = vec![("MLA_SW128", "0".to_string())];
         units.push((
             "mla_decode_plain_sm90".into(),

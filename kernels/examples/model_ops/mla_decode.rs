@@ -172,6 +172,9 @@ pub(crate) fn tuning_label(t: MlaTuning) -> String {
     if t.unswizzled {
         label += ".nosw";
     }
+    if t.q_regs > 0 {
+        label += &format!(".qreg{}", t.q_regs);
+    }
     if t.probe != 0 {
         label += &format!(".probe{}", t.probe);
     }

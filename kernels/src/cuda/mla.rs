@@ -99,15 +99,19 @@ pub struct MlaTuning {
     /// chunks of 64 dims) in the swizzle that wgmma reads directly. On an H200 the swizzled
     /// copies stream 3.3× faster and the kernel runs twice as fast.
     pub unswizzled: bool,
+    /// K steps of S (of 36) that take Q from registers in the split-role kernel's 64-token
+    /// tiles (`MLA_WS_QREG`), each sparing shared memory 2 KB of reads per tile; 0: none.
+    pub q_regs: usize,
 }
 
 impl MlaTuning {
-    fn defines(&self) -> [(&'static str, String); 4] {
+    fn defines(&self) -> [(&'static str, String); 5] {
         [
             ("MLA_PREFETCH", self.prefetch.to_string()),
             ("MLA_COALESCED", u8::from(self.coalesced).to_string()),
             ("MLA_WS_PROBE", self.probe.to_string()),
             ("MLA_SW128", u8::from(!self.unswizzled).to_string()),
+            ("MLA_WS_QREG", self.q_regs.to_string()),
         ]
     }
 
@@ -115,7 +119,11 @@ impl MlaTuning {
     /// the Hopper kernel only).
     pub fn applies_to(&self, kernel: MlaKernel) -> bool {
         kernel == MlaKernel::Hopper
-            || (self.ws_tile == 0 && self.probe == 0 && !self.transposed && !self.unswizzled)
+            || (self.ws_tile == 0
+                && self.probe == 0
+                && !self.transposed
+                && !self.unswizzled
+                && self.q_regs == 0)
     }
 
     /// Tokens per tile of the split-role kernels to compile, largest first.

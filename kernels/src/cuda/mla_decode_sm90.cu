@@ -600,6 +600,14 @@ struct TilePipe {
 #define WS_THREADS 384
 #define WS_STAGE_BYTES (WS_BN * WG_D * 2)
 #define WS_PGROUP ((WS_BN / 8) * 128)
+// The first MLA_WS_QREG K steps (of 36) of S take Q from the S warpgroup's registers instead of
+// shared memory (64-token tiles only: m64n64k16 with A in registers), each saving the 2 KB a step
+// reads of Q per tile; 0 (the default): all from shared memory.
+#ifndef MLA_WS_QREG
+#define MLA_WS_QREG 0
+#endif
+#define WS_QREG (WS_BN == 64 ? MLA_WS_QREG : 0)
+static_assert(MLA_WS_QREG >= 0 && MLA_WS_QREG <= WG_D / 16, "K steps of S");
 struct WsSmem {
     bf16_t q[WG_HB * WG_D];
     bf16_t kv[WS_STAGES][WS_BN * WG_D];
@@ -657,6 +665,17 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
         float m0 = ninf, m1 = ninf, l0 = 0.0f, l1 = 0.0f;
         const unsigned long long dq = wg_desc(sm.q, 128, WG_GROUP);
         const unsigned long long dk = TileLayout<WS_BN>::k_major(smem_addr(sm.kv[0]));
+#if WS_QREG > 0
+        // A's fragments of the first K steps: rows r0 and r0 + 8, columns 2·t4 (+1) and 8 on.
+        unsigned qa[WS_QREG][4];
+        const unsigned char* sq = reinterpret_cast<const unsigned char*>(sm.q);
+#pragma unroll
+        for (int kk = 0; kk < WS_QREG; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                qa[kk][e] = *reinterpret_cast<const unsigned*>(
+                    sq + cm_off(r0 + 8 * (e & 1), 16 * kk + 2 * t4 + 8 * (e >> 1), WG_GROUP));
+#endif
         for (int i = 0; i < ntiles; ++i) {
             const int st = i % WS_STAGES, pb = i % WS_PBUF;
             pipe.wait_tile_zeroed(i, wt);
@@ -666,9 +685,20 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                 for (int k = 0; k < WS_NS; ++k) s[k] = 0.0f;
             } else {
                 wg_fence();
+#if WS_QREG > 0
+#pragma unroll
+                for (int kk = 0; kk < WG_D / 16; ++kk) {
+                    const unsigned long long k_at = dk + st * STAGE + TileLayout<WS_BN>::k_step(kk);
+                    if (kk < WS_QREG)
+                        wgmma_rs_n64(s, qa[kk], k_at, kk > 0);
+                    else
+                        wgmma_n64(s, dq + kk * 16, k_at, 1);
+                }
+#else
                 wg_scores_issue(s, dq, 16, [&](int kk) {
                     return dk + st * STAGE + TileLayout<WS_BN>::k_step(kk);
                 });
+#endif
                 wg_commit();
                 wg_wait0();
             }
