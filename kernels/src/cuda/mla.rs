@@ -137,6 +137,11 @@ impl MlaTuning {
 }
 /// Shared memory of `mla_decode_split_wg`: Q, two tiles, P and the row exchange (`WgSmem`).
 const HOPPER_SMEM: usize = 64 * D * 2 + 2 * BN * D * 2 + 64 * BN * 2 + 2 * 64 * 4;
+/// Whether pages of `page_size` tokens hold whole tiles of `tile` (a copy never crosses a page).
+fn holds_whole(page_size: usize, tile: usize) -> bool {
+    page_size > 0 && page_size.is_multiple_of(tile)
+}
+
 /// Threads of `mla_decode_split_ws` (three warpgroups).
 const WS_THREADS: u32 = 384;
 /// Slack for aligning swizzled stages to 1 KiB.
@@ -398,9 +403,12 @@ impl MlaDecode {
     /// and the pages hold whole 64-token tiles, else the split-role one of the largest tile
     /// that the pages hold whole.
     fn copy_engine_kernel(&self, page_size: usize) -> Option<Launchable<'_>> {
-        let whole = |tile: usize| page_size > 0 && page_size.is_multiple_of(tile);
         let swizzled = !self.tuning.unswizzled;
-        if let Some((func, h)) = self.split_tr.as_ref().filter(|_| whole(TR_BN)) {
+        if let Some((func, h)) = self
+            .split_tr
+            .as_ref()
+            .filter(|_| holds_whole(page_size, TR_BN))
+        {
             return Some(Launchable {
                 func,
                 tile: TR_BN,
@@ -410,7 +418,10 @@ impl MlaDecode {
                 heads_per_block: *h,
             });
         }
-        let (tile, func) = self.split_ws.iter().find(|(tile, _)| whole(*tile))?;
+        let (tile, func) = self
+            .split_ws
+            .iter()
+            .find(|(tile, _)| holds_whole(page_size, *tile))?;
         Some(Launchable {
             func,
             tile: *tile,
@@ -579,5 +590,53 @@ impl MlaDecode {
         // SAFETY: the argument list matches `mla_decode_combine`; sizes checked above.
         unsafe { launch.launch(cfg) }?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{holds_whole, tr_heads, tr_smem, ws_smem, MlaTuning};
+
+    /// What one block may ask for on sm_90 (227 KiB).
+    const SMEM_MAX: usize = 227 * 1024;
+
+    #[test]
+    fn every_copy_engine_kernel_fits_in_shared_memory_with_the_swizzle_slack() {
+        for swizzled in [false, true] {
+            for tile in [32, 64] {
+                let bytes = ws_smem(tile, swizzled);
+                assert!(bytes <= SMEM_MAX, "split roles, {tile} tokens: {bytes}");
+            }
+            for heads in [16, 32, 48] {
+                let bytes = tr_smem(heads, swizzled);
+                assert!(bytes <= SMEM_MAX, "transposed, {heads} heads: {bytes}");
+            }
+        }
+        assert_eq!(ws_smem(64, true), ws_smem(64, false) + 1024);
+    }
+
+    #[test]
+    fn split_role_tiles_are_the_largest_the_pages_hold_whole() {
+        let tiles = MlaTuning::default().ws_tiles();
+        let pick = |page: usize| tiles.iter().copied().find(|t| holds_whole(page, *t));
+        assert_eq!(pick(64), Some(64));
+        assert_eq!(pick(128), Some(64));
+        assert_eq!(pick(32), Some(32));
+        assert_eq!(pick(96), Some(32));
+        assert_eq!(pick(16), None);
+        assert_eq!(pick(0), None);
+        let only32 = MlaTuning {
+            ws_tile: 32,
+            ..MlaTuning::default()
+        };
+        assert_eq!(only32.ws_tiles(), vec![32]);
+    }
+
+    #[test]
+    fn transposed_blocks_take_the_largest_head_count_that_divides() {
+        assert_eq!(tr_heads(96), 48);
+        assert_eq!(tr_heads(64), 32);
+        assert_eq!(tr_heads(16), 16);
+        assert_eq!(tr_heads(80), 16);
     }
 }
