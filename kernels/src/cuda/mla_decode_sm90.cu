@@ -291,13 +291,22 @@ struct WgRows {
 
 // Issues S for 32 or 64 tokens (NS = 16 or 32 values a thread): 36 K steps of m64n32k16 or
 // m64n64k16 (Q and the tile K-major), Q's each `q_step` (in 16 bytes) on, the tile's descriptor
-// of step kk from `k_at(kk)`; the caller fences, commits and waits.
-template <int NS, typename KAt>
+// of step kk from `k_at(kk)`; the first QREG steps (64 tokens only) take Q from the registers
+// `qa` instead (A's fragments, as wgmma_rs_n64 reads them). The caller fences, commits and waits.
+template <int NS, int QREG = 0, typename KAt>
 __device__ __forceinline__ void wg_scores_issue(float (&s)[NS], unsigned long long dq,
-                                                unsigned long long q_step, KAt k_at) {
+                                                unsigned long long q_step, KAt k_at,
+                                                const unsigned (*qa)[4] = nullptr) {
     static_assert(NS == 16 || NS == 32, "32 or 64 tokens");
+    static_assert(QREG == 0 || NS == 32, "Q from registers at 64 tokens");
 #pragma unroll
     for (int kk = 0; kk < WG_D / 16; ++kk) {
+        if constexpr (QREG > 0) {
+            if (kk < QREG) {
+                wgmma_rs_n64(s, qa[kk], k_at(kk), kk > 0);
+                continue;
+            }
+        }
         if constexpr (NS == 16)
             wgmma_n32(s, dq + kk * q_step, k_at(kk), kk > 0);
         else
@@ -466,7 +475,8 @@ struct TileLayout {
 // (the host adds that much slack; Q before the stages is a multiple of 1 KiB).
 template <typename Smem>
 __device__ __forceinline__ Smem& tile_smem(unsigned char* raw) {
-    return *reinterpret_cast<Smem*>(raw + (MLA_SW128 ? (1024 - (smem_addr(raw) & 1023)) & 1023 : 0));
+    const unsigned pad = MLA_SW128 ? (1024 - (smem_addr(raw) & 1023)) & 1023 : 0;
+    return *reinterpret_cast<Smem*>(raw + pad);
 }
 
 // The copy-engine pipeline of the split-role kernels (mla_decode_split_ws and _tr): tile i of a
@@ -665,9 +675,9 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
         float m0 = ninf, m1 = ninf, l0 = 0.0f, l1 = 0.0f;
         const unsigned long long dq = wg_desc(sm.q, 128, WG_GROUP);
         const unsigned long long dk = TileLayout<WS_BN>::k_major(smem_addr(sm.kv[0]));
-#if WS_QREG > 0
-        // A's fragments of the first K steps: rows r0 and r0 + 8, columns 2·t4 (+1) and 8 on.
-        unsigned qa[WS_QREG][4];
+        // A's fragments of S's first WS_QREG K steps: rows r0 and r0 + 8, columns 2·t4 (+1) and
+        // 8 on.
+        unsigned qa[WS_QREG > 0 ? WS_QREG : 1][4];
         const unsigned char* sq = reinterpret_cast<const unsigned char*>(sm.q);
 #pragma unroll
         for (int kk = 0; kk < WS_QREG; ++kk)
@@ -675,7 +685,6 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             for (int e = 0; e < 4; ++e)
                 qa[kk][e] = *reinterpret_cast<const unsigned*>(
                     sq + cm_off(r0 + 8 * (e & 1), 16 * kk + 2 * t4 + 8 * (e >> 1), WG_GROUP));
-#endif
         for (int i = 0; i < ntiles; ++i) {
             const int st = i % WS_STAGES, pb = i % WS_PBUF;
             pipe.wait_tile_zeroed(i, wt);
@@ -685,20 +694,9 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                 for (int k = 0; k < WS_NS; ++k) s[k] = 0.0f;
             } else {
                 wg_fence();
-#if WS_QREG > 0
-#pragma unroll
-                for (int kk = 0; kk < WG_D / 16; ++kk) {
-                    const unsigned long long k_at = dk + st * STAGE + TileLayout<WS_BN>::k_step(kk);
-                    if (kk < WS_QREG)
-                        wgmma_rs_n64(s, qa[kk], k_at, kk > 0);
-                    else
-                        wgmma_n64(s, dq + kk * 16, k_at, 1);
-                }
-#else
-                wg_scores_issue(s, dq, 16, [&](int kk) {
-                    return dk + st * STAGE + TileLayout<WS_BN>::k_step(kk);
-                });
-#endif
+                wg_scores_issue<WS_NS, WS_QREG>(
+                    s, dq, 16,
+                    [&](int kk) { return dk + st * STAGE + TileLayout<WS_BN>::k_step(kk); }, qa);
                 wg_commit();
                 wg_wait0();
             }
@@ -744,7 +742,8 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < WS_BN / 16; ++kk)
-                wgmma_n256_bt(o, dp + pb * P_BUF + kk * 16, dv + st * STAGE + kk * TileLayout<WS_BN>::TOKEN_STEP);
+                wgmma_n256_bt(o, dp + pb * P_BUF + kk * 16,
+                              dv + st * STAGE + kk * TileLayout<WS_BN>::TOKEN_STEP);
             wg_commit();
             wg_wait0();
         }
