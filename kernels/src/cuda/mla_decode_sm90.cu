@@ -628,7 +628,12 @@ struct WsSmem {
     int rows[WS_STAGES];
 };
 static_assert(WS_BN == 32 || WS_BN == 64, "tiles of 32 or 64 tokens");
-static_assert(sizeof(WsSmem) <= 227 * 1024, "the split-role kernel's shared memory");
+// What the host allocates (mla.rs, `ws_smem`, besides the slack for aligning swizzled stages).
+static_assert(sizeof(WsSmem) == WG_HB * WG_D * 2 + WS_STAGES * WS_STAGE_BYTES +
+                                    WS_PBUF * WG_HB * WS_BN * 2 + WS_PBUF * WG_HB * 4 +
+                                    2 * WG_HB * 4 + (2 * WS_STAGES + 2 * WS_PBUF) * 8 +
+                                    WS_STAGES * 4,
+              "WsSmem as the host sizes it");
 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ TensorMap cache_map,
