@@ -5,7 +5,8 @@
 //!   cargo build --release -p tessera-kernels --features cuda --example cuda_model_ops_check
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
 //!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 32,64] [--mla-probe 1,2,3,4]
-//!       [--mla-transposed] [--mla-no-swizzle] [--mla-q-regs N,..] [--moe-tunings]
+//!       [--mla-transposed] [--mla-no-swizzle] [--mla-q-regs N,..] [--mla-copies N,..]
+//!       [--moe-tunings]
 //!       [--moe-variants L,..]
 //!       [--moe-profile B,..] [--mla-profile]
 //!
@@ -21,8 +22,9 @@
 //! kernel with both products transposed (heads as wgmma's N, no padding; pages of 64 tokens and
 //! more), `--mla-no-swizzle` the copy-engine kernels with their tiles copied without the 128-byte
 //! swizzle (probes then run both ways), `--mla-q-regs 8,16` the split-role kernel with the first 8
-//! or 16 K steps of S taking Q from registers (64-token tiles); `--mla-profile` only times the MLA
-//! decode kernels at B=64 and 16K context, unchecked (a profiler's target).
+//! or 16 K steps of S taking Q from registers (64-token tiles), `--mla-copies 3,9` the split-role
+//! kernel with each tile in 3 or 9 tensor copies, S starting on the first; `--mla-profile` only
+//! times the MLA decode kernels at B=64 and 16K context, unchecked (a profiler's target).
 //! MoE projections are checked and timed on both paths, the tensor cores with each input split;
 //! `--moe-tunings` adds build-time alternatives of the tensor-core kernels (`--moe-variants
 //! tc,tc_tma8x3` keeps only the named ones, as printed without the format); `--moe-profile 1,16`
@@ -515,6 +517,13 @@ fn run() -> Result<usize, CudaError> {
     for q_regs in numbers("--mla-q-regs") {
         tunings.push(MlaTuning {
             q_regs,
+            ..MlaTuning::default()
+        });
+    }
+    // The split-role kernel with each tile in several copies.
+    for copies in numbers("--mla-copies") {
+        tunings.push(MlaTuning {
+            copies,
             ..MlaTuning::default()
         });
     }

@@ -77,6 +77,15 @@ fn main() {
             let name = format!("mla_decode_ws64_qreg{q_regs}_sm90");
             units.push((name, MLA_DECODE_SM90_SOURCE, qreg));
         }
+        let copies = vec![
+            ("MLA_WS_BN", "64".to_string()),
+            ("MLA_WS_COPIES", "3".to_string()),
+        ];
+        units.push((
+            "mla_decode_ws64_copies3_sm90".into(),
+            MLA_DECODE_SM90_SOURCE,
+            copies,
+        ));
         let plain = vec![("MLA_SW128", "0".to_string())];
         units.push((
             "mla_decode_plain_sm90".into(),

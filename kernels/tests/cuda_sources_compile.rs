@@ -242,24 +242,25 @@ fn mla_decode_compiles_with_tensor_cores_for_every_head_block() {
 
 /// The Hopper split kernels (warpgroup, split roles, transposed) in every build setting:
 /// (prefetch, coalesced copies, split-role tile, probe, heads per transposed block, tiles of the
-/// copy-engine kernels in the 128-byte swizzle, K steps of S with Q from registers).
+/// copy-engine kernels in the 128-byte swizzle, K steps of S with Q from registers, tensor copies
+/// a split-role tile comes in).
 #[test]
 fn mla_decode_hopper_kernels_compile_for_sm90a_in_every_setting() {
     let settings = [
-        (0, 0, 32, 0, 48, 1, 0),
-        (3, 0, 32, 0, 32, 1, 16),
-        (0, 1, 32, 0, 16, 1, 0),
-        (0, 0, 64, 0, 48, 1, 0),
-        (0, 0, 64, 0, 48, 1, 16),
-        (0, 0, 64, 0, 32, 1, 36),
-        (0, 0, 64, 1, 48, 1, 8),
-        (0, 0, 32, 2, 48, 1, 0),
-        (0, 0, 64, 4, 16, 1, 0),
-        (0, 0, 32, 0, 48, 0, 0),
-        (0, 0, 64, 0, 32, 0, 16),
-        (0, 0, 32, 4, 48, 0, 0),
+        (0, 0, 32, 0, 48, 1, 0, 1),
+        (3, 0, 32, 0, 32, 1, 16, 3),
+        (0, 1, 32, 0, 16, 1, 0, 1),
+        (0, 0, 64, 0, 48, 1, 0, 9),
+        (0, 0, 64, 0, 48, 1, 16, 3),
+        (0, 0, 64, 0, 32, 1, 36, 1),
+        (0, 0, 64, 1, 48, 1, 8, 1),
+        (0, 0, 32, 2, 48, 1, 0, 3),
+        (0, 0, 64, 4, 16, 1, 0, 3),
+        (0, 0, 32, 0, 48, 0, 0, 1),
+        (0, 0, 64, 0, 32, 0, 16, 1),
+        (0, 0, 32, 4, 48, 0, 0, 1),
     ];
-    for (prefetch, coalesced, tile, probe, tr_heads, swizzled, q_regs) in settings {
+    for (prefetch, coalesced, tile, probe, tr_heads, swizzled, q_regs, copies) in settings {
         let defines = [
             ("MLA_PREFETCH", format!("{prefetch}")),
             ("MLA_COALESCED", format!("{coalesced}")),
@@ -268,6 +269,7 @@ fn mla_decode_hopper_kernels_compile_for_sm90a_in_every_setting() {
             ("MLA_TR_HEADS", format!("{tr_heads}")),
             ("MLA_SW128", format!("{swizzled}")),
             ("MLA_WS_QREG", format!("{q_regs}")),
+            ("MLA_WS_COPIES", format!("{copies}")),
         ];
         match compile(
             "sm_90a",

@@ -175,6 +175,9 @@ pub(crate) fn tuning_label(t: MlaTuning) -> String {
     if t.q_regs > 0 {
         label += &format!(".qreg{}", t.q_regs);
     }
+    if t.copies > 1 {
+        label += &format!(".copies{}", t.copies);
+    }
     if t.probe != 0 {
         label += &format!(".probe{}", t.probe);
     }

@@ -102,16 +102,21 @@ pub struct MlaTuning {
     /// K steps of S (of 36) that take Q from registers in the split-role kernel's 64-token
     /// tiles (`MLA_WS_QREG`), each sparing shared memory 2 KB of reads per tile; 0: none.
     pub q_regs: usize,
+    /// Tensor copies each tile of the split-role kernel comes in (`MLA_WS_COPIES`: 1, 3 or 9;
+    /// 0 means 1), S starting on the first while the others stream; more than one needs the
+    /// swizzled tiles.
+    pub copies: usize,
 }
 
 impl MlaTuning {
-    fn defines(&self) -> [(&'static str, String); 5] {
+    fn defines(&self) -> [(&'static str, String); 6] {
         [
             ("MLA_PREFETCH", self.prefetch.to_string()),
             ("MLA_COALESCED", u8::from(self.coalesced).to_string()),
             ("MLA_WS_PROBE", self.probe.to_string()),
             ("MLA_SW128", u8::from(!self.unswizzled).to_string()),
             ("MLA_WS_QREG", self.q_regs.to_string()),
+            ("MLA_WS_COPIES", self.ws_copies().to_string()),
         ]
     }
 
@@ -123,7 +128,13 @@ impl MlaTuning {
                 && self.probe == 0
                 && !self.transposed
                 && !self.unswizzled
-                && self.q_regs == 0)
+                && self.q_regs == 0
+                && self.copies <= 1)
+    }
+
+    /// Tensor copies a split-role tile comes in.
+    fn ws_copies(&self) -> usize {
+        self.copies.max(1)
     }
 
     /// Tokens per tile of the split-role kernels to compile, largest first.
@@ -151,9 +162,9 @@ fn swizzle_slack(swizzled: bool) -> usize {
 
 /// Shared memory of `mla_decode_split_ws` (`WsSmem`) at `tile` tokens a tile: Q, the stages (four
 /// of 32 tokens, two of 64), the P buffers with their rescale factors (two; one at 64), the row
-/// sums and maxima, two barriers per stage and per P buffer, and a row count per stage; with
-/// swizzled stages 1 KiB of slack to align them.
-fn ws_smem(tile: usize, swizzled: bool) -> usize {
+/// sums and maxima, a barrier per stage and copy, one more per stage and two per P buffer, and
+/// a row count per stage; with swizzled stages 1 KiB of slack to align them.
+fn ws_smem(tile: usize, swizzled: bool, copies: usize) -> usize {
     let (stages, pbuf) = if tile == 64 { (2, 1) } else { (4, 2) };
     swizzle_slack(swizzled)
         + 64 * D * 2
@@ -161,7 +172,7 @@ fn ws_smem(tile: usize, swizzled: bool) -> usize {
         + pbuf * 64 * tile * 2
         + pbuf * 64 * 4
         + 2 * 64 * 4
-        + (2 * stages + 2 * pbuf) * 8
+        + ((copies + 1) * stages + 2 * pbuf) * 8
         + stages * 4
 }
 
@@ -196,12 +207,13 @@ fn tr_smem(h: usize, swizzled: bool) -> usize {
 /// The tensor map of the latent cache (`rows` tokens of 576 bf16) for the copy-engine split
 /// kernels, read in 3-D boxes of `width` dims × `tile` tokens × 576 / `width` chunks: with 8
 /// (no swizzle) a tile lands as 72 planes of `tile` tokens × 16 bytes, with 64 (the 128-byte
-/// swizzle) as 9 chunks of `tile` rows × 128 bytes.
+/// swizzle) as 9 chunks of `tile` rows × 128 bytes; a box holds 1 / `copies` of the chunks.
 fn cache_map(
     ptr: u64,
     rows: usize,
     tile: usize,
     swizzled: bool,
+    copies: usize,
 ) -> Result<TensorMapArg, CudaError> {
     use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
     let (width, swizzle) = if swizzled {
@@ -215,17 +227,18 @@ fn cache_map(
         ptr,
         &[width as u64, rows as u64, chunks],
         &[D as u64 * 2, width as u64 * 2],
-        &[width as u32, tile as u32, chunks as u32],
+        &[width as u32, tile as u32, (chunks as usize / copies) as u32],
         swizzle,
     )
 }
 
 /// A copy-engine split kernel chosen for a call: tokens per tile (the tensor map's box), threads,
-/// shared memory, heads per block and whether tiles land swizzled.
+/// shared memory, heads per block, whether tiles land swizzled and in how many copies.
 struct Launchable<'a> {
     func: &'a CudaFunction,
     tile: usize,
     swizzled: bool,
+    copies: usize,
     threads: u32,
     smem: u32,
     heads_per_block: usize,
@@ -299,6 +312,13 @@ impl MlaDecode {
                 tuning.ws_tile
             )));
         }
+        if !matches!(tuning.ws_copies(), 1 | 3 | 9) || (tuning.unswizzled && tuning.ws_copies() > 1)
+        {
+            return Err(shape_err(format!(
+                "a tile in {} copies: 1, 3 or 9, more than one with swizzled tiles",
+                tuning.copies
+            )));
+        }
         let combine = dev
             .module(
                 "mla_decode",
@@ -333,7 +353,10 @@ impl MlaDecode {
             .iter()
             .map(|(tile, m)| {
                 let f = m.load_function("mla_decode_split_ws")?;
-                Ok((*tile, with_smem(f, ws_smem(*tile, swizzled))?))
+                Ok((
+                    *tile,
+                    with_smem(f, ws_smem(*tile, swizzled, tuning.ws_copies()))?,
+                ))
             })
             .collect::<Result<Vec<_>, CudaError>>()?;
         let m = &modules[0].1;
@@ -413,6 +436,7 @@ impl MlaDecode {
                 func,
                 tile: TR_BN,
                 swizzled,
+                copies: 1,
                 threads: TR_THREADS,
                 smem: tr_smem(*h, swizzled) as u32,
                 heads_per_block: *h,
@@ -426,8 +450,9 @@ impl MlaDecode {
             func,
             tile: *tile,
             swizzled,
+            copies: self.tuning.ws_copies(),
             threads: WS_THREADS,
-            smem: ws_smem(*tile, swizzled) as u32,
+            smem: ws_smem(*tile, swizzled, self.tuning.ws_copies()) as u32,
             heads_per_block: self.heads_per_block,
         })
     }
@@ -537,6 +562,7 @@ impl MlaDecode {
                 num_pages * pages.page_size,
                 k.tile,
                 k.swizzled,
+                k.copies,
             )?),
             None => None,
         };
@@ -603,16 +629,21 @@ mod tests {
     #[test]
     fn every_copy_engine_kernel_fits_in_shared_memory_with_the_swizzle_slack() {
         for swizzled in [false, true] {
-            for tile in [32, 64] {
-                let bytes = ws_smem(tile, swizzled);
-                assert!(bytes <= SMEM_MAX, "split roles, {tile} tokens: {bytes}");
+            for (tile, copies) in [(32, 1), (64, 1), (32, 9), (64, 9)] {
+                let bytes = ws_smem(tile, swizzled, copies);
+                assert!(
+                    bytes <= SMEM_MAX,
+                    "split roles, {tile} tokens, {copies}: {bytes}"
+                );
             }
             for heads in [16, 32, 48] {
                 let bytes = tr_smem(heads, swizzled);
                 assert!(bytes <= SMEM_MAX, "transposed, {heads} heads: {bytes}");
             }
         }
-        assert_eq!(ws_smem(64, true), ws_smem(64, false) + 1024);
+        assert_eq!(ws_smem(64, true, 1), ws_smem(64, false, 1) + 1024);
+        // A barrier per copy and stage (two stages of 64 tokens).
+        assert_eq!(ws_smem(64, true, 3), ws_smem(64, true, 1) + 2 * 2 * 8);
     }
 
     #[test]

@@ -292,15 +292,21 @@ struct WgRows {
 // Issues S for 32 or 64 tokens (NS = 16 or 32 values a thread): 36 K steps of m64n32k16 or
 // m64n64k16 (Q and the tile K-major), Q's each `q_step` (in 16 bytes) on, the tile's descriptor
 // of step kk from `k_at(kk)`; the first QREG steps (64 tokens only) take Q from the registers
-// `qa` instead (A's fragments, as wgmma_rs_n64 reads them). The caller fences, commits and waits.
-template <int NS, int QREG = 0, typename KAt>
+// `qa` instead (A's fragments, as wgmma_rs_n64 reads them); `before(kk)` runs before step kk is
+// issued (waits for the tile's part that the step reads). The caller fences, commits and waits.
+struct NoWait {
+    __device__ void operator()(int) const {}
+};
+template <int NS, int QREG = 0, typename KAt, typename Before = NoWait>
 __device__ __forceinline__ void wg_scores_issue(float (&s)[NS], unsigned long long dq,
                                                 unsigned long long q_step, KAt k_at,
-                                                const unsigned (*qa)[4] = nullptr) {
+                                                const unsigned (*qa)[4] = nullptr,
+                                                Before before = {}) {
     static_assert(NS == 16 || NS == 32, "32 or 64 tokens");
     static_assert(QREG == 0 || NS == 32, "Q from registers at 64 tokens");
 #pragma unroll
     for (int kk = 0; kk < WG_D / 16; ++kk) {
+        before(kk);
         if constexpr (QREG > 0) {
             if (kk < QREG) {
                 wgmma_rs_n64(s, qa[kk], k_at(kk), kk > 0);
@@ -484,11 +490,14 @@ __device__ __forceinline__ Smem& tile_smem(unsigned char* raw) {
 // block's thread 128; per stage a `full` barrier (the copy's bytes) and a `kv_empty` one (the
 // three warpgroups done with it); per P buffer (PBUF of them) a `p_full` barrier (128 arrivals
 // of the softmax warpgroup) and a `p_empty` one (one per product warpgroup). Tiles in the
-// TileLayout.
-template <int BN, int STAGES, int PBUF>
+// TileLayout. With NG > 1 (swizzled tiles) a tile comes in NG copies of 9 / NG chunks, each with
+// its own `full` barrier, so that S can start on the first chunks while the rest still stream.
+template <int BN, int STAGES, int PBUF, int NG = 1>
 struct TilePipe {
     static constexpr unsigned STAGE_BYTES = BN * WG_D * 2;
+    static constexpr unsigned GROUP_BYTES = STAGE_BYTES / NG;
     static constexpr int PLANE = BN * 16;
+    static_assert(NG == 1 || (MLA_SW128 && (WG_KC / 8) % NG == 0), "copies of whole chunks");
     bf16_t* kv;
     unsigned long long *full, *kv_empty, *p_full, *p_empty;
     int* rows;
@@ -503,7 +512,7 @@ struct TilePipe {
     __device__ void start() const {
         if (threadIdx.x == 0) {
             for (int st = 0; st < STAGES; ++st) {
-                mbar_init(at(full, st), 1);
+                for (int g = 0; g < NG; ++g) mbar_init(at(full, st * NG + g), 1);
                 mbar_init(at(kv_empty, st), 3);
             }
             for (int pb = 0; pb < PBUF; ++pb) {
@@ -522,28 +531,42 @@ struct TilePipe {
         const int page = pages[tok / page_size];
         const bool valid = page >= 0 && page < num_pages;
         rows[st] = valid ? min(BN, len - tok) : 0;
-        mbar_expect_tx(at(full, st), valid ? STAGE_BYTES : 0);
-        if (valid)
-            tensor_box3_g2s(smem_addr(kv) + st * STAGE_BYTES, map, 0,
-                            page * page_size + tok % page_size, 0, at(full, st));
+        for (int g = 0; g < NG; ++g) {
+            mbar_expect_tx(at(full, st * NG + g), valid ? GROUP_BYTES : 0);
+            if (valid)
+                tensor_box3_g2s(smem_addr(kv) + st * STAGE_BYTES + g * GROUP_BYTES, map, 0,
+                                page * page_size + tok % page_size, g * (WG_KC / 8 / NG),
+                                at(full, st * NG + g));
+        }
+    }
+    // Copy g of tile i is in.
+    __device__ void wait_group(int i, int g) const {
+        mbar_wait(at(full, (i % STAGES) * NG + g), (i / STAGES) & 1);
     }
     // Tile i is in.
-    __device__ void wait_tile(int i) const { mbar_wait(at(full, i % STAGES), (i / STAGES) & 1); }
+    __device__ void wait_tile(int i) const {
+        for (int g = 0; g < NG; ++g) wait_group(i, g);
+    }
     // Waits for tile i; by the softmax warpgroup (thread wt of 128), rows past the context (or
     // of a page outside the pool) are then zeroed: the products read the tile as V only after
     // this tile's P, which is zero there, and 0·NaN would not be.
     __device__ void wait_tile_zeroed(int i, int wt) const {
+        for (int g = 0; g < NG; ++g) wait_group_zeroed(i, g, wt);
+    }
+    // The same for copy g of tile i alone.
+    __device__ void wait_group_zeroed(int i, int g, int wt) const {
         const int st = i % STAGES;
-        wait_tile(i);
+        wait_group(i, g);
         const int valid_rows = rows[st];
         if (valid_rows < BN) {
             const int gap = BN - valid_rows;
             uint4* t = reinterpret_cast<uint4*>(kv + st * BN * WG_D);
             if (MLA_SW128) {
-                // A row's 8 units in each chunk, in whatever order the swizzle put them.
-                const int per = 8 * gap;
-                for (int k = wt; k < (WG_KC / 8) * per; k += 128)
-                    t[(k / per) * BN * 8 + valid_rows * 8 + k % per] = make_uint4(0, 0, 0, 0);
+                // A row's 8 units in each of the copy's chunks, in whatever order the swizzle put
+                // them.
+                const int per = 8 * gap, c0 = g * (WG_KC / 8 / NG);
+                for (int k = wt; k < (WG_KC / 8 / NG) * per; k += 128)
+                    t[(c0 + k / per) * BN * 8 + valid_rows * 8 + k % per] = make_uint4(0, 0, 0, 0);
             } else {
                 for (int k = wt; k < WG_KC * gap; k += 128)
                     t[(k / gap) * (PLANE / 16) + valid_rows + k % gap] = make_uint4(0, 0, 0, 0);
@@ -618,20 +641,27 @@ struct TilePipe {
 #endif
 #define WS_QREG (WS_BN == 64 ? MLA_WS_QREG : 0)
 static_assert(MLA_WS_QREG >= 0 && MLA_WS_QREG <= WG_D / 16, "K steps of S");
+// Tensor copies a tile comes in (1, 3 or 9; more than one with swizzled tiles only), S waiting for
+// each before its K steps (TilePipe).
+#ifndef MLA_WS_COPIES
+#define MLA_WS_COPIES 1
+#endif
+#define WS_NG MLA_WS_COPIES
 struct WsSmem {
     bf16_t q[WG_HB * WG_D];
     bf16_t kv[WS_STAGES][WS_BN * WG_D];
     bf16_t p[WS_PBUF][WG_HB * WS_BN];
     float alpha[WS_PBUF][WG_HB];
     float l[WG_HB], m[WG_HB];
-    unsigned long long full[WS_STAGES], kv_empty[WS_STAGES], p_full[WS_PBUF], p_empty[WS_PBUF];
+    unsigned long long full[WS_STAGES * WS_NG], kv_empty[WS_STAGES], p_full[WS_PBUF],
+        p_empty[WS_PBUF];
     int rows[WS_STAGES];
 };
 static_assert(WS_BN == 32 || WS_BN == 64, "tiles of 32 or 64 tokens");
 // What the host allocates (mla.rs, `ws_smem`, besides the slack for aligning swizzled stages).
 static_assert(sizeof(WsSmem) == WG_HB * WG_D * 2 + WS_STAGES * WS_STAGE_BYTES +
                                     WS_PBUF * WG_HB * WS_BN * 2 + WS_PBUF * WG_HB * 4 +
-                                    2 * WG_HB * 4 + (2 * WS_STAGES + 2 * WS_PBUF) * 8 +
+                                    2 * WG_HB * 4 + ((WS_NG + 1) * WS_STAGES + 2 * WS_PBUF) * 8 +
                                     WS_STAGES * 4,
               "WsSmem as the host sizes it");
 
@@ -646,7 +676,7 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
     const WgSplit sp(seq_lens, heads, max_pages, page_size, WS_BN);
     if (sp.done_if_empty(o_part, lse_part, heads, tid, WS_THREADS)) return;
     const int b = sp.b, h0 = sp.h0, nh = sp.nh, len = sp.len, tile0 = sp.tile0;
-    const TilePipe<WS_BN, WS_STAGES, WS_PBUF> pipe{sm.kv[0], sm.full, sm.kv_empty, sm.p_full,
+    const TilePipe<WS_BN, WS_STAGES, WS_PBUF, WS_NG> pipe{sm.kv[0], sm.full, sm.kv_empty, sm.p_full,
                                                    sm.p_empty, sm.rows, &cache_map,
                                                    page_table + (size_t)b * max_pages, tile0,
                                                    sp.tile1 - sp.tile0, len, page_size,
@@ -692,7 +722,9 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                     sq + cm_off(r0 + 8 * (e & 1), 16 * kk + 2 * t4 + 8 * (e >> 1), WG_GROUP));
         for (int i = 0; i < ntiles; ++i) {
             const int st = i % WS_STAGES, pb = i % WS_PBUF;
-            pipe.wait_tile_zeroed(i, wt);
+            // With one copy a tile, all of it before S; with more, each copy before its steps.
+            constexpr int STEPS = WG_D / 16 / WS_NG;
+            if (WS_NG == 1 || (MLA_WS_PROBE & 2)) pipe.wait_tile_zeroed(i, wt);
             float s[WS_NS];
             if (MLA_WS_PROBE & 2) {
 #pragma unroll
@@ -701,7 +733,10 @@ mla_decode_split_ws(const bf16_t* __restrict__ q, const __grid_constant__ Tensor
                 wg_fence();
                 wg_scores_issue<WS_NS, WS_QREG>(
                     s, dq, 16,
-                    [&](int kk) { return dk + st * STAGE + TileLayout<WS_BN>::k_step(kk); }, qa);
+                    [&](int kk) { return dk + st * STAGE + TileLayout<WS_BN>::k_step(kk); }, qa,
+                    [&](int kk) {
+                        if (WS_NG > 1 && kk % STEPS == 0) pipe.wait_group_zeroed(i, kk / STEPS, wt);
+                    });
                 wg_commit();
                 wg_wait0();
             }
