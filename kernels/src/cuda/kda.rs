@@ -11,6 +11,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKern
 use super::kda_segmented::{KdaSegmentedPrefill, Segmentation};
 use super::kda_tma::{KdaScanTma, TmaProducts};
 use super::kda_workspace::KdaPrefillWorkspace;
+use super::launch::allow_dynamic_smem;
 use super::model_ops::{base_ptr, launch_fn_on, Arg, DevPtr, SegState};
 use super::{CudaDevice, CudaError, KDA_SCAN_SM90_SOURCE};
 use crate::gpu::{
@@ -212,9 +213,8 @@ impl KdaKernels {
         let decode_split2 = module.load_function("kda_decode_split2")?;
         let (prep_smem, scan_smem) =
             kda_smem_bytes(dk, dv, v_tile, kda_scan_stages(extra, "SCAN_STAGES"));
-        let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        prep.set_attribute(attr, prep_smem as i32)?;
-        scan.set_attribute(attr, scan_smem as i32)?;
+        allow_dynamic_smem(&prep, prep_smem as usize)?;
+        allow_dynamic_smem(&scan, scan_smem as usize)?;
         let mut k = KdaKernels {
             prep,
             scan,
@@ -570,8 +570,7 @@ impl KdaKernels {
                     let f = dev
                         .module_for("sm_90a", "kda_scan_sm90", KDA_SCAN_SM90_SOURCE, &defines)?
                         .load_function("kda_chunk_scan_wg")?;
-                    let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-                    f.set_attribute(attr, self.scan_wg_smem as i32)?;
+                    allow_dynamic_smem(&f, self.scan_wg_smem as usize)?;
                     self.scan_wg = Some(f);
                 }
                 self.scan_wg.is_some()

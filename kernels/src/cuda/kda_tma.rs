@@ -3,11 +3,12 @@
 //! (warpgroup MMAs, the state transposed and the left operands in registers); the prep's
 //! products as tensor maps (the 128-byte swizzle), and the launch.
 
-use cudarc::driver::sys::{CUfunction_attribute, CUtensorMapDataType, CUtensorMapSwizzle};
+use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
 use super::kda::KdaPacked;
 use super::kda_workspace::KdaPrefillWorkspace;
+use super::launch::allow_dynamic_smem;
 use super::model_ops::DevPtr;
 use super::tensor_map::{self, TensorMapArg};
 use super::{
@@ -182,8 +183,7 @@ impl KdaScanTma {
         let f = dev
             .module_for("sm_90a", unit, source, &defines)?
             .load_function(function)?;
-        let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        f.set_attribute(attr, smem as i32)?;
+        allow_dynamic_smem(&f, smem as usize)?;
         Ok(KdaScanTma {
             f,
             smem,

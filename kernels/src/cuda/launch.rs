@@ -98,3 +98,12 @@ impl<'a> RawLaunch<'a> {
         Ok(())
     }
 }
+
+/// Lets `f` launch with up to `bytes` of dynamic shared memory (beyond the default 48 KiB).
+pub(crate) fn allow_dynamic_smem(f: &CudaFunction, bytes: usize) -> Result<(), CudaError> {
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        bytes as i32,
+    )?;
+    Ok(())
+}

@@ -4,9 +4,9 @@
 //! with `t = 1`: `q` is `[batch, heads, 576]` (absorbed q_nope ++ q_pe), the output the latent
 //! `[batch, heads, 512]` in bf16.
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
+use super::launch::allow_dynamic_smem;
 use super::tensor_map::{self, TensorMapArg};
 use super::{CudaDevice, CudaError, MLA_DECODE_SM90_SOURCE, MLA_DECODE_SOURCE};
 
@@ -329,10 +329,7 @@ impl MlaDecode {
         let tr_h = tr_heads(heads);
         let swizzled = !tuning.unswizzled;
         let with_smem = |f: CudaFunction, bytes: usize| -> Result<CudaFunction, CudaError> {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )?;
+            allow_dynamic_smem(&f, bytes)?;
             Ok(f)
         };
         // One module per split-role tile size; the first also gives the other kernels.
@@ -402,11 +399,8 @@ impl MlaDecode {
         )?;
         let split = m.load_function("mla_decode_split")?;
         let combine = m.load_function("mla_decode_combine")?;
-        let smem = smem_bytes(mt) as u32;
-        split.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )?;
+        let smem = smem_bytes(mt);
+        allow_dynamic_smem(&split, smem)?;
         Ok(MlaDecode {
             split,
             split_ws: Vec::new(),
@@ -415,7 +409,7 @@ impl MlaDecode {
             heads,
             heads_per_block: 16 * mt,
             threads: 128 * mt as u32,
-            smem,
+            smem: smem as u32,
             sms: dev.sm_count()?,
             hopper: false,
             tuning,

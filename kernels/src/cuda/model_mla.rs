@@ -9,9 +9,9 @@
 //!   scores scratch of `[rows, heads, max_visible]` — the exact mode's path, the fallback for
 //!   wider latents, and everywhere with `TESSERA_MLA_PATH=generic` in the environment.
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, LaunchConfig};
 
+use super::launch::allow_dynamic_smem;
 use super::model_ops::{grid, grid3, i, launch_fn, Arg, DevPtr, PagedHistory, MT};
 use super::{CudaDevice, CudaError, ModelKernels};
 
@@ -79,9 +79,9 @@ impl FlashVariant {
         let defines = [("FL_MT", (items / 16).to_string())];
         let m = dev.module("mla_flash", MLA_FLASH_SOURCE, &defines)?;
         let attend = m.load_function("mla_flash")?;
-        attend.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem_bytes(items, FLASH_MAX_RANK, FLASH_MAX_WIDTH - FLASH_MAX_RANK) as i32,
+        allow_dynamic_smem(
+            &attend,
+            smem_bytes(items, FLASH_MAX_RANK, FLASH_MAX_WIDTH - FLASH_MAX_RANK),
         )?;
         Ok(FlashVariant {
             attend,

@@ -5,10 +5,9 @@
 //! `Σ_slot w · W2 · situ(W1·x, W3·x)` — the routed part of the engine's (latent) MoE, whose `x`
 //! is the latent after the down-projection.
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 
-use super::launch::RawLaunch;
+use super::launch::{allow_dynamic_smem, RawLaunch};
 use super::moe_policy::{
     dependent_launches, fine_waits, resident_whole_passes, stage_tokens, tc_down_rows, tc_ksplit,
     TmaRing, DOWN_TILES, STAGE_MAX, TC_WARPS,
@@ -332,9 +331,8 @@ impl MoeDecode {
             let down = m.load_function(&format!("moe_down_{path}{format}"))?;
             let wave = |f: &CudaFunction| tc_wave_warps(f, sms, 0);
             if tma.is_some() && path == "tc_" && format == "mxfp4" {
-                let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-                gate_up.set_attribute(attr, TMA_MAX_SHARED as i32)?;
-                down.set_attribute(attr, TMA_MAX_SHARED as i32)?;
+                allow_dynamic_smem(&gate_up, TMA_MAX_SHARED)?;
+                allow_dynamic_smem(&down, TMA_MAX_SHARED)?;
             }
             let down_rows = if path == "tc_" {
                 tc_down_rows(&defines, format == "mxfp4", tma.is_some())

@@ -2,9 +2,9 @@
 //! logits batch with per-row parameters and a per-row uniform draw from the host, so a row gives
 //! the token the engine's CPU sampler gives for the same draw (see [`crate::cpu::sample_row`]).
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::launch::allow_dynamic_smem;
 use super::{CudaDevice, CudaError, SAMPLE_SOURCE};
 
 const THREADS: usize = 1024;
@@ -95,10 +95,7 @@ impl Sampler {
         let f32_rows = m.load_function("sample_f32")?;
         let bf16_rows = m.load_function("sample_bf16")?;
         for f in [&f32_rows, &bf16_rows] {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                DYN_SMEM as i32,
-            )?;
+            allow_dynamic_smem(f, DYN_SMEM)?;
         }
         Ok(Sampler {
             f32_rows,
