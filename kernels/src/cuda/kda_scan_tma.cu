@@ -100,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
     float* st1 = s_out + s_out_off[blockIdx.z] + (size_t)h * DK * DV;
     // 1024-byte aligned (the host adds that much).
     extern __shared__ __align__(1024) unsigned char cl_raw[];
-    unsigned char* smem = cl_raw + ((1024u - (smem_addr(cl_raw) & 1023u)) & 1023u);
+    unsigned char* smem = align_1k(cl_raw);
     bf16_t* sb = (bf16_t*)(smem + CL_SB);
     bf16_t* vn = (bf16_t*)(smem + CL_VN);
     const unsigned base = smem_addr(smem), full0 = base + CL_BAR, empty0 = full0 + CL_STAGES * 8;

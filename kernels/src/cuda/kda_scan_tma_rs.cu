@@ -138,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(CR_THREADS, 1) kda_chunk_scan_tma_r
     float* st1 = s_out + s_out_off[blockIdx.z] + (size_t)h * DK * DV;
     // 1024-byte aligned (the host adds that much).
     extern __shared__ __align__(1024) unsigned char cr_raw[];
-    unsigned char* smem = cr_raw + ((1024u - (smem_addr(cr_raw) & 1023u)) & 1023u);
+    unsigned char* smem = align_1k(cr_raw);
     const unsigned base = smem_addr(smem);
     const unsigned full0 = base + CR_BAR, empty0 = full0 + CR_STAGES * 8;
     if (tid == 0) {

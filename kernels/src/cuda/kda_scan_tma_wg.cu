@@ -101,7 +101,7 @@ extern "C" __global__ void CW_CLUSTER_DIMS __launch_bounds__(CW_THREADS, 1) kda_
     float* st1 = s_out + s_out_off[blockIdx.z] + (size_t)h * DK * DV;
     // 1024-byte aligned (the host adds that much).
     extern __shared__ __align__(1024) unsigned char cw_raw[];
-    unsigned char* smem = cw_raw + ((1024u - (smem_addr(cw_raw) & 1023u)) & 1023u);
+    unsigned char* smem = align_1k(cw_raw);
     const unsigned base = smem_addr(smem), sb0 = base + CW_SB, vn0 = base + CW_VN;
     const unsigned full0 = base + CW_BAR, empty0 = full0 + CW_STAGES * 8;
     const unsigned ready0 = empty0 + CW_STAGES * 8, freed0 = ready0 + 16;

@@ -21,13 +21,15 @@
 
 #define KS_ATOM 1024                   // 8 rows of 128 bytes: the swizzle's repeat
 
+#ifdef TESSERA_WGMMA  // the warpgroup scans, with wgmma.cuh before this
 // A wgmma descriptor of a 64-row operand of the stage in the 128-byte swizzle from shared address
 // a (rows of 128 bytes, 8-row atoms 1024 bytes apart; the stride between atoms along M or N, used
 // by M- or N-major reads, is a half's 8 KB).
 __device__ __forceinline__ unsigned long long ks_swizzled_desc(unsigned a) {
-    return (unsigned long long)((a & 0x3ffffu) >> 4) | ((unsigned long long)(KS_HALF >> 4) << 16) |
-           ((unsigned long long)(KS_ATOM >> 4) << 32) | (1ull << 62);
+    static_assert(KS_ATOM == 1024, "the swizzle's repeat");
+    return wg_desc_sw128_at(a, KS_HALF);
 }
+#endif
 
 #ifdef TESSERA_TMA
 // Columns [col0, col0 + KS_VT) of u, chunk rows [row0, row0 + 64), into the stage at shared

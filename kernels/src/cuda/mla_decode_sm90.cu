@@ -451,14 +451,9 @@ template <int BN>
 struct TileLayout {
 #if MLA_SW128
     static constexpr unsigned CHUNK = BN * 128;
-    __device__ static unsigned long long swizzled(unsigned a) {
-        return (unsigned long long)((a & 0x3ffffu) >> 4) |
-               ((unsigned long long)(CHUNK >> 4) << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-               (1ull << 62);
-    }
-    __device__ static unsigned long long k_major(unsigned a) { return swizzled(a); }
+    __device__ static unsigned long long k_major(unsigned a) { return wg_desc_sw128_at(a, CHUNK); }
     __device__ static unsigned long long dims_major(unsigned a, int c) {
-        return swizzled(a + c * CHUNK);
+        return wg_desc_sw128_at(a + c * CHUNK, CHUNK);
     }
     // 32 bytes within a row, 4 steps a chunk.
     __device__ static unsigned k_step(int kk) { return ((kk / 4) * CHUNK + (kk % 4) * 32) >> 4; }
@@ -481,8 +476,7 @@ struct TileLayout {
 // (the host adds that much slack; Q before the stages is a multiple of 1 KiB).
 template <typename Smem>
 __device__ __forceinline__ Smem& tile_smem(unsigned char* raw) {
-    const unsigned pad = MLA_SW128 ? (1024 - (smem_addr(raw) & 1023)) & 1023 : 0;
-    return *reinterpret_cast<Smem*>(raw + pad);
+    return *reinterpret_cast<Smem*>(MLA_SW128 ? align_1k(raw) : raw);
 }
 
 // The copy-engine pipeline of the split-role kernels (mla_decode_split_ws and _tr): tile i of a

@@ -98,16 +98,16 @@ pub const KDA_SCAN_TMA_SOURCE: &str = concat!(
     include_str!("kda_scan_tma.cu")
 );
 
-/// A KDA chunk scan on warpgroup MMAs fed by the copy engine: the copies, the stage, the wgmma
-/// helpers and the scan's own source.
+/// A KDA chunk scan on warpgroup MMAs fed by the copy engine: the copies, the wgmma helpers,
+/// the stage and the scan's own source.
 macro_rules! kda_warpgroup_scan_source {
     ($scan:literal) => {
         concat!(
             include_str!("tma.cuh"),
             "\n",
-            include_str!("kda_stage.cuh"),
-            "\n",
             include_str!("wgmma.cuh"),
+            "\n",
+            include_str!("kda_stage.cuh"),
             "\n",
             include_str!($scan)
         )

@@ -11,6 +11,12 @@ struct __align__(64) TensorMap {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(TESSERA_PLAIN_HELPERS)
 #define TESSERA_TMA 1
 
+// The first 1024-byte aligned byte of dynamic shared memory at or after `raw`, where boxes in the
+// 128-byte swizzle may land (the host allocates 1 KiB of slack for it).
+__device__ __forceinline__ unsigned char* align_1k(unsigned char* raw) {
+    return raw + ((1024u - (smem_addr(raw) & 1023u)) & 1023u);
+}
+
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }

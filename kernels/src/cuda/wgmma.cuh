@@ -1,7 +1,9 @@
 // Warpgroup MMA (wgmma, sm_90a) helpers shared by the Hopper kernels: shared-memory matrix
-// descriptors in the no-swizzle core-matrix layout, the fence/commit/wait protocol, and the
+// descriptors in the no-swizzle core-matrix layout (and in the copy engine's 128-byte swizzle),
+// the fence/commit/wait protocol, and the
 // byte offset of an element in that layout. A core matrix is 8 rows × 16 bytes (128 bytes,
 // contiguous); the core matrices of a row group lie next to each other along K.
+#define TESSERA_WGMMA 1
 
 // A shared-memory matrix descriptor without swizzling: the leading byte offset is the step
 // between core matrices along K, the stride byte offset the step along M or N (for the K-major
@@ -16,6 +18,14 @@ __device__ __forceinline__ unsigned long long wg_desc_at(unsigned a, unsigned al
 __device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned along_k,
                                                       unsigned along_mn) {
     return wg_desc_at(smem_addr(p), along_k, along_mn);
+}
+// A descriptor of an operand in the copy engine's 128-byte swizzle (rows of 128 bytes, 8-row
+// atoms 1024 bytes apart; the atom must start 1024-byte aligned): the leading byte offset is the
+// step between 64-element chunks along M or N, used by M- or N-major reads (K-major reads keep a
+// K step of 16 elements within a row and ignore it).
+__device__ __forceinline__ unsigned long long wg_desc_sw128_at(unsigned a, unsigned chunk) {
+    return (unsigned long long)((a & 0x3ffffu) >> 4) | ((unsigned long long)(chunk >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
 __device__ __forceinline__ void wg_fence() {
