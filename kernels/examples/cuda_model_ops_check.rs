@@ -6,8 +6,7 @@
 //!   target/release/examples/cuda_model_ops_check [--quick] [--only conv|sample|mla|mla-flash|moe]
 //!       [--mla-prefetch N,M,..] [--mla-coalesced] [--mla-ws-tile 32,64] [--mla-probe 1,2,3,4]
 //!       [--mla-transposed] [--mla-no-swizzle] [--mla-q-regs N,..] [--mla-copies N,..]
-//!       [--moe-tunings]
-//!       [--moe-variants L,..]
+//!       [--moe-tunings] [--moe-variants L,..]
 //!       [--moe-profile B,..] [--mla-profile]
 //!
 //! `mla-flash` is the whole-model forward's MLA attention over the paged f32 history (the flash
@@ -16,7 +15,7 @@
 //! `--mla-prefetch` also checks and times each kernel with those L2 prefetch distances (tiles
 //! ahead), `--mla-coalesced` with its wider tile copies, `--mla-ws-tile 32,64` with the Hopper
 //! split-role kernel on only 32- or 64-token tiles (the default takes 64 where pages allow),
-//! `--mla-probe 1,2,3` times that kernel (at each tile size named, and the transposed one when
+//! `--mla-probe 1,2,3,4` times that kernel (at each tile size named, and the transposed one when
 //! asked for) without its P·V products, its S products, or both, or (4, not the transposed one)
 //! keeps its tile stream alone (never checked: wrong by design), `--mla-transposed` the Hopper
 //! kernel with both products transposed (heads as wgmma's N, no padding; pages of 64 tokens and
