@@ -109,6 +109,21 @@ __device__ __forceinline__ void load_a_frag(unsigned a[4], const bf16_t* m, int 
     a[3] = *(const unsigned*)(p + 8 * ld + 8);
 }
 
+// Calls f(mt, nt, e, row, column) for each element acc[mt][nt][e] a lane holds of its warp's
+// MTILES x NTILES grid of m16n8 accumulator tiles (mma_bf16_16816's c layout) whose first row is
+// r0 and first column c0.
+template <int MTILES, int NTILES, typename F>
+__device__ __forceinline__ void for_mma_acc(int r0, int c0, F f) {
+    const int lane = threadIdx.x & LANE_MASK, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MTILES; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                f(mt, nt, e, r0 + mt * 16 + g + (e >= 2 ? 8 : 0), c0 + nt * 8 + 2 * t + (e & 1));
+}
+
 // B fragment of the 16x8 tile at (k0, n0) of B, where B is stored transposed: bt[n][k], leading
 // dimension ld (so the k pairs a thread needs are adjacent).
 __device__ __forceinline__ void load_b_frag(unsigned b[2], const bf16_t* bt, int ld, int n0, int k0) {

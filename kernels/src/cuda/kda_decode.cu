@@ -1,4 +1,5 @@
-// KDA decode (compiled after kda.cu, whose configuration macros and helpers it uses).
+// KDA decode (compiled after kda.cu and kda_scan.cu, whose configuration macros and helpers it
+// uses).
 //
 // kda_decode: one token per sequence. A (batch x head) pair's state is split by value columns
 // over SPLIT blocks (columns evolve independently); a block has 8 row groups of RPW state rows,

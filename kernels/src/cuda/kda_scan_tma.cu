@@ -1,4 +1,4 @@
-// KDA chunk scan fed by the copy engine (sm_90): the arithmetic of kda.cu's kda_chunk_scan (V
+// KDA chunk scan fed by the copy engine (sm_90): the arithmetic of kda_scan.cu's kda_chunk_scan (V
 // tiles of 32 columns, four or eight warps, the state slice in registers, mma.sync products, the same
 // contract and parameters after the products) with each chunk's operands brought into shared
 // memory by tensor copies instead of by the compute threads.
@@ -55,20 +55,6 @@ __device__ __forceinline__ void sw_a_frag(unsigned a[4], unsigned op, int row0, 
     else
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                      : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(p));
-}
-
-// Calls f(mt, nt, e, row, column) for each element S[mt][nt][e] a thread holds of its warp's
-// state rows from r0 (m16n8 accumulators: SMT row tiles by 4 column tiles of the 32 columns).
-template <int SMT, typename F>
-__device__ __forceinline__ void for_state(int r0, F f) {
-    const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
-#pragma unroll
-    for (int mt = 0; mt < SMT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                f(mt, nt, e, r0 + mt * 16 + g8 + (e >= 2 ? 8 : 0), nt * 8 + 2 * t4 + (e & 1));
 }
 
 // A barrier of the compute warps (the producer warp runs on its own).
@@ -131,7 +117,7 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
     constexpr int NTW = 4 / (CL_WARPS / 4), SMT = 8 / CL_WARPS;
     const int rt = warp & 3, c0 = (warp >> 2) * 8 * NTW, r0 = warp * 16 * SMT;
     float S[SMT][4][4];
-    for_state<SMT>(r0, [&](int mt, int nt, int e, int row, int col) {
+    for_mma_acc<SMT, 4>(r0, 0, [&](int mt, int nt, int e, int row, int col) {
         S[mt][nt][e] = st0 ? st0[row * DV + vt * 32 + col] : 0.f;
     });
 
@@ -139,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
         const int s = c % CL_STAGES;
         const unsigned st = base + s * KS_STAGE;
         const unsigned char* stp = smem + s * KS_STAGE;
-        for_state<SMT>(r0, [&](int mt, int nt, int e, int row, int col) {
+        for_mma_acc<SMT, 4>(r0, 0, [&](int mt, int nt, int e, int row, int col) {
             sb[col * CL_SLD + row] = f2bf(S[mt][nt][e]);
         });
         mbar_wait(full0 + 8 * s, (c / CL_STAGES) & 1);
@@ -236,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(CL_WARPS * 32 + 32, 1) kda_chunk_sc
         if (tid == 0) mbar_arrive(empty0 + 8 * s);
     }
 
-    for_state<SMT>(r0, [&](int mt, int nt, int e, int row, int col) {
+    for_mma_acc<SMT, 4>(r0, 0, [&](int mt, int nt, int e, int row, int col) {
         st1[row * DV + vt * 32 + col] = S[mt][nt][e];
     });
 #endif

@@ -11,9 +11,12 @@ use std::path::{Path, PathBuf};
 pub const PORT: &str = include_str!("port.cuh");
 /// The shared device helpers every kernel source is compiled with (after [`PORT`]).
 pub const COMMON: &str = include_str!("../cuda/common.cuh");
-/// The KDA kernels, chunked prefill then decode (`-D DK/DV/VT` select the configuration).
+/// The KDA kernels, chunked prefill (its preparation, then its scan) and decode (`-D DK/DV/VT`
+/// select the configuration).
 pub const KDA_SOURCE: &str = concat!(
     include_str!("../cuda/kda.cu"),
+    "\n",
+    include_str!("../cuda/kda_scan.cu"),
     "\n",
     include_str!("../cuda/kda_decode.cu")
 );
@@ -268,7 +271,10 @@ mod tests {
         assert!(unit.find(COMMON).unwrap() < unit.find("// body").unwrap());
         // The shared kernel code names the lane constants of port.cuh instead of 31, 32 or >> 5.
         for pat in ["& 31", "+= 32", ">> 5"] {
-            assert!(!KDA_SOURCE.contains(pat), "kda.cu still has `{pat}`");
+            assert!(
+                !KDA_SOURCE.contains(pat),
+                "the KDA sources still have `{pat}`"
+            );
         }
     }
 
