@@ -30,15 +30,7 @@ fn prefill(model: &Model, batch: usize, len: usize, budget: Duration) -> f64 {
     let prompts: Vec<Vec<u32>> = (0..batch).map(|b| prompt(len, vocab, b)).collect();
     let secs = time_it(budget, || {
         let mut states: Vec<SequenceState> = (0..batch).map(|_| model.new_state()).collect();
-        let mut segs: Vec<Segment> = prompts
-            .iter()
-            .zip(states.iter_mut())
-            .map(|(p, s)| Segment {
-                tokens: p,
-                state: s,
-                logits: LogitsWanted::Last,
-            })
-            .collect();
+        let mut segs = Segment::batch(&prompts, &mut states, LogitsWanted::Last);
         model.forward(&mut segs).unwrap();
     });
     (batch * len) as f64 / secs
@@ -59,15 +51,7 @@ fn decode(model: &Model, batch: usize, context: usize, steps: usize, budget: Dur
             let toks: Vec<[u32; 1]> = (0..batch)
                 .map(|b| [((step * 31 + b) % (vocab - 16)) as u32 + 3])
                 .collect();
-            let mut segs: Vec<Segment> = toks
-                .iter()
-                .zip(st.iter_mut())
-                .map(|(t, s)| Segment {
-                    tokens: t,
-                    state: s,
-                    logits: LogitsWanted::Last,
-                })
-                .collect();
+            let mut segs = Segment::batch(&toks, &mut st, LogitsWanted::Last);
             model.forward(&mut segs).unwrap();
         }
     });

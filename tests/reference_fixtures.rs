@@ -124,15 +124,7 @@ fn a_batch_of_segments_equals_each_alone() {
         .map(|p| prompt_logits(&model, p).unwrap())
         .collect();
     let mut states: Vec<_> = prompts.iter().map(|_| model.new_state()).collect();
-    let mut segs: Vec<Segment> = prompts
-        .iter()
-        .zip(states.iter_mut())
-        .map(|(p, s)| Segment {
-            tokens: p,
-            state: s,
-            logits: LogitsWanted::All,
-        })
-        .collect();
+    let mut segs = Segment::batch(&prompts, &mut states, LogitsWanted::All);
     let batched = model.forward(&mut segs).unwrap();
     for (a, b) in alone.iter().zip(&batched) {
         assert_eq!(

@@ -376,15 +376,7 @@ fn run_fixture(
         .map(|p| p.prompt_ids.as_slice())
         .collect();
     let mut states: Vec<_> = prompts.iter().map(|_| gpu.new_state()).collect();
-    let mut segs: Vec<Segment> = prompts
-        .iter()
-        .zip(states.iter_mut())
-        .map(|(t, s)| Segment {
-            tokens: t,
-            state: s,
-            logits: LogitsWanted::All,
-        })
-        .collect();
+    let mut segs = Segment::batch(&prompts, &mut states, LogitsWanted::All);
     let batched = gpu.forward(&mut segs).map_err(|e| e.to_string())?;
     // In bf16 the batch's row count picks the MoE kernels (the small-batch ones up to 64 rows,
     // per-expert GEMMs above), so a chaotic prompt may move as far as bf16 moves it anyway.

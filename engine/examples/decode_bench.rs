@@ -93,15 +93,7 @@ fn forward(
     let b = prompts.len();
     let mut states: Vec<_> = (0..b).map(|_| model.new_state()).collect();
     let t = Instant::now();
-    let mut segs: Vec<Segment> = prompts
-        .iter()
-        .zip(states.iter_mut())
-        .map(|(p, s)| Segment {
-            tokens: p,
-            state: s,
-            logits: LogitsWanted::Last,
-        })
-        .collect();
+    let mut segs = Segment::batch(prompts, &mut states, LogitsWanted::Last);
     let mut next: Vec<u32> = model
         .forward(&mut segs)?
         .iter()
@@ -115,15 +107,7 @@ fn forward(
     let t = Instant::now();
     for _ in 0..steps {
         let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-        let mut segs: Vec<Segment> = toks
-            .iter()
-            .zip(states.iter_mut())
-            .map(|(t, s)| Segment {
-                tokens: t,
-                state: s,
-                logits: LogitsWanted::Last,
-            })
-            .collect();
+        let mut segs = Segment::batch(&toks, &mut states, LogitsWanted::Last);
         next = model
             .forward(&mut segs)?
             .iter()

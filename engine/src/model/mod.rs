@@ -62,6 +62,26 @@ pub struct Segment<'a> {
     pub logits: LogitsWanted,
 }
 
+impl<'a> Segment<'a> {
+    /// One segment per sequence: `tokens[i]` continues `states[i]`, every one wanting `logits`
+    /// (pairs past the shorter of the two are left out).
+    pub fn batch<T: AsRef<[u32]>>(
+        tokens: &'a [T],
+        states: &'a mut [SequenceState],
+        logits: LogitsWanted,
+    ) -> Vec<Segment<'a>> {
+        tokens
+            .iter()
+            .zip(states.iter_mut())
+            .map(|(t, state)| Segment {
+                tokens: t.as_ref(),
+                state,
+                logits,
+            })
+            .collect()
+    }
+}
+
 /// Input embeddings given for some rows of a segment instead of looked up from its tokens
 /// (image embeddings over their placeholder tokens): `values` holds whole rows of
 /// `hidden_size` floats, the first of which is the segment's row `row`.
