@@ -40,6 +40,17 @@ impl Endpoint {
             incarnation,
         })
     }
+
+    /// Parses `s` as an endpoint of the backend named `scheme`.
+    pub(crate) fn parse_for(s: &str, scheme: &str) -> Result<Self, TransferError> {
+        let ep = Self::parse(s)?;
+        if ep.scheme != scheme {
+            return Err(TransferError::PeerGone(format!(
+                "{s:?} is not a {scheme} endpoint"
+            )));
+        }
+        Ok(ep)
+    }
 }
 
 impl fmt::Display for Endpoint {

@@ -28,8 +28,10 @@ pub mod error;
 pub mod faults;
 mod incoming;
 pub mod local;
+mod peers;
 mod plan;
 pub mod region;
+mod retry;
 pub mod tcp;
 #[cfg(feature = "ucx")]
 pub mod ucx;

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use crate::checksum::{self, STREAM_CHUNK};
 use crate::endpoint::Endpoint;
 use crate::incoming::{IncomingTable, PartStart};
+use crate::peers::Peers;
 use crate::plan::{self, Source};
 use crate::region::{RegionTable, REGION_ALIGN};
 use crate::{
@@ -39,8 +40,7 @@ fn registry() -> &'static Registry {
 /// In-process transport; peers are other `LocalTransport`s of the same process.
 pub struct LocalTransport {
     shared: Arc<Shared>,
-    peers: Mutex<HashMap<PeerId, Weak<Shared>>>,
-    next_peer: AtomicU64,
+    peers: Peers<Weak<Shared>>,
     attempts: AtomicU64,
 }
 
@@ -50,8 +50,8 @@ impl LocalTransport {
         let shared = Arc::new(Shared {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
             incoming: IncomingTable::new(config.incoming_ttl),
+            regions: RegionTable::new(config.incarnation),
             config,
-            regions: RegionTable::default(),
         });
         registry()
             .lock()
@@ -59,19 +59,13 @@ impl LocalTransport {
             .insert(shared.id, Arc::downgrade(&shared));
         LocalTransport {
             shared,
-            peers: Mutex::new(HashMap::new()),
-            next_peer: AtomicU64::new(1),
+            peers: Peers::default(),
             attempts: AtomicU64::new(0),
         }
     }
 
     fn peer(&self, peer: PeerId) -> Result<Arc<Shared>, TransferError> {
-        self.peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&peer)
-            .and_then(Weak::upgrade)
-            .ok_or_else(|| TransferError::PeerGone(format!("{peer:?} is not connected")))
+        self.peers.find(peer, Weak::upgrade)
     }
 
     /// Copies `sources` into the target's region as one transfer.
@@ -182,10 +176,7 @@ impl Transport for LocalTransport {
 
     fn register(&self, region: &RegionHandle) -> Result<RegionDescriptor, TransferError> {
         debug_assert_eq!(region.as_ptr() as usize % REGION_ALIGN, 0);
-        Ok(self
-            .shared
-            .regions
-            .register(region, self.shared.config.incarnation))
+        Ok(self.shared.regions.register(region))
     }
 
     fn deregister(&self, region: RegionId) -> bool {
@@ -193,12 +184,7 @@ impl Transport for LocalTransport {
     }
 
     async fn connect(&self, endpoint: &str, _deadline: Instant) -> Result<PeerId, TransferError> {
-        let ep = Endpoint::parse(endpoint)?;
-        if ep.scheme != SCHEME {
-            return Err(TransferError::PeerGone(format!(
-                "{endpoint:?} is not a local endpoint"
-            )));
-        }
+        let ep = Endpoint::parse_for(endpoint, SCHEME)?;
         let id: u64 = ep
             .address
             .parse()
@@ -220,12 +206,7 @@ impl Transport for LocalTransport {
                 });
             }
         }
-        let peer = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        self.peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(peer, Arc::downgrade(&target));
-        Ok(peer)
+        Ok(self.peers.add(Arc::downgrade(&target)))
     }
 
     async fn write(
@@ -235,16 +216,14 @@ impl Transport for LocalTransport {
         deadline: Instant,
     ) -> Result<TransferReceipt, TransferError> {
         let target = self.peer(peer)?;
-        check_incarnation(&batch.dst_region, &target)?;
+        plan::check_incarnation(&batch.dst_region, target.config.incarnation)?;
         let leases = plan::lease_sources(&self.shared.regions, &batch)?;
         let sources: Vec<Source<'_>> = leases
             .iter()
-            .zip(&batch.extents)
-            .enumerate()
-            .map(|(i, (l, e))| Source {
-                index: i as u32,
-                bytes: l,
-                dst_offset: e.dst_offset,
+            .map(|l| Source {
+                index: l.index,
+                bytes: &l.bytes,
+                dst_offset: l.dst_offset,
             })
             .collect();
         self.deliver(
@@ -266,7 +245,7 @@ impl Transport for LocalTransport {
         deadline: Instant,
     ) -> Result<TransferReceipt, TransferError> {
         let target = self.peer(peer)?;
-        check_incarnation(dst, &target)?;
+        plan::check_incarnation(dst, target.config.incarnation)?;
         plan::check_dst(dst.len, dst_offset, bytes.len() as u64, 0)?;
         let source = Source {
             index: 0,
@@ -287,14 +266,4 @@ impl Transport for LocalTransport {
     fn abandon_incoming(&self, transfer_id: TransferId) {
         self.shared.incoming.abandon(transfer_id);
     }
-}
-
-fn check_incarnation(dst: &RegionDescriptor, target: &Shared) -> Result<(), TransferError> {
-    if dst.incarnation != target.config.incarnation {
-        return Err(TransferError::IncarnationMismatch {
-            expected: dst.incarnation,
-            found: target.config.incarnation,
-        });
-    }
-    Ok(())
 }

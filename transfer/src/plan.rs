@@ -1,7 +1,9 @@
 //! Checks a batch before any byte moves, and spreads it over connections.
 
-use crate::region::{ExtentRef, RegionTable};
-use crate::{TransferError, WriteBatch};
+use std::sync::Arc;
+
+use crate::region::{ExtentRef, Incarnation, RegionHandle, RegionId, RegionTable};
+use crate::{RegionDescriptor, TransferError, WriteBatch};
 
 /// The source side of one extent, ready to send.
 pub(crate) struct Source<'a> {
@@ -11,12 +13,24 @@ pub(crate) struct Source<'a> {
     pub dst_offset: u64,
 }
 
+/// The source side of one extent, ready to send, with a shared lease on its bytes: whoever
+/// holds a clone of `bytes` (a part task, a UCX put) keeps them until it is done.
+pub(crate) struct LeasedSource {
+    /// Position in the batch (reported back in `ChecksumMismatch`).
+    pub index: u32,
+    /// The registered region the bytes lie in (`None` for a staged copy).
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+    pub region: Option<RegionId>,
+    pub bytes: Arc<ExtentRef>,
+    pub dst_offset: u64,
+}
+
 /// Checks that every extent fits its destination, that destination extents do not overlap, and
 /// takes shared leases on the source extents (held for the whole write, retries included).
 pub(crate) fn lease_sources(
     regions: &RegionTable,
     batch: &WriteBatch,
-) -> Result<Vec<ExtentRef>, TransferError> {
+) -> Result<Vec<LeasedSource>, TransferError> {
     if u32::try_from(batch.extents.len()).is_err() {
         return Err(TransferError::BadRegion(
             "too many extents in one batch".into(),
@@ -35,10 +49,47 @@ pub(crate) fn lease_sources(
         })?;
         let start = usize::try_from(e.src_offset).unwrap_or(usize::MAX);
         let end = start.saturating_add(usize::try_from(e.len).unwrap_or(usize::MAX));
-        leases.push(region.try_read(start..end)?);
+        leases.push(LeasedSource {
+            index: i as u32,
+            region: Some(e.src_region),
+            bytes: Arc::new(region.try_read(start..end)?),
+            dst_offset: e.dst_offset,
+        });
     }
     check_disjoint(&mut dst)?;
     Ok(leases)
+}
+
+/// Refuses a write into `dst` when the peer it goes to (of incarnation `peer`) is not the
+/// incarnation that registered the region.
+pub(crate) fn check_incarnation(
+    dst: &RegionDescriptor,
+    peer: Incarnation,
+) -> Result<(), TransferError> {
+    if dst.incarnation != peer {
+        return Err(TransferError::IncarnationMismatch {
+            expected: dst.incarnation,
+            found: peer,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that `bytes` fit at `dst_offset` of `dst` and copies them once into a transient
+/// region, for backends whose sending tasks must own their source: the one extent of a
+/// `write_bytes`.
+pub(crate) fn stage(
+    dst: &RegionDescriptor,
+    dst_offset: u64,
+    bytes: &[u8],
+) -> Result<LeasedSource, TransferError> {
+    check_dst(dst.len, dst_offset, bytes.len() as u64, 0)?;
+    Ok(LeasedSource {
+        index: 0,
+        region: None,
+        bytes: Arc::new(RegionHandle::from_bytes(bytes).try_read(0..bytes.len())?),
+        dst_offset,
+    })
 }
 
 pub(crate) fn check_dst(

@@ -292,18 +292,17 @@ impl RegionHandle {
 
     /// A shared lease on `range`: fails with `Busy` while an exclusive lease overlaps it.
     pub fn try_read(&self, range: Range<usize>) -> Result<ExtentRef, RegionError> {
-        let lease = self.0.acquire(range.clone(), false)?;
-        Ok(ExtentRef {
-            mem: self.0.clone(),
-            range,
-            lease,
-        })
+        self.hold(range, false).map(ExtentRef)
     }
 
     /// An exclusive lease on `range`: fails with `Busy` while any lease overlaps it.
     pub fn try_write(&self, range: Range<usize>) -> Result<ExtentMut, RegionError> {
-        let lease = self.0.acquire(range.clone(), true)?;
-        Ok(ExtentMut {
+        self.hold(range, true).map(ExtentMut)
+    }
+
+    fn hold(&self, range: Range<usize>, exclusive: bool) -> Result<Held, RegionError> {
+        let lease = self.0.acquire(range.clone(), exclusive)?;
+        Ok(Held {
             mem: self.0.clone(),
             range,
             lease,
@@ -322,102 +321,95 @@ impl RegionHandle {
     }
 }
 
-/// A shared lease on an extent of a region; reads as `[u8]`; released on drop.
-pub struct ExtentRef {
+/// A lease held on `range` of a region's memory, released on drop: what [`ExtentRef`] and
+/// [`ExtentMut`] hold.
+struct Held {
     mem: Arc<RegionMemory>,
     range: Range<usize>,
     lease: u64,
 }
 
+impl Held {
+    /// The leased bytes, to be borrowed as the kind of lease allows.
+    fn bytes(&self) -> *mut [u8] {
+        // SAFETY: `range` lies within the allocation (checked at acquire).
+        let start = unsafe { self.mem.ptr.as_ptr().add(self.range.start) };
+        std::ptr::slice_from_raw_parts_mut(start, self.range.len())
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.mem.release(self.lease);
+    }
+}
+
+/// A shared lease on an extent of a region; reads as `[u8]`; released on drop.
+pub struct ExtentRef(Held);
+
 impl ExtentRef {
     pub fn range(&self) -> Range<usize> {
-        self.range.clone()
+        self.0.range.clone()
     }
 }
 
 impl Deref for ExtentRef {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: in bounds (checked at acquire); no exclusive lease overlaps while this one lives.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.mem.ptr.as_ptr().add(self.range.start),
-                self.range.len(),
-            )
-        }
-    }
-}
-
-impl Drop for ExtentRef {
-    fn drop(&mut self) {
-        self.mem.release(self.lease);
+        // SAFETY: in bounds, and the memory lives as long as the lease; no exclusive lease
+        // overlaps while this one lives.
+        unsafe { &*self.0.bytes() }
     }
 }
 
 /// An exclusive lease on an extent of a region; reads and writes as `[u8]`; released on drop.
-pub struct ExtentMut {
-    mem: Arc<RegionMemory>,
-    range: Range<usize>,
-    lease: u64,
-}
+pub struct ExtentMut(Held);
 
 impl ExtentMut {
     pub fn range(&self) -> Range<usize> {
-        self.range.clone()
+        self.0.range.clone()
     }
 }
 
 impl Deref for ExtentMut {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: in bounds; no other lease overlaps while this one lives.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.mem.ptr.as_ptr().add(self.range.start),
-                self.range.len(),
-            )
-        }
+        // SAFETY: in bounds, and the memory lives as long as the lease; no other lease overlaps
+        // while this one lives.
+        unsafe { &*self.0.bytes() }
     }
 }
 
 impl DerefMut for ExtentMut {
     fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: in bounds; no other lease overlaps while this one lives, and `&mut self`
-        // excludes other borrows of this one.
-        unsafe {
-            std::slice::from_raw_parts_mut(
-                self.mem.ptr.as_ptr().add(self.range.start),
-                self.range.len(),
-            )
-        }
-    }
-}
-
-impl Drop for ExtentMut {
-    fn drop(&mut self) {
-        self.mem.release(self.lease);
+        // SAFETY: as for `deref`, and `&mut self` excludes other borrows of this one.
+        unsafe { &mut *self.0.bytes() }
     }
 }
 
 /// A transport's registered regions, by id.
-#[derive(Default)]
 pub(crate) struct RegionTable {
     regions: Mutex<HashMap<RegionId, RegionHandle>>,
+    /// The transport's incarnation, named by every descriptor.
+    incarnation: Incarnation,
 }
 
 impl RegionTable {
+    pub(crate) fn new(incarnation: Incarnation) -> Self {
+        RegionTable {
+            regions: Mutex::new(HashMap::new()),
+            incarnation,
+        }
+    }
+
     /// Registers `region` and returns the descriptor peers use to address it (no remote key:
     /// the transports that use this table address regions by id).
-    pub(crate) fn register(
-        &self,
-        region: &RegionHandle,
-        incarnation: Incarnation,
-    ) -> RegionDescriptor {
+    pub(crate) fn register(&self, region: &RegionHandle) -> RegionDescriptor {
         self.lock().insert(region.id(), region.clone());
         RegionDescriptor {
             region_id: region.id(),
             len: region.len() as u64,
-            incarnation,
+            incarnation: self.incarnation,
             remote_key: Vec::new(),
         }
     }

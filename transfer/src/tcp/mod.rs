@@ -6,22 +6,22 @@
 //! with the extent header) and from the socket straight into the leased destination extent: no
 //! staging buffers on either side. The wire format is in [`wire`].
 
+pub(crate) mod pool;
 pub(crate) mod server;
 pub mod wire;
 
-use std::collections::HashMap;
 use std::io::IoSlice;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 
 use async_trait::async_trait;
-use futures_util::future::join_all;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
+use self::pool::Pool;
 use self::wire::{
     Ack, ClientHello, ClientProof, ExtentHeader, ExtentTrailer, PartHeader, ServerHello, Verdict,
     FLAG_CHECKSUMS, HELLO_BAD_VERSION, HELLO_OK, HELLO_WRONG_INCARNATION, VERSION,
@@ -30,8 +30,10 @@ use crate::auth::{nonce, Side, Transcript, PROOF_LEN};
 use crate::checksum;
 use crate::endpoint::Endpoint;
 use crate::incoming::IncomingTable;
-use crate::plan;
-use crate::region::{ExtentRef, RegionTable};
+use crate::peers::Peers;
+use crate::plan::LeasedSource;
+use crate::region::RegionTable;
+use crate::{plan, retry};
 use crate::{
     Incarnation, IncomingTransfer, PeerId, RegionDescriptor, RegionHandle, RegionId, TransferError,
     TransferId, TransferReceipt, Transport, TransportConfig, WriteBatch,
@@ -52,22 +54,13 @@ struct Node {
     incoming: IncomingTable,
 }
 
-/// One connected peer: its incarnation (learned in the handshake) and a pool of connections,
-/// each used by one part at a time.
-struct Peer {
-    address: String,
-    incarnation: Incarnation,
-    conns: Vec<tokio::sync::Mutex<Option<TcpStream>>>,
-    next: AtomicUsize,
-}
-
-/// TCP transport: bind it, publish [`Transport::endpoint`], connect to peers.
+/// TCP transport: bind it, publish [`Transport::endpoint`], connect to peers. A peer is a pool of
+/// connections, each used by one part at a time.
 pub struct TcpTransport {
     node: Arc<Node>,
     endpoint: String,
     local_addr: SocketAddr,
-    peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
-    next_peer: AtomicU64,
+    peers: Peers<Arc<Pool>>,
     attempts: AtomicU64,
     accept: JoinHandle<()>,
 }
@@ -75,34 +68,19 @@ pub struct TcpTransport {
 impl TcpTransport {
     /// Binds the listener (`config.bind`) and starts accepting peers. Needs a tokio runtime.
     pub async fn bind(config: TransportConfig) -> Result<Self, TransferError> {
-        let socket = new_socket(config.bind, config.socket_buffer_bytes)?;
-        socket.set_reuseaddr(true)?;
-        socket.bind(config.bind)?;
-        let listener = socket.listen(1024)?;
+        let (listener, endpoint) = listen(&config, SCHEME)?;
         let local_addr = listener.local_addr()?;
-        let host = match &config.advertise_host {
-            Some(h) => h.clone(),
-            None if local_addr.is_ipv6() => format!("[{}]", local_addr.ip()),
-            None => local_addr.ip().to_string(),
-        };
-        let endpoint = Endpoint {
-            scheme: SCHEME.into(),
-            address: format!("{host}:{}", local_addr.port()),
-            incarnation: Some(config.incarnation),
-        }
-        .to_string();
         let node = Arc::new(Node {
-            incoming: crate::incoming::IncomingTable::new(config.incoming_ttl),
+            incoming: IncomingTable::new(config.incoming_ttl),
+            regions: RegionTable::new(config.incarnation),
             config,
-            regions: RegionTable::default(),
         });
         let accept = tokio::spawn(server::accept_loop(node.clone(), listener));
         Ok(TcpTransport {
             node,
             endpoint,
             local_addr,
-            peers: Mutex::new(HashMap::new()),
-            next_peer: AtomicU64::new(1),
+            peers: Peers::default(),
             attempts: AtomicU64::new(0),
             accept,
         })
@@ -113,141 +91,123 @@ impl TcpTransport {
         self.local_addr
     }
 
-    fn peer(&self, peer: PeerId) -> Result<Arc<Peer>, TransferError> {
-        self.peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&peer)
-            .cloned()
-            .ok_or_else(|| TransferError::PeerGone(format!("{peer:?} is not connected")))
-    }
-
     /// Sends `sources` as one transfer, split over the peer's connections (one task per part,
     /// so parts run on several cores), retrying I/O failures.
     async fn send(
         &self,
-        peer: Arc<Peer>,
+        peer: Arc<Pool>,
         transfer_id: TransferId,
         dst: &RegionDescriptor,
-        sources: Arc<[PartSource]>,
+        sources: Arc<[LeasedSource]>,
         deadline: Instant,
     ) -> Result<TransferReceipt, TransferError> {
-        let start = Instant::now();
-        if dst.incarnation != peer.incarnation {
-            return Err(TransferError::IncarnationMismatch {
-                expected: dst.incarnation,
-                found: peer.incarnation,
-            });
-        }
+        plan::check_incarnation(dst, peer.incarnation)?;
         let lens: Vec<u64> = sources.iter().map(|s| s.bytes.len() as u64).collect();
-        let groups = plan::split(&lens, peer.conns.len());
+        let groups = plan::split(&lens, peer.len());
+        let config = &self.node.config;
+        // Each attempt's parts, but for their attempt, extent count and time left.
+        let part = PartHeader {
+            transfer_id,
+            attempt: 0,
+            dst_region: dst.region_id.0,
+            dst_incarnation: dst.incarnation,
+            batch_extents: sources.len() as u32,
+            part_extents: 0,
+            timeout_ms: 0,
+            flags: if config.checksums { FLAG_CHECKSUMS } else { 0 },
+        };
         let bytes = lens.iter().sum();
-        let tries = self.node.config.max_retries + 1;
-        let mut last = TransferError::Timeout;
-        for attempt_no in 1..=tries {
-            let attempt = self.attempts.fetch_add(1, Ordering::Relaxed) + 1;
-            let first = peer.next.fetch_add(groups.len(), Ordering::Relaxed);
-            // Dropping the set (deadline, or the caller gave up) aborts the parts, which drops
-            // their connections mid-stream: the receiver then frees what they had leased.
-            let mut parts = JoinSet::new();
-            for (k, group) in groups.iter().enumerate() {
-                let part = PartHeader {
-                    transfer_id,
-                    attempt,
-                    dst_region: dst.region_id.0,
-                    dst_incarnation: dst.incarnation,
-                    batch_extents: sources.len() as u32,
-                    part_extents: group.len() as u32,
-                    timeout_ms: 0,
-                    flags: if self.node.config.checksums {
-                        FLAG_CHECKSUMS
-                    } else {
-                        0
-                    },
-                };
-                parts.spawn(send_part(
-                    self.node.clone(),
-                    peer.clone(),
-                    (first + k) % peer.conns.len(),
-                    part,
-                    group.clone(),
-                    sources.clone(),
-                    deadline,
-                ));
-            }
-            let results = tokio::time::timeout_at(deadline, async {
-                let mut results = Vec::with_capacity(parts.len());
-                while let Some(r) = parts.join_next().await {
-                    results.push(r.unwrap_or_else(|e| {
-                        Err(std::io::Error::other(format!("transfer part task failed: {e}")).into())
-                    }));
-                }
-                results
-            })
-            .await
-            .map_err(|_| TransferError::Timeout)?;
-            let mut retryable = None;
-            for r in results {
-                match r {
-                    Ok(()) => {}
-                    Err(e) if e.is_retryable() => retryable = Some(e),
-                    Err(e) => return Err(e),
-                }
-            }
-            match retryable {
-                None => {
-                    return Ok(TransferReceipt {
-                        bytes,
-                        elapsed: start.elapsed(),
-                        attempts: attempt_no,
-                    })
-                }
-                Some(e) => {
-                    tracing::debug!(error = %e, transfer = %transfer_id, attempt_no, "transfer attempt failed");
-                    last = e;
-                }
-            }
-            if Instant::now() >= deadline {
-                return Err(TransferError::Timeout);
-            }
-        }
-        Err(last)
+        retry::with_retries(
+            SCHEME,
+            &self.attempts,
+            config.max_retries,
+            transfer_id,
+            bytes,
+            deadline,
+            |attempt| {
+                let part = PartHeader { attempt, ..part };
+                send_parts(&self.node, &peer, part, &groups, &sources, deadline)
+            },
+        )
+        .await
     }
 }
 
-/// One extent ready to send; owns its source lease so that part tasks are `'static`.
-struct PartSource {
-    /// Position in the batch (reported back in `ChecksumMismatch`).
-    index: u32,
-    bytes: ExtentRef,
-    dst_offset: u64,
+/// One attempt: each group of extents as one part (`part`, completed for the group) on its own
+/// connection, in its own task.
+async fn send_parts(
+    node: &Arc<Node>,
+    peer: &Arc<Pool>,
+    part: PartHeader,
+    groups: &[Vec<usize>],
+    sources: &Arc<[LeasedSource]>,
+    deadline: Instant,
+) -> Result<(), TransferError> {
+    let first = peer.take_turns(groups.len());
+    // Dropping the set (deadline, or the caller gave up) aborts the parts, which drops their
+    // connections mid-stream: the receiver then frees what they had leased.
+    let mut parts = JoinSet::new();
+    for (k, group) in groups.iter().enumerate() {
+        let part = PartHeader {
+            part_extents: group.len() as u32,
+            ..part
+        };
+        parts.spawn(send_part(
+            node.clone(),
+            peer.clone(),
+            first + k,
+            part,
+            group.clone(),
+            sources.clone(),
+            deadline,
+        ));
+    }
+    let results = tokio::time::timeout_at(deadline, async {
+        let mut results = Vec::with_capacity(parts.len());
+        while let Some(r) = parts.join_next().await {
+            results.push(r.unwrap_or_else(|e| {
+                Err(std::io::Error::other(format!("transfer part task failed: {e}")).into())
+            }));
+        }
+        results
+    })
+    .await
+    .map_err(|_| TransferError::Timeout)?;
+    // A final error of any part decides; else a retryable one.
+    let mut retryable = Ok(());
+    for r in results {
+        match r {
+            Ok(()) => {}
+            Err(e) if e.is_retryable() => retryable = Err(e),
+            Err(e) => return Err(e),
+        }
+    }
+    retryable
 }
 
-/// Sends one part over connection `conn` (dialling it again if it was dropped) and reads its
-/// ack. The connection goes back to the pool only when the exchange completed in sync.
+/// Sends one part over the peer's connection `conn` (dialling it again if it was dropped) and
+/// reads its ack. The connection goes back to the pool only when the exchange completed in sync.
 async fn send_part(
     node: Arc<Node>,
-    peer: Arc<Peer>,
+    peer: Arc<Pool>,
     conn: usize,
     mut part: PartHeader,
     group: Vec<usize>,
-    sources: Arc<[PartSource]>,
+    sources: Arc<[LeasedSource]>,
     deadline: Instant,
 ) -> Result<(), TransferError> {
-    let mut slot = peer.conns[conn].lock().await;
-    let mut stream = match slot.take().filter(is_idle_and_open) {
-        Some(s) => s,
-        None => {
-            dial(
+    let (mut slot, mut stream) = peer
+        .checkout(conn, || async {
+            let (stream, _) = dial(
                 &node.config,
                 &peer.address,
                 Some(peer.incarnation),
                 deadline,
             )
-            .await?
-            .0
-        }
-    };
+            .await?;
+            Ok(stream)
+        })
+        .await?;
     let left = deadline.saturating_duration_since(Instant::now());
     part.timeout_ms = left.as_millis().clamp(1, u32::MAX as u128) as u32;
     let checksums = part.flags & FLAG_CHECKSUMS != 0;
@@ -307,10 +267,7 @@ impl Transport for TcpTransport {
     }
 
     fn register(&self, region: &RegionHandle) -> Result<RegionDescriptor, TransferError> {
-        Ok(self
-            .node
-            .regions
-            .register(region, self.node.config.incarnation))
+        Ok(self.node.regions.register(region))
     }
 
     fn deregister(&self, region: RegionId) -> bool {
@@ -318,36 +275,21 @@ impl Transport for TcpTransport {
     }
 
     async fn connect(&self, endpoint: &str, deadline: Instant) -> Result<PeerId, TransferError> {
-        let ep = Endpoint::parse(endpoint)?;
-        if ep.scheme != SCHEME {
-            return Err(TransferError::PeerGone(format!(
-                "{endpoint:?} is not a tcp endpoint"
-            )));
-        }
-        let (first, incarnation) =
-            dial(&self.node.config, &ep.address, ep.incarnation, deadline).await?;
-        let n = self.node.config.connections_per_peer.max(1);
-        // The others are dialled now but may fail: a missing one is dialled again when used.
-        let rest = join_all(
-            (1..n).map(|_| dial(&self.node.config, &ep.address, Some(incarnation), deadline)),
+        let ep = Endpoint::parse_for(endpoint, SCHEME)?;
+        let config = &self.node.config;
+        let (first, incarnation) = dial(config, &ep.address, ep.incarnation, deadline).await?;
+        let pool = Pool::open(
+            &ep.address,
+            incarnation,
+            first,
+            config.connections_per_peer,
+            || async {
+                let (stream, _) = dial(config, &ep.address, Some(incarnation), deadline).await?;
+                Ok(stream)
+            },
         )
         .await;
-        let mut conns = vec![tokio::sync::Mutex::new(Some(first))];
-        conns.extend(
-            rest.into_iter()
-                .map(|r| tokio::sync::Mutex::new(r.ok().map(|(s, _)| s))),
-        );
-        let peer = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        self.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(
-            peer,
-            Arc::new(Peer {
-                address: ep.address,
-                incarnation,
-                conns,
-                next: AtomicUsize::new(0),
-            }),
-        );
-        Ok(peer)
+        Ok(self.peers.add(Arc::new(pool)))
     }
 
     async fn write(
@@ -356,26 +298,10 @@ impl Transport for TcpTransport {
         batch: WriteBatch,
         deadline: Instant,
     ) -> Result<TransferReceipt, TransferError> {
-        let peer = self.peer(peer)?;
-        let leases = plan::lease_sources(&self.node.regions, &batch)?;
-        let sources: Arc<[PartSource]> = leases
-            .into_iter()
-            .zip(&batch.extents)
-            .enumerate()
-            .map(|(i, (bytes, e))| PartSource {
-                index: i as u32,
-                bytes,
-                dst_offset: e.dst_offset,
-            })
-            .collect();
-        self.send(
-            peer,
-            batch.transfer_id,
-            &batch.dst_region,
-            sources,
-            deadline,
-        )
-        .await
+        let peer = self.peers.get(peer)?;
+        let sources = plan::lease_sources(&self.node.regions, &batch)?;
+        let (id, dst) = (batch.transfer_id, &batch.dst_region);
+        self.send(peer, id, dst, sources.into(), deadline).await
     }
 
     /// Copies `bytes` once into a transient region (part tasks need to own their source); to
@@ -389,14 +315,8 @@ impl Transport for TcpTransport {
         bytes: &[u8],
         deadline: Instant,
     ) -> Result<TransferReceipt, TransferError> {
-        let peer = self.peer(peer)?;
-        plan::check_dst(dst.len, dst_offset, bytes.len() as u64, 0)?;
-        let staged = RegionHandle::from_bytes(bytes);
-        let source = PartSource {
-            index: 0,
-            bytes: staged.try_read(0..bytes.len())?,
-            dst_offset,
-        };
+        let peer = self.peers.get(peer)?;
+        let source = plan::stage(dst, dst_offset, bytes)?;
         self.send(peer, transfer_id, dst, Arc::new([source]), deadline)
             .await
     }
@@ -412,6 +332,30 @@ impl Transport for TcpTransport {
     fn abandon_incoming(&self, transfer_id: TransferId) {
         self.node.incoming.abandon(transfer_id);
     }
+}
+
+/// Binds the listener of a `scheme` backend (`config.bind`); returns it with the endpoint peers
+/// reach it at (`config.advertise_host`, else the bound IP).
+pub(crate) fn listen(
+    config: &TransportConfig,
+    scheme: &str,
+) -> Result<(TcpListener, String), TransferError> {
+    let socket = new_socket(config.bind, config.socket_buffer_bytes)?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(config.bind)?;
+    let listener = socket.listen(1024)?;
+    let local_addr = listener.local_addr()?;
+    let host = match &config.advertise_host {
+        Some(h) => h.clone(),
+        None if local_addr.is_ipv6() => format!("[{}]", local_addr.ip()),
+        None => local_addr.ip().to_string(),
+    };
+    let endpoint = Endpoint {
+        scheme: scheme.into(),
+        address: format!("{host}:{}", local_addr.port()),
+        incarnation: Some(config.incarnation),
+    };
+    Ok((listener, endpoint.to_string()))
 }
 
 pub(crate) fn new_socket(
@@ -533,14 +477,6 @@ async fn client_handshake(
     Ok(server)
 }
 
-/// Whether a pooled connection is still usable: an idle connection has nothing to read, so
-/// readable data or an end of stream means the peer closed it (it restarted, say) or broke the
-/// protocol. Checked before each use, so a retry does not burn its attempts on dead connections.
-pub(crate) fn is_idle_and_open(stream: &TcpStream) -> bool {
-    let mut probe = [0u8; 1];
-    matches!(stream.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
-}
-
 /// Writes `head` then `body` with as few syscalls as the socket allows (one `writev` usually).
 async fn write_two(stream: &mut TcpStream, head: &[u8], body: &[u8]) -> std::io::Result<()> {
     let (mut head, mut body) = (head, body);
@@ -562,9 +498,17 @@ async fn write_two(stream: &mut TcpStream, head: &[u8], body: &[u8]) -> std::io:
 }
 
 pub(crate) async fn read_ack(stream: &mut TcpStream) -> Result<Ack, TransferError> {
-    let mut buf = [0u8; Ack::LEN];
-    stream.read_exact(&mut buf).await?;
-    let (mut ack, message_len) = Ack::decode(&buf)?;
+    let mut head = [0u8; Ack::LEN];
+    stream.read_exact(&mut head).await?;
+    read_ack_message(stream, &head).await
+}
+
+/// Decodes the fixed part of an ack, already read, and reads the message that follows it.
+pub(crate) async fn read_ack_message(
+    stream: &mut TcpStream,
+    head: &[u8; Ack::LEN],
+) -> Result<Ack, TransferError> {
+    let (mut ack, message_len) = Ack::decode(head)?;
     if message_len > 0 {
         let mut msg = vec![0u8; message_len];
         stream.read_exact(&mut msg).await?;

@@ -47,7 +47,7 @@ mod worker;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -66,10 +66,13 @@ use self::worker::{EpId, PutSource, RkeyId, UcxWorker};
 use crate::checksum;
 use crate::endpoint::Endpoint;
 use crate::incoming::IncomingTable;
-use crate::plan;
-use crate::region::{ExtentRef, RegionTable};
+use crate::peers::Peers;
+use crate::plan::LeasedSource;
+use crate::region::RegionTable;
+use crate::tcp::pool::Pool;
 use crate::tcp::wire::Ack;
-use crate::tcp::{self, is_idle_and_open, read_ack};
+use crate::tcp::{self, read_ack, read_ack_message};
+use crate::{plan, retry};
 use crate::{
     Incarnation, IncomingTransfer, PeerId, RegionDescriptor, RegionHandle, RegionId, TransferError,
     TransferId, TransferReceipt, Transport, TransportConfig, WriteBatch,
@@ -137,11 +140,8 @@ struct Link {
 /// One connected peer: control connections (each used by one batch at a time) and the UCX
 /// endpoint its puts go through.
 struct Peer {
-    address: String,
+    control: Pool,
     ucx_addr: SocketAddr,
-    incarnation: Incarnation,
-    conns: Vec<tokio::sync::Mutex<Option<TcpStream>>>,
-    next: AtomicUsize,
     link: tokio::sync::Mutex<Link>,
     ucx: Arc<UcxWorker>,
 }
@@ -227,21 +227,12 @@ impl Drop for Peer {
     }
 }
 
-/// One extent ready to send; its shared lease keeps the source bytes until the put completed.
-struct Source {
-    lease: Arc<ExtentRef>,
-    /// The registered region it lies in (`None` for `write_bytes`' staging copy).
-    region: Option<RegionId>,
-    dst_offset: u64,
-}
-
 /// UCX transport: bind it, publish [`Transport::endpoint`], connect to peers.
 pub struct UcxTransport {
     node: Arc<Node>,
     endpoint: String,
     local_addr: SocketAddr,
-    peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
-    next_peer: AtomicU64,
+    peers: Peers<Arc<Peer>>,
     accept: JoinHandle<()>,
 }
 
@@ -255,26 +246,12 @@ impl UcxTransport {
             .await
             .map_err(|e| std::io::Error::other(format!("ucx start-up panicked: {e}")))?
             .map_err(|e| TransferError::PeerGone(format!("cannot start UCX: {e}")))?;
-        let socket = tcp::new_socket(config.bind, config.socket_buffer_bytes)?;
-        socket.set_reuseaddr(true)?;
-        socket.bind(config.bind)?;
-        let listener = socket.listen(1024)?;
+        let (listener, endpoint) = tcp::listen(&config, SCHEME)?;
         let local_addr = listener.local_addr()?;
-        let host = match &config.advertise_host {
-            Some(h) => h.clone(),
-            None if local_addr.is_ipv6() => format!("[{}]", local_addr.ip()),
-            None => local_addr.ip().to_string(),
-        };
-        let endpoint = Endpoint {
-            scheme: SCHEME.into(),
-            address: format!("{host}:{}", local_addr.port()),
-            incarnation: Some(config.incarnation),
-        }
-        .to_string();
         let node = Arc::new(Node {
             incoming: IncomingTable::new(config.incoming_ttl),
+            regions: RegionTable::new(config.incarnation),
             config,
-            regions: RegionTable::default(),
             keys: Mutex::new(HashMap::new()),
             ucx: Arc::new(ucx),
             next_generation: AtomicU64::new(1),
@@ -285,8 +262,7 @@ impl UcxTransport {
             node,
             endpoint,
             local_addr,
-            peers: Mutex::new(HashMap::new()),
-            next_peer: AtomicU64::new(1),
+            peers: Peers::default(),
             accept,
         })
     }
@@ -313,15 +289,6 @@ impl UcxTransport {
         self.node.ucx.listen_addr()
     }
 
-    fn peer(&self, peer: PeerId) -> Result<Arc<Peer>, TransferError> {
-        self.peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&peer)
-            .cloned()
-            .ok_or_else(|| TransferError::PeerGone(format!("{peer:?} is not connected")))
-    }
-
     /// Runs the transfer in its own task (which finishes what it started even when the caller
     /// stops waiting) and waits for it until `deadline`.
     async fn send(
@@ -329,15 +296,10 @@ impl UcxTransport {
         peer: Arc<Peer>,
         transfer_id: TransferId,
         dst: &RegionDescriptor,
-        sources: Vec<Source>,
+        sources: Vec<LeasedSource>,
         deadline: Instant,
     ) -> Result<TransferReceipt, TransferError> {
-        if dst.incarnation != peer.incarnation {
-            return Err(TransferError::IncarnationMismatch {
-                expected: dst.incarnation,
-                found: peer.incarnation,
-            });
-        }
+        plan::check_incarnation(dst, peer.control.incarnation)?;
         let task = tokio::spawn(transfer(
             self.node.clone(),
             peer,
@@ -408,13 +370,7 @@ async fn read_answer(stream: &mut TcpStream) -> Result<Answer, TransferError> {
     let mut head = [0u8; Ack::LEN];
     head[..4].copy_from_slice(&magic);
     stream.read_exact(&mut head[4..]).await?;
-    let (mut ack, message_len) = Ack::decode(&head)?;
-    if message_len > 0 {
-        let mut msg = vec![0u8; message_len];
-        stream.read_exact(&mut msg).await?;
-        ack.message = String::from_utf8_lossy(&msg).into_owned();
-    }
-    Ok(Answer::Ack(ack))
+    Ok(Answer::Ack(read_ack_message(stream, &head).await?))
 }
 
 /// Sends one batch, retrying I/O failures within the deadline.
@@ -423,34 +379,20 @@ async fn transfer(
     peer: Arc<Peer>,
     transfer_id: TransferId,
     dst: RegionDescriptor,
-    sources: Vec<Source>,
+    sources: Vec<LeasedSource>,
     deadline: Instant,
 ) -> Result<TransferReceipt, TransferError> {
-    let start = Instant::now();
-    let bytes = sources.iter().map(|s| s.lease.len() as u64).sum();
-    let tries = node.config.max_retries + 1;
-    let mut last = TransferError::Timeout;
-    for attempt_no in 1..=tries {
-        let attempt = node.attempts.fetch_add(1, Ordering::Relaxed) + 1;
-        match send_attempt(&node, &peer, transfer_id, attempt, &dst, &sources, deadline).await {
-            Ok(()) => {
-                return Ok(TransferReceipt {
-                    bytes,
-                    elapsed: start.elapsed(),
-                    attempts: attempt_no,
-                })
-            }
-            Err(e) if e.is_retryable() => {
-                tracing::debug!(error = %e, transfer = %transfer_id, attempt_no, "ucx transfer attempt failed");
-                last = e;
-            }
-            Err(e) => return Err(e),
-        }
-        if Instant::now() >= deadline {
-            return Err(TransferError::Timeout);
-        }
-    }
-    Err(last)
+    let bytes = sources.iter().map(|s| s.bytes.len() as u64).sum();
+    retry::with_retries(
+        SCHEME,
+        &node.attempts,
+        node.config.max_retries,
+        transfer_id,
+        bytes,
+        deadline,
+        |attempt| send_attempt(&node, &peer, transfer_id, attempt, &dst, &sources, deadline),
+    )
+    .await
 }
 
 /// One attempt: Begin, puts and flush, Commit, Ack (see the module docs).
@@ -460,28 +402,23 @@ async fn send_attempt(
     transfer_id: TransferId,
     attempt: u64,
     dst: &RegionDescriptor,
-    sources: &[Source],
+    sources: &[LeasedSource],
     deadline: Instant,
 ) -> Result<(), TransferError> {
     let checksums = node.checksums();
-    let conn = peer.next.fetch_add(1, Ordering::Relaxed) % peer.conns.len();
+    let control = &peer.control;
+    let conn = control.take_turns(1);
     // Until the destination answers Ready nothing is in flight: the deadline bounds it all, and
     // dropping the connection half-way is harmless.
     let opening = async {
-        let mut slot = peer.conns[conn].lock().await;
-        let mut stream = match slot.take().filter(is_idle_and_open) {
-            Some(s) => s,
-            None => {
-                dial(
-                    &node.config,
-                    &peer.address,
-                    Some(peer.incarnation),
-                    deadline,
-                )
-                .await?
-                .0
-            }
-        };
+        let (slot, mut stream) = control
+            .checkout(conn, || async {
+                let expected = Some(control.incarnation);
+                let (stream, _, _) =
+                    dial(&node.config, &control.address, expected, deadline).await?;
+                Ok(stream)
+            })
+            .await?;
         let left = deadline.saturating_duration_since(Instant::now());
         let begin = Begin {
             transfer_id,
@@ -495,7 +432,7 @@ async fn send_attempt(
                 .iter()
                 .map(|s| DstExtent {
                     offset: s.dst_offset,
-                    len: s.lease.len() as u64,
+                    len: s.bytes.len() as u64,
                 })
                 .collect(),
         };
@@ -513,7 +450,7 @@ async fn send_attempt(
                 return Err(TransferError::protocol("ack for another transfer"));
             }
             *slot = Some(stream);
-            return ack.into_result(dst.incarnation, peer.incarnation);
+            return ack.into_result(dst.incarnation, control.incarnation);
         }
     };
     // The destination now holds leases on the extents until our Commit: always send one.
@@ -542,7 +479,7 @@ async fn send_attempt(
     }
     *slot = Some(stream);
     landed?;
-    ack.into_result(dst.incarnation, peer.incarnation)
+    ack.into_result(dst.incarnation, control.incarnation)
 }
 
 /// Puts every extent and waits for the flush; returns the extents' checksums (empty when
@@ -553,31 +490,31 @@ async fn put_extents(
     peer: &Peer,
     dst: &RegionDescriptor,
     ready: &Ready,
-    sources: &[Source],
+    sources: &[LeasedSource],
     deadline: Instant,
 ) -> Result<Vec<u32>, TransferError> {
     if Instant::now() >= deadline {
         return Err(TransferError::Timeout);
     }
     let checksums = node.checksums();
-    let sums = |sources: &[Source]| -> Vec<u32> {
+    let sums = |sources: &[LeasedSource]| -> Vec<u32> {
         if checksums {
             sources
                 .iter()
-                .map(|s| checksum::extent_checksum(&s.lease))
+                .map(|s| checksum::extent_checksum(&s.bytes))
                 .collect()
         } else {
             Vec::new()
         }
     };
-    if sources.iter().all(|s| s.lease.is_empty()) {
+    if sources.iter().all(|s| s.bytes.is_empty()) {
         return Ok(sums(sources));
     }
     let Access { ep, rkey, mapping } = peer.access(dst, ready, deadline).await?;
     if let Some(mapping) = mapping {
         let puts: Vec<(&[u8], u64)> = sources
             .iter()
-            .map(|s| (&s.lease[..], ready.base + s.dst_offset))
+            .map(|s| (&s.bytes[..], ready.base + s.dst_offset))
             .collect();
         let bytes: usize = puts.iter().map(|(b, _)| b.len()).sum();
         if let Some(sums) = blocking(bytes, || mapping.copy_all(&puts, checksums)) {
@@ -587,7 +524,7 @@ async fn put_extents(
     let puts = sources
         .iter()
         .map(|s| PutSource {
-            src: s.lease.clone(),
+            src: s.bytes.clone(),
             region: s.region,
             remote_addr: ready.base + s.dst_offset,
         })
@@ -654,10 +591,7 @@ impl Transport for UcxTransport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(region.id(), key);
-        Ok(self
-            .node
-            .regions
-            .register(region, self.node.config.incarnation))
+        Ok(self.node.regions.register(region))
     }
 
     fn deregister(&self, region: RegionId) -> bool {
@@ -674,49 +608,37 @@ impl Transport for UcxTransport {
     }
 
     async fn connect(&self, endpoint: &str, deadline: Instant) -> Result<PeerId, TransferError> {
-        let ep = Endpoint::parse(endpoint)?;
-        if ep.scheme != SCHEME {
-            return Err(TransferError::PeerGone(format!(
-                "{endpoint:?} is not a ucx endpoint"
-            )));
-        }
+        let ep = Endpoint::parse_for(endpoint, SCHEME)?;
+        let config = &self.node.config;
         let (first, incarnation, port) =
-            dial(&self.node.config, &ep.address, ep.incarnation, deadline).await?;
+            dial(config, &ep.address, ep.incarnation, deadline).await?;
         let ucx_addr = SocketAddr::new(first.peer_addr()?.ip(), port);
-        let n = self.node.config.connections_per_peer.max(1);
-        // The others are dialled now but may fail: a missing one is dialled again when used.
-        let rest = futures_util::future::join_all(
-            (1..n).map(|_| dial(&self.node.config, &ep.address, Some(incarnation), deadline)),
+        let control = Pool::open(
+            &ep.address,
+            incarnation,
+            first,
+            config.connections_per_peer,
+            || async {
+                let (stream, _, _) = dial(config, &ep.address, Some(incarnation), deadline).await?;
+                Ok(stream)
+            },
         )
         .await;
-        let mut conns = vec![tokio::sync::Mutex::new(Some(first))];
-        conns.extend(
-            rest.into_iter()
-                .map(|r| tokio::sync::Mutex::new(r.ok().map(|(s, _, _)| s))),
-        );
         let ucx_ep = tokio::time::timeout_at(deadline, self.node.ucx.connect(ucx_addr))
             .await
             .map_err(|_| TransferError::Timeout)?
             .map_err(|e| {
                 TransferError::PeerGone(format!("cannot open a ucx endpoint to {ucx_addr}: {e}"))
             })?;
-        let peer = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        self.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(
-            peer,
-            Arc::new(Peer {
-                address: ep.address,
-                ucx_addr,
-                incarnation,
-                conns,
-                next: AtomicUsize::new(0),
-                link: tokio::sync::Mutex::new(Link {
-                    ep: Some(ucx_ep),
-                    rkeys: HashMap::new(),
-                }),
-                ucx: self.node.ucx.clone(),
+        Ok(self.peers.add(Arc::new(Peer {
+            control,
+            ucx_addr,
+            link: tokio::sync::Mutex::new(Link {
+                ep: Some(ucx_ep),
+                rkeys: HashMap::new(),
             }),
-        );
-        Ok(peer)
+            ucx: self.node.ucx.clone(),
+        })))
     }
 
     async fn write(
@@ -725,25 +647,10 @@ impl Transport for UcxTransport {
         batch: WriteBatch,
         deadline: Instant,
     ) -> Result<TransferReceipt, TransferError> {
-        let peer = self.peer(peer)?;
-        let leases = plan::lease_sources(&self.node.regions, &batch)?;
-        let sources = leases
-            .into_iter()
-            .zip(&batch.extents)
-            .map(|(lease, e)| Source {
-                lease: Arc::new(lease),
-                region: Some(e.src_region),
-                dst_offset: e.dst_offset,
-            })
-            .collect();
-        self.send(
-            peer,
-            batch.transfer_id,
-            &batch.dst_region,
-            sources,
-            deadline,
-        )
-        .await
+        let peer = self.peers.get(peer)?;
+        let sources = plan::lease_sources(&self.node.regions, &batch)?;
+        let (id, dst) = (batch.transfer_id, &batch.dst_region);
+        self.send(peer, id, dst, sources, deadline).await
     }
 
     /// Copies `bytes` once into a transient region (the puts must own their source); to send
@@ -757,14 +664,8 @@ impl Transport for UcxTransport {
         bytes: &[u8],
         deadline: Instant,
     ) -> Result<TransferReceipt, TransferError> {
-        let peer = self.peer(peer)?;
-        plan::check_dst(dst.len, dst_offset, bytes.len() as u64, 0)?;
-        let staged = RegionHandle::from_bytes(bytes);
-        let source = Source {
-            lease: Arc::new(staged.try_read(0..bytes.len())?),
-            region: None,
-            dst_offset,
-        };
+        let peer = self.peers.get(peer)?;
+        let source = plan::stage(dst, dst_offset, bytes)?;
         self.send(peer, transfer_id, dst, vec![source], deadline)
             .await
     }
