@@ -4,13 +4,14 @@
 //! Kimi Linear (MLA latent pages and KDA snapshots).
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 
 use serde::Deserialize;
 use tessera_engine::generate::{generate, GenerateRequest};
 use tessera_engine::serving::handoff::{copy_pages, transfer_pairs};
 use tessera_engine::serving::{EngineEvent, EngineRequest, Handoff, Scheduler, SchedulerConfig};
 use tessera_engine::{Model, SamplingParams};
+
+use crate::serving_support::{drain, sink, tokens, Events};
 
 const FIXTURES: [&str; 2] = ["k3_tiny", "k3_tiny_mxfp4"];
 
@@ -64,36 +65,6 @@ fn req(prompt: &[u32], max_new: usize, prefill_only: bool) -> EngineRequest {
         prefill_only,
         resumed_tokens: 0,
         images: Vec::new(),
-    }
-}
-
-type Events = Arc<Mutex<Vec<EngineEvent>>>;
-
-fn sink(ev: &Events) -> Box<dyn FnMut(EngineEvent) -> bool + Send> {
-    let ev = ev.clone();
-    Box::new(move |e| {
-        ev.lock().unwrap().push(e);
-        true
-    })
-}
-
-fn tokens(ev: &Events) -> Vec<u32> {
-    ev.lock()
-        .unwrap()
-        .iter()
-        .filter_map(|e| match e {
-            EngineEvent::Token(t) => Some(*t),
-            _ => None,
-        })
-        .collect()
-}
-
-fn drain(s: &mut Scheduler, m: &Model) {
-    let mut guard = 0;
-    while s.has_work() {
-        s.step(m).unwrap();
-        guard += 1;
-        assert!(guard < 100_000, "scheduler does not make progress");
     }
 }
 

@@ -5,5 +5,6 @@ mod bad_checkpoints;
 mod k3_fixtures;
 mod k3_serving;
 mod model_device;
+mod serving_support;
 mod vision_fixtures;
 mod vision_serving;

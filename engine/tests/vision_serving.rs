@@ -4,7 +4,7 @@
 //! never give pages that hold (or follow) one image to a request with another image.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use serde::Deserialize;
 use tessera_engine::generate::{generate_with_images, GenerateRequest};
@@ -12,6 +12,8 @@ use tessera_engine::serving::handoff::{copy_pages, transfer_pairs};
 use tessera_engine::serving::{EngineEvent, EngineRequest, Handoff, Scheduler, SchedulerConfig};
 use tessera_engine::vision::{expand_placeholders, PlacedImage, VisionModel};
 use tessera_engine::{Model, SamplingParams};
+
+use crate::serving_support::{drain, sink, tokens, Events};
 
 #[derive(Deserialize)]
 struct Reference {
@@ -127,27 +129,6 @@ fn req(prompt: &[u32], images: &[PlacedImage], n: usize, prefill_only: bool) -> 
     }
 }
 
-type Events = Arc<Mutex<Vec<EngineEvent>>>;
-
-fn sink(ev: &Events) -> Box<dyn FnMut(EngineEvent) -> bool + Send> {
-    let ev = ev.clone();
-    Box::new(move |e| {
-        ev.lock().unwrap().push(e);
-        true
-    })
-}
-
-fn tokens(ev: &Events) -> Vec<u32> {
-    ev.lock()
-        .unwrap()
-        .iter()
-        .filter_map(|e| match e {
-            EngineEvent::Token(t) => Some(*t),
-            _ => None,
-        })
-        .collect()
-}
-
 fn cached(ev: &Events) -> usize {
     ev.lock()
         .unwrap()
@@ -164,15 +145,6 @@ fn failure(ev: &Events) -> Option<String> {
         EngineEvent::Failed(m) => Some(m.clone()),
         _ => None,
     })
-}
-
-fn drain(s: &mut Scheduler, m: &Model) {
-    let mut guard = 0;
-    while s.has_work() {
-        s.step(m).unwrap();
-        guard += 1;
-        assert!(guard < 100_000, "scheduler does not make progress");
-    }
 }
 
 #[test]
