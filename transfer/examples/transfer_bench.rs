@@ -25,7 +25,7 @@
 //! `--rotate` destination groups of the destination region (a decode worker's staging slots).
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -275,12 +275,7 @@ async fn two_processes(args: &Args, backend: &str) -> f64 {
         .stdout(Stdio::piped())
         .spawn()
         .expect("start the destination process");
-    // UCX logs to standard output too: skip to the announcement.
-    let line = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map(|l| l.expect("destination output"))
-        .find(|l| l.starts_with("READY "))
-        .expect("the destination announces itself");
+    let line = announcement(&mut child);
     let f: Vec<&str> = line.split_whitespace().collect();
     assert_eq!(f.len(), 5, "bad announcement {line:?}");
     let desc = RegionDescriptor {
@@ -298,6 +293,16 @@ async fn two_processes(args: &Args, backend: &str) -> f64 {
     drop(child.stdin.take());
     let _ = child.wait();
     gbps
+}
+
+/// The line with which a child (this program with `--target`) announces itself on its output.
+/// UCX logs to standard output too: lines before it are skipped.
+fn announcement(child: &mut Child) -> String {
+    BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map(|l| l.expect("child output"))
+        .find(|l| l.starts_with("READY "))
+        .expect("the child announces itself")
 }
 
 /// The child of `--processes 2`.
@@ -343,11 +348,7 @@ fn raw_tcp(args: &Args) -> f64 {
         .stdout(Stdio::piped())
         .spawn()
         .expect("start the receiving process");
-    let line = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map(|l| l.expect("receiver output"))
-        .find(|l| l.starts_with("READY "))
-        .expect("the receiver announces itself");
+    let line = announcement(&mut child);
     let mut s = std::net::TcpStream::connect(&line[6..]).expect("connect");
     let src = vec![7u8; src_len(args)];
     let block = args.extent as usize;

@@ -4,19 +4,9 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tessera_transfer::{
-    Instant, LocalTransport, RegionHandle, TcpTransport, TransferError, TransferId, Transport,
-};
+use tessera_transfer::{Instant, TcpTransport, TransferError, TransferId, Transport};
 
 use crate::common::*;
-
-fn assert_on_time(started: Instant, budget_ms: u64) {
-    let took = started.elapsed();
-    assert!(
-        took <= Duration::from_millis(budget_ms) + SLACK,
-        "took {took:?} for a {budget_ms} ms deadline"
-    );
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_corrupted_extent_is_caught_and_never_completes() {
@@ -30,26 +20,13 @@ async fn tcp_corrupted_extent_is_caught_and_never_completes() {
 async fn local_corrupted_extent_is_caught() {
     let cb = config();
     let faults = cb.faults.clone();
-    let a = LocalTransport::new(config());
-    let b = LocalTransport::new(cb);
-    let peer = a.connect(&b.endpoint(), in_ms(1_000)).await.unwrap();
-    let src = random_region(4096 * 4, 12);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(4096 * 4);
-    let desc = b.register(&dst).unwrap();
-    faults.corrupt_extents.store(1, Ordering::Relaxed);
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 4, 4096),
-            in_ms(1_000),
-        )
-        .await;
+    let (a, b, peer) = local_pair(config(), cb).await;
+    let err = corrupted_extent_then_fresh_write(&a, &b, peer, &faults).await;
+    // The local path names the corrupted extent: the first.
     assert!(
-        matches!(r, Err(TransferError::ChecksumMismatch { extent: 0 })),
-        "{r:?}"
+        matches!(err, TransferError::ChecksumMismatch { extent: 0 }),
+        "{err:?}"
     );
-    assert!(b.wait_incoming(TransferId(1), in_ms(100)).await.is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -79,18 +56,11 @@ async fn write_to_a_stalled_peer_times_out() {
     let (a, b, peer) = tcp_pair(config(), cb).await;
     // Far more than the socket buffers of four connections can absorb.
     let len = 8 << 20;
-    let src = random_region(16 * len, 13);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(16 * len);
-    let desc = b.register(&dst).unwrap();
+    let regions = Regions::register(&a, &b, 16 * len, 13);
     faults.stall_receive.store(true, Ordering::Relaxed);
     let started = Instant::now();
     let r = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 16, len as u64),
-            in_ms(500),
-        )
+        .write(peer, regions.batch(1, 16, len as u64), in_ms(500))
         .await;
     assert!(matches!(r, Err(TransferError::Timeout)), "{r:?}");
     assert_on_time(started, 500);
@@ -100,6 +70,7 @@ async fn write_to_a_stalled_peer_times_out() {
     assert!(matches!(w, Err(TransferError::Timeout)), "{w:?}");
     assert_on_time(started, 200);
     // The source's extents are released once the write returned.
+    let src = &regions.src;
     assert!(src.try_write(0..src.len()).is_ok());
 }
 
@@ -111,20 +82,12 @@ async fn dropped_connection_errors_then_a_retry_succeeds() {
     ca.max_retries = 0;
     let (a, b, peer) = tcp_pair(ca, cb).await;
     let len = 1_769_472;
-    let src = random_region(16 * len, 14);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(16 * len);
-    let desc = b.register(&dst).unwrap();
+    let regions = Regions::register(&a, &b, 16 * len, 14);
+    let batch = || regions.batch(1, 16, len as u64);
 
     faults.drop_after_bytes.store(3_000_000, Ordering::Relaxed);
     let started = Instant::now();
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 16, len as u64),
-            in_ms(5_000),
-        )
-        .await;
+    let r = a.write(peer, batch(), in_ms(5_000)).await;
     assert!(matches!(r, Err(TransferError::Io(_))), "{r:?}");
     assert!(
         started.elapsed() < Duration::from_secs(2),
@@ -132,17 +95,10 @@ async fn dropped_connection_errors_then_a_retry_succeeds() {
     );
 
     // The caller retries the same transfer: the broken connection is dialled again.
-    let receipt = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 16, len as u64),
-            in_ms(5_000),
-        )
-        .await
-        .unwrap();
+    let receipt = a.write(peer, batch(), in_ms(5_000)).await.unwrap();
     assert_eq!(receipt.attempts, 1);
     b.wait_incoming(TransferId(1), in_ms(1_000)).await.unwrap();
-    assert!(read_all(&dst) == read_all(&src));
+    assert!(regions.landed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -151,23 +107,16 @@ async fn dropped_connection_is_retried_transparently() {
     let faults = cb.faults.clone();
     let (a, b, peer) = tcp_pair(config(), cb).await; // default: 2 retries
     let len = 1_769_472;
-    let src = random_region(16 * len, 15);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(16 * len);
-    let desc = b.register(&dst).unwrap();
+    let regions = Regions::register(&a, &b, 16 * len, 15);
     faults.drop_after_bytes.store(5_000_000, Ordering::Relaxed);
     let receipt = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 16, len as u64),
-            in_ms(5_000),
-        )
+        .write(peer, regions.batch(1, 16, len as u64), in_ms(5_000))
         .await
         .unwrap();
     assert_eq!(receipt.attempts, 2);
     let done = b.wait_incoming(TransferId(1), in_ms(1_000)).await.unwrap();
     assert_eq!(done.bytes, 16 * len as u64);
-    assert!(read_all(&dst) == read_all(&src));
+    assert!(regions.landed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -184,25 +133,14 @@ async fn vanished_and_restarted_peers() {
 
 #[tokio::test]
 async fn local_deadline_and_abandon() {
-    let a = LocalTransport::new(config());
-    let b = LocalTransport::new(config());
-    let peer = a.connect(&b.endpoint(), in_ms(1_000)).await.unwrap();
-    let src = random_region(4096, 18);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(4096);
-    let desc = b.register(&dst).unwrap();
+    let (a, b, peer) = local_pair(config(), config()).await;
+    let regions = Regions::register(&a, &b, 4096, 18);
     let started = Instant::now();
     let w = b.wait_incoming(TransferId(5), in_ms(100)).await;
     assert!(matches!(w, Err(TransferError::Timeout)));
     assert_on_time(started, 100);
     // Abandoned by the wait: the late write is refused.
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(5, &src, &desc, 1, 4096),
-            in_ms(1_000),
-        )
-        .await;
+    let r = a.write(peer, regions.batch(5, 1, 4096), in_ms(1_000)).await;
     assert!(matches!(r, Err(TransferError::Timeout)), "{r:?}");
-    assert!(read_all(&dst).iter().all(|&x| x == 0));
+    assert!(read_all(&regions.dst).iter().all(|&x| x == 0));
 }

@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use tessera_transfer::{LocalTransport, RegionHandle, TransferError, TransferId, Transport};
+use tessera_transfer::{TransferError, TransferId, Transport};
 
 use crate::common::*;
 
@@ -25,32 +25,27 @@ async fn tcp_with_one_connection_and_no_checksums() {
 
 #[tokio::test]
 async fn local_random_extents_land_exactly() {
-    let a = LocalTransport::new(config());
-    let b = LocalTransport::new(config());
-    let peer = a.connect(&b.endpoint(), in_ms(1_000)).await.unwrap();
+    let (a, b, peer) = local_pair(config(), config()).await;
     random_round_trips(&a, &b, peer).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_concurrent_batches_to_one_peer() {
     let (a, b, peer) = tcp_pair(config(), config()).await;
-    let ConcurrentBatches { src, dst, .. } = write_concurrent_batches(Arc::new(a), &b, peer).await;
+    let regions = write_concurrent_batches(Arc::new(a), &b, peer).await;
     for id in concurrent_batch_ids() {
         b.wait_incoming(id, in_ms(1_000)).await.unwrap();
     }
-    assert!(read_all(&dst) == read_all(&src));
+    assert!(regions.landed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_regions_are_refused_before_any_byte_moves() {
     let (a, b, peer) = tcp_pair(config(), config()).await;
-    let src = random_region(1 << 20, 4);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(1 << 20);
-    let desc = b.register(&dst).unwrap();
+    let regions = Regions::register(&a, &b, 1 << 20, 4);
 
     // Past the end of the destination.
-    let mut batch = contiguous_batch(1, &src, &desc, 1, 4096);
+    let mut batch = regions.batch(1, 1, 4096);
     batch.extents[0].dst_offset = (1 << 20) - 100;
     assert!(matches!(
         a.write(peer, batch, in_ms(2_000)).await,
@@ -58,7 +53,7 @@ async fn bad_regions_are_refused_before_any_byte_moves() {
     ));
 
     // Overlapping destinations.
-    let mut batch = contiguous_batch(2, &src, &desc, 2, 4096);
+    let mut batch = regions.batch(2, 2, 4096);
     batch.extents[1].dst_offset = 100;
     assert!(matches!(
         a.write(peer, batch, in_ms(2_000)).await,
@@ -67,44 +62,24 @@ async fn bad_regions_are_refused_before_any_byte_moves() {
 
     // A source that is not registered.
     let stray = random_region(4096, 5);
-    let batch = contiguous_batch(3, &stray, &desc, 1, 4096);
+    let batch = contiguous_batch(3, &stray, &regions.desc, 1, 4096);
     assert!(matches!(
         a.write(peer, batch, in_ms(2_000)).await,
         Err(TransferError::BadRegion(_))
     ));
 
     // A destination the peer deregistered: refused by the receiver, the connection stays usable.
-    assert!(b.deregister(desc.region_id));
-    let batch = contiguous_batch(4, &src, &desc, 4, 4096);
+    assert!(b.deregister(regions.desc.region_id));
     assert!(matches!(
-        a.write(peer, batch, in_ms(2_000)).await,
+        a.write(peer, regions.batch(4, 4, 4096), in_ms(2_000)).await,
         Err(TransferError::BadRegion(_))
     ));
-    let desc = b.register(&dst).unwrap();
-    a.write(
-        peer,
-        contiguous_batch(5, &src, &desc, 4, 4096),
-        in_ms(2_000),
-    )
-    .await
-    .unwrap();
+    let desc = b.register(&regions.dst).unwrap();
+    let batch = contiguous_batch(5, &regions.src, &desc, 4, 4096);
+    a.write(peer, batch, in_ms(2_000)).await.unwrap();
 
     // The owner holds the destination extent: the receiver cannot lease it.
-    let held = dst.try_read(0..10).unwrap();
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(6, &src, &desc, 1, 4096),
-            in_ms(2_000),
-        )
-        .await;
-    assert!(matches!(r, Err(TransferError::BadRegion(_))), "{r:?}");
-    // The destination's waiter learns it at once rather than at its deadline.
-    let started = tessera_transfer::Instant::now();
-    let w = b.wait_incoming(TransferId(6), in_ms(5_000)).await;
-    assert!(matches!(w, Err(TransferError::BadRegion(_))), "{w:?}");
-    assert!(started.elapsed() < std::time::Duration::from_secs(1));
-    drop(held);
+    destination_held_by_its_owner_is_refused(&a, &b, peer).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -119,19 +94,12 @@ async fn destination_extents_stay_leased_until_completion() {
     ca.connections_per_peer = 2;
     let (a, b, peer) = tcp_pair(ca, cb).await;
     let len = 1 << 20;
-    let src = random_region(4 * len, 6);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(4 * len);
-    let desc = b.register(&dst).unwrap();
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(9, &src, &desc, 4, len as u64),
-            in_ms(5_000),
-        )
-        .await;
+    let regions = Regions::register(&a, &b, 4 * len, 6);
+    let batch = || regions.batch(9, 4, len as u64);
+    let r = a.write(peer, batch(), in_ms(5_000)).await;
     assert!(matches!(r, Err(TransferError::Io(_))), "{r:?}");
     // The part that landed stays leased: the owner cannot see it before completion.
+    let dst = &regions.dst;
     let busy = (0..4)
         .filter(|i| dst.try_read(i * len..(i + 1) * len).is_err())
         .count();
@@ -139,12 +107,6 @@ async fn destination_extents_stay_leased_until_completion() {
     // The destination gives up: the leases go, and late bytes are refused.
     b.abandon_incoming(TransferId(9));
     assert!(dst.try_write(0..dst.len()).is_ok());
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(9, &src, &desc, 4, len as u64),
-            in_ms(5_000),
-        )
-        .await;
+    let r = a.write(peer, batch(), in_ms(5_000)).await;
     assert!(matches!(r, Err(TransferError::Timeout)), "{r:?}");
 }

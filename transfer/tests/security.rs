@@ -1,38 +1,23 @@
 //! The transfer handshake: unauthenticated peers and stale incarnations are refused.
 
 use tessera_transfer::tcp::wire::{ClientHello, ClientProof, ServerHello, Verdict, VERSION};
-use tessera_transfer::{
-    Endpoint, Incarnation, LocalTransport, Secret, TcpTransport, TransferError, Transport,
-};
+use tessera_transfer::{Incarnation, LocalTransport, TcpTransport, TransferError, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::common::*;
-
-fn other_secret() -> tessera_transfer::TransportConfig {
-    tessera_transfer::TransportConfig::new(Secret::new("not the cluster secret"))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_wrong_secret_is_refused_both_ways() {
     let a = TcpTransport::bind(other_secret()).await.unwrap();
     let b = TcpTransport::bind(config()).await.unwrap();
-    let r = a.connect(&b.endpoint(), in_ms(2_000)).await;
-    assert!(matches!(r, Err(TransferError::Auth(_))), "{r:?}");
-    let r = b.connect(&a.endpoint(), in_ms(2_000)).await;
-    assert!(matches!(r, Err(TransferError::Auth(_))), "{r:?}");
+    wrong_secret_is_refused_both_ways(&a, &b).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_wrong_incarnation_is_refused() {
     let a = TcpTransport::bind(config()).await.unwrap();
     let b = TcpTransport::bind(config()).await.unwrap();
-    let mut ep = Endpoint::parse(&b.endpoint()).unwrap();
-    ep.incarnation = Some(Incarnation(b.incarnation().0 ^ 1));
-    let r = a.connect(&ep.to_string(), in_ms(2_000)).await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
+    let mut ep = stale_endpoint_is_refused(&a, &b).await;
     // Without an incarnation in the endpoint the connect learns it.
     ep.incarnation = None;
     a.connect(&ep.to_string(), in_ms(2_000)).await.unwrap();
@@ -98,35 +83,12 @@ async fn tcp_garbage_is_dropped() {
 async fn local_wrong_secret_and_incarnation_are_refused() {
     let a = LocalTransport::new(other_secret());
     let b = LocalTransport::new(config());
-    let r = a.connect(&b.endpoint(), in_ms(1_000)).await;
-    assert!(matches!(r, Err(TransferError::Auth(_))), "{r:?}");
+    wrong_secret_is_refused_both_ways(&a, &b).await;
 
     let c = LocalTransport::new(config());
-    let mut ep = Endpoint::parse(&b.endpoint()).unwrap();
-    ep.incarnation = Some(Incarnation(b.incarnation().0 ^ 1));
-    let r = c.connect(&ep.to_string(), in_ms(1_000)).await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
-
+    let ep = stale_endpoint_is_refused(&c, &b).await;
     let peer = c.connect(&b.endpoint(), in_ms(1_000)).await.unwrap();
-    let src = random_region(4096, 22);
-    c.register(&src).unwrap();
-    let dst = tessera_transfer::RegionHandle::new(4096);
-    let mut desc = b.register(&dst).unwrap();
-    desc.incarnation = Incarnation(desc.incarnation.0 ^ 1);
-    let r = c
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 1, 4096),
-            in_ms(1_000),
-        )
-        .await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
+    foreign_incarnation_descriptor_is_refused(&c, &b, peer).await;
     drop(b);
     let r = c.connect(&ep.to_string(), in_ms(1_000)).await;
     assert!(matches!(r, Err(TransferError::PeerGone(_))), "{r:?}");

@@ -5,11 +5,9 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tessera_transfer::{
-    Endpoint, Incarnation, Instant, RegionHandle, Secret, TransferError, TransferId, Transport,
-    TransportConfig, UcxTransport,
+    Instant, RegionHandle, TransferError, TransferId, Transport, TransportConfig, UcxTransport,
 };
 
 use crate::common::*;
@@ -70,83 +68,44 @@ async fn ucx_with_peer_failure_handling() {
 async fn ucx_concurrent_batches_and_reregistered_regions() {
     let (a, b, peer) = ucx_pair(checked(), checked()).await;
     let a: Arc<dyn Transport> = Arc::new(a);
-    let ConcurrentBatches {
-        src,
-        dst,
-        desc,
-        len,
-    } = write_concurrent_batches(a.clone(), &b, peer).await;
+    let regions = write_concurrent_batches(a.clone(), &b, peer).await;
     for id in concurrent_batch_ids() {
         b.wait_incoming(id, in_ms(1_000)).await.unwrap();
     }
-    assert!(read_all(&dst) == read_all(&src));
+    assert!(regions.landed());
 
     // Deregistered: refused by the destination before any put; registered again (a new remote
     // key), the sender picks up the new key.
-    assert!(b.deregister(desc.region_id));
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 4, 4096),
-            in_ms(2_000),
-        )
-        .await;
+    assert!(b.deregister(regions.desc.region_id));
+    let r = a.write(peer, regions.batch(1, 4, 4096), in_ms(2_000)).await;
     assert!(matches!(r, Err(TransferError::BadRegion(_))), "{r:?}");
+    let len = CONCURRENT_EXTENT;
     let fresh = RegionHandle::new(16 * len as usize);
     let desc = b.register(&fresh).unwrap();
-    a.write(peer, contiguous_batch(2, &src, &desc, 4, len), in_ms(5_000))
-        .await
-        .unwrap();
+    let batch = contiguous_batch(2, &regions.src, &desc, 4, len);
+    a.write(peer, batch, in_ms(5_000)).await.unwrap();
     b.wait_incoming(TransferId(2), in_ms(1_000)).await.unwrap();
     let n = 4 * len as usize;
-    assert!(read_all(&fresh)[..n] == read_all(&src)[..n]);
+    assert!(read_all(&fresh)[..n] == read_all(&regions.src)[..n]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucx_destination_extents_leased_by_the_owner_are_refused() {
     let (a, b, peer) = ucx_pair(checked(), checked()).await;
-    let src = random_region(1 << 20, 4);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(1 << 20);
-    let desc = b.register(&dst).unwrap();
-    let held = dst.try_read(0..10).unwrap();
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(6, &src, &desc, 1, 4096),
-            in_ms(2_000),
-        )
-        .await;
-    assert!(matches!(r, Err(TransferError::BadRegion(_))), "{r:?}");
-    let w = b.wait_incoming(TransferId(6), in_ms(2_000)).await;
-    assert!(matches!(w, Err(TransferError::BadRegion(_))), "{w:?}");
-    drop(held);
-    // Nothing was written.
-    assert!(read_all(&dst).iter().all(|&x| x == 0));
+    destination_held_by_its_owner_is_refused(&a, &b, peer).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucx_wrong_secret_is_refused_both_ways() {
-    let a = UcxTransport::bind(TransportConfig::new(Secret::new("not the cluster secret")))
-        .await
-        .unwrap();
+    let a = UcxTransport::bind(other_secret()).await.unwrap();
     let b = UcxTransport::bind(config()).await.unwrap();
-    let r = a.connect(&b.endpoint(), in_ms(2_000)).await;
-    assert!(matches!(r, Err(TransferError::Auth(_))), "{r:?}");
-    let r = b.connect(&a.endpoint(), in_ms(2_000)).await;
-    assert!(matches!(r, Err(TransferError::Auth(_))), "{r:?}");
+    wrong_secret_is_refused_both_ways(&a, &b).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucx_stale_incarnations_are_refused() {
     let (a, b, peer) = ucx_pair(config(), config()).await;
-    let mut ep = Endpoint::parse(&b.endpoint()).unwrap();
-    ep.incarnation = Some(Incarnation(b.incarnation().0 ^ 1));
-    let r = a.connect(&ep.to_string(), in_ms(2_000)).await;
-    assert!(
-        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
-        "{r:?}"
-    );
+    stale_endpoint_is_refused(&a, &b).await;
     foreign_incarnation_descriptor_is_refused(&a, &b, peer).await;
     // A tcp endpoint is not a ucx one.
     let r = a.connect("tcp://127.0.0.1:1", in_ms(1_000)).await;
@@ -171,34 +130,23 @@ async fn ucx_deadlines_hold() {
     let cb = checked();
     let faults = cb.faults.clone();
     let (a, b, peer) = ucx_pair(checked(), cb).await;
-    let src = random_region(1 << 20, 31);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(1 << 20);
-    let desc = b.register(&dst).unwrap();
+    let regions = Regions::register(&a, &b, 1 << 20, 31);
 
     // Nobody sends: the wait ends at its deadline and abandons the transfer.
     let started = Instant::now();
     let w = b.wait_incoming(TransferId(1), in_ms(200)).await;
     assert!(matches!(w, Err(TransferError::Timeout)), "{w:?}");
-    assert!(started.elapsed() <= Duration::from_millis(200) + SLACK);
+    assert_on_time(started, 200);
     // A late sender is refused.
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 4, 4096),
-            in_ms(2_000),
-        )
-        .await;
+    let r = a.write(peer, regions.batch(1, 4, 4096), in_ms(2_000)).await;
     assert!(matches!(r, Err(TransferError::Timeout)), "{r:?}");
 
     // The destination stalls: the sender's write ends at its deadline.
     faults.stall_receive.store(true, Ordering::Relaxed);
     let started = Instant::now();
-    let r = a
-        .write(peer, contiguous_batch(2, &src, &desc, 4, 4096), in_ms(300))
-        .await;
+    let r = a.write(peer, regions.batch(2, 4, 4096), in_ms(300)).await;
     assert!(matches!(r, Err(TransferError::Timeout)), "{r:?}");
-    assert!(started.elapsed() <= Duration::from_millis(300) + SLACK);
+    assert_on_time(started, 300);
     let w = b.wait_incoming(TransferId(2), in_ms(100)).await;
     assert!(matches!(w, Err(TransferError::Timeout)), "{w:?}");
 }
@@ -209,22 +157,15 @@ async fn ucx_dropped_control_connection_is_retried() {
     cb.faults.drop_after_bytes.store(1, Ordering::Relaxed);
     let (a, b, peer) = ucx_pair(checked(), cb).await;
     let len = 512 << 10;
-    let src = random_region(4 * len, 41);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(4 * len);
-    let desc = b.register(&dst).unwrap();
+    let regions = Regions::register(&a, &b, 4 * len, 41);
     let receipt = a
-        .write(
-            peer,
-            contiguous_batch(7, &src, &desc, 4, len as u64),
-            in_ms(5_000),
-        )
+        .write(peer, regions.batch(7, 4, len as u64), in_ms(5_000))
         .await
         .unwrap();
     assert_eq!(receipt.attempts, 2);
     let done = b.wait_incoming(TransferId(7), in_ms(1_000)).await.unwrap();
     assert_eq!(done.bytes, 4 * len as u64);
-    assert!(read_all(&dst) == read_all(&src));
+    assert!(regions.landed());
 
     // Without retries the same fault is reported as an I/O error.
     let mut ca = checked();
@@ -232,15 +173,10 @@ async fn ucx_dropped_control_connection_is_retried() {
     let cb = checked();
     cb.faults.drop_after_bytes.store(1, Ordering::Relaxed);
     let (a, b, peer) = ucx_pair(ca, cb).await;
-    a.register(&src).unwrap();
-    let desc = b.register(&dst).unwrap();
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(8, &src, &desc, 4, len as u64),
-            in_ms(5_000),
-        )
-        .await;
+    a.register(&regions.src).unwrap();
+    let desc = b.register(&regions.dst).unwrap();
+    let batch = contiguous_batch(8, &regions.src, &desc, 4, len as u64);
+    let r = a.write(peer, batch, in_ms(5_000)).await;
     assert!(matches!(r, Err(TransferError::Io(_))), "{r:?}");
 }
 

@@ -9,8 +9,9 @@ use std::time::Duration;
 #[cfg(feature = "ucx")]
 use tessera_transfer::UcxTransport;
 use tessera_transfer::{
-    Extent, FaultInjection, Incarnation, Instant, PeerId, RegionDescriptor, RegionHandle, Secret,
-    TcpTransport, TransferError, TransferId, Transport, TransportConfig, WriteBatch,
+    Endpoint, Extent, FaultInjection, Incarnation, Instant, LocalTransport, PeerId,
+    RegionDescriptor, RegionHandle, Secret, TcpTransport, TransferError, TransferId, Transport,
+    TransportConfig, WriteBatch,
 };
 
 pub const SECRET: &str = "test cluster secret";
@@ -22,8 +23,22 @@ pub fn config() -> TransportConfig {
     TransportConfig::new(Secret::new(SECRET))
 }
 
+/// A configuration with another secret than the cluster's.
+pub fn other_secret() -> TransportConfig {
+    TransportConfig::new(Secret::new("not the cluster secret"))
+}
+
 pub fn in_ms(ms: u64) -> Instant {
     Instant::now() + Duration::from_millis(ms)
+}
+
+/// Fails unless `started` was at most `budget_ms` (and the slack) ago.
+pub fn assert_on_time(started: Instant, budget_ms: u64) {
+    let took = started.elapsed();
+    assert!(
+        took <= Duration::from_millis(budget_ms) + SLACK,
+        "took {took:?} for a {budget_ms} ms deadline"
+    );
 }
 
 /// A deterministic xorshift stream, so failures reproduce.
@@ -60,18 +75,40 @@ pub fn read_all(region: &RegionHandle) -> Vec<u8> {
         .to_vec()
 }
 
-/// Two TCP transports on loopback, the first connected to the second.
-pub async fn tcp_pair(
+/// Two transports that `bind` starts, the first connected to the second.
+async fn connected_pair<T, F, Fut>(
+    bind: F,
     a: TransportConfig,
     b: TransportConfig,
-) -> (TcpTransport, TcpTransport, PeerId) {
-    let src = TcpTransport::bind(a).await.expect("bind source");
-    let dst = TcpTransport::bind(b).await.expect("bind destination");
+) -> (T, T, PeerId)
+where
+    T: Transport,
+    F: Fn(TransportConfig) -> Fut,
+    Fut: Future<Output = Result<T, TransferError>>,
+{
+    let src = bind(a).await.expect("bind source");
+    let dst = bind(b).await.expect("bind destination");
     let peer = src
         .connect(&dst.endpoint(), in_ms(5_000))
         .await
         .expect("connect");
     (src, dst, peer)
+}
+
+/// Two local transports, the first connected to the second.
+pub async fn local_pair(
+    a: TransportConfig,
+    b: TransportConfig,
+) -> (LocalTransport, LocalTransport, PeerId) {
+    connected_pair(|c| async { Ok(LocalTransport::new(c)) }, a, b).await
+}
+
+/// Two TCP transports on loopback, the first connected to the second.
+pub async fn tcp_pair(
+    a: TransportConfig,
+    b: TransportConfig,
+) -> (TcpTransport, TcpTransport, PeerId) {
+    connected_pair(TcpTransport::bind, a, b).await
 }
 
 /// Two UCX transports on loopback, the first connected to the second.
@@ -80,13 +117,37 @@ pub async fn ucx_pair(
     a: TransportConfig,
     b: TransportConfig,
 ) -> (UcxTransport, UcxTransport, PeerId) {
-    let src = UcxTransport::bind(a).await.expect("bind source");
-    let dst = UcxTransport::bind(b).await.expect("bind destination");
-    let peer = src
-        .connect(&dst.endpoint(), in_ms(5_000))
-        .await
-        .expect("connect");
-    (src, dst, peer)
+    connected_pair(UcxTransport::bind, a, b).await
+}
+
+/// A source region of random bytes registered with one transport and a zeroed destination
+/// region of the same size registered with another.
+pub struct Regions {
+    pub src: RegionHandle,
+    pub dst: RegionHandle,
+    pub desc: RegionDescriptor,
+}
+
+impl Regions {
+    /// `len` bytes from [`random_region`]`(len, seed)` registered with `src_t`, and `len` zeroed
+    /// bytes registered with `dst_t`.
+    pub fn register(src_t: &dyn Transport, dst_t: &dyn Transport, len: usize, seed: u64) -> Self {
+        let src = random_region(len, seed);
+        src_t.register(&src).unwrap();
+        let dst = RegionHandle::new(len);
+        let desc = dst_t.register(&dst).unwrap();
+        Regions { src, dst, desc }
+    }
+
+    /// [`contiguous_batch`] from the source to the destination.
+    pub fn batch(&self, id: u64, n: u64, len: u64) -> WriteBatch {
+        contiguous_batch(id, &self.src, &self.desc, n, len)
+    }
+
+    /// Whether the destination holds the source's bytes.
+    pub fn landed(&self) -> bool {
+        read_all(&self.dst) == read_all(&self.src)
+    }
 }
 
 /// A batch of `n` extents of `len` bytes from the start of `src` to consecutive slots of `dst`.
@@ -240,54 +301,40 @@ pub async fn random_round_trips_in(
     );
 }
 
-/// What [`write_concurrent_batches`] set up: the source, the destination and its descriptor,
-/// and the bytes of one extent.
-pub struct ConcurrentBatches {
-    pub src: RegionHandle,
-    pub dst: RegionHandle,
-    pub desc: RegionDescriptor,
-    pub len: u64,
-}
+/// The bytes of each extent [`write_concurrent_batches`] writes.
+pub const CONCURRENT_EXTENT: u64 = 256 << 10;
 
 /// The transfer ids [`write_concurrent_batches`] uses, for the destination to wait on.
 pub fn concurrent_batch_ids() -> impl Iterator<Item = TransferId> {
     (0..8u64).map(|t| TransferId(1000 + t))
 }
 
-/// Eight batches of two 256 KiB extents each, written concurrently from `src_t` to one peer
-/// into disjoint parts of a region `dst_t` registered; returns once every write returned Ok.
+/// Eight batches of two extents of [`CONCURRENT_EXTENT`] bytes each, written concurrently from
+/// `src_t` to one peer into disjoint parts of a region `dst_t` registered; returns the regions
+/// once every write returned Ok.
 pub async fn write_concurrent_batches(
     src_t: Arc<dyn Transport>,
     dst_t: &dyn Transport,
     peer: PeerId,
-) -> ConcurrentBatches {
-    let len = 256 << 10;
-    let src = random_region(16 * len as usize, 3);
-    src_t.register(&src).unwrap();
-    let dst = RegionHandle::new(16 * len as usize);
-    let desc = dst_t.register(&dst).unwrap();
+) -> Regions {
+    let len = CONCURRENT_EXTENT;
+    let regions = Regions::register(&*src_t, dst_t, 16 * len as usize, 3);
     let mut tasks = Vec::new();
     for (t, id) in concurrent_batch_ids().enumerate() {
-        let (a, src, desc) = (src_t.clone(), src.clone(), desc.clone());
+        let (a, mut batch) = (src_t.clone(), regions.batch(id.0, 2, len));
         let t = t as u64;
+        for e in &mut batch.extents {
+            e.src_offset += 2 * t * len;
+            e.dst_offset += 2 * t * len;
+        }
         tasks.push(tokio::spawn(async move {
-            let mut batch = contiguous_batch(id.0, &src, &desc, 2, len);
-            for e in &mut batch.extents {
-                e.src_offset += 2 * t * len;
-                e.dst_offset += 2 * t * len;
-            }
             a.write(peer, batch, in_ms(10_000)).await
         }));
     }
     for t in tasks {
         t.await.unwrap().unwrap();
     }
-    ConcurrentBatches {
-        src,
-        dst,
-        desc,
-        len,
-    }
+    regions
 }
 
 /// A destination `b` (reached from `a` as `peer`, listening at `addr`) vanishes and comes back at
@@ -307,47 +354,30 @@ pub async fn vanished_then_restarted<T, F, Fut>(
     Fut: Future<Output = T>,
 {
     let old_endpoint = b.endpoint();
-    let src = random_region(1 << 20, 51);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(1 << 20);
-    let old_desc = b.register(&dst).unwrap();
-    a.write(
-        peer,
-        contiguous_batch(1, &src, &old_desc, 4, 4096),
-        in_ms(3_000),
-    )
-    .await
-    .unwrap();
+    let regions = Regions::register(a, &b, 1 << 20, 51);
+    a.write(peer, regions.batch(1, 4, 4096), in_ms(3_000))
+        .await
+        .unwrap();
     drop(b);
     tokio::time::sleep(Duration::from_millis(50)).await;
 
     let started = Instant::now();
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(2, &src, &old_desc, 4, 4096),
-            in_ms(3_000),
-        )
-        .await;
+    let r = a.write(peer, regions.batch(2, 4, 4096), in_ms(3_000)).await;
     assert!(matches!(r, Err(TransferError::PeerGone(_))), "{r:?}");
     assert!(started.elapsed() < Duration::from_secs(1));
 
     let b2 = restart(addr).await;
-    let new_desc = b2.register(&dst).unwrap();
+    let old_desc = &regions.desc;
+    let new_desc = &b2.register(&regions.dst).unwrap();
     assert_ne!(old_desc.incarnation, new_desc.incarnation);
     let r = a.connect(&old_endpoint, in_ms(3_000)).await;
     assert!(
         matches!(r, Err(TransferError::IncarnationMismatch { .. })),
         "{r:?}"
     );
-    for (id, desc) in [(3, &old_desc), (4, &new_desc)] {
-        let r = a
-            .write(
-                peer,
-                contiguous_batch(id, &src, desc, 1, 4096),
-                in_ms(3_000),
-            )
-            .await;
+    for (id, desc) in [(3, old_desc), (4, new_desc)] {
+        let batch = contiguous_batch(id, &regions.src, desc, 1, 4096);
+        let r = a.write(peer, batch, in_ms(3_000)).await;
         assert!(
             matches!(r, Err(TransferError::IncarnationMismatch { .. })),
             "{r:?}"
@@ -355,15 +385,11 @@ pub async fn vanished_then_restarted<T, F, Fut>(
     }
 
     let peer2 = a.connect(&b2.endpoint(), in_ms(3_000)).await.unwrap();
-    a.write(
-        peer2,
-        contiguous_batch(5, &src, &new_desc, 4, 4096),
-        in_ms(3_000),
-    )
-    .await
-    .unwrap();
+    let batch = contiguous_batch(5, &regions.src, new_desc, 4, 4096);
+    a.write(peer2, batch, in_ms(3_000)).await.unwrap();
     b2.wait_incoming(TransferId(5), in_ms(1_000)).await.unwrap();
-    assert!(read_all(&dst)[..4 * 4096] == read_all(&src)[..4 * 4096]);
+    let n = 4 * 4096;
+    assert!(read_all(&regions.dst)[..n] == read_all(&regions.src)[..n]);
 }
 
 /// The destination `b`'s `faults` corrupt the first extent of a batch `a` writes to it (`peer`):
@@ -377,19 +403,12 @@ pub async fn corrupted_extent_then_fresh_write(
     faults: &FaultInjection,
 ) -> TransferError {
     let len = 64 << 10;
-    let src = random_region(8 * len, 11);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(8 * len);
-    let desc = b.register(&dst).unwrap();
+    let regions = Regions::register(a, b, 8 * len, 11);
     faults
         .corrupt_extents
         .store(1, std::sync::atomic::Ordering::Relaxed);
     let r = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 8, len as u64),
-            in_ms(5_000),
-        )
+        .write(peer, regions.batch(1, 8, len as u64), in_ms(5_000))
         .await;
     let Err(err @ TransferError::ChecksumMismatch { .. }) = r else {
         panic!("{r:?}");
@@ -399,16 +418,12 @@ pub async fn corrupted_extent_then_fresh_write(
         matches!(w, Err(TransferError::ChecksumMismatch { .. })),
         "{w:?}"
     );
-    assert!(dst.try_write(0..dst.len()).is_ok());
-    a.write(
-        peer,
-        contiguous_batch(2, &src, &desc, 8, len as u64),
-        in_ms(5_000),
-    )
-    .await
-    .unwrap();
+    assert!(regions.dst.try_write(0..regions.dst.len()).is_ok());
+    a.write(peer, regions.batch(2, 8, len as u64), in_ms(5_000))
+        .await
+        .unwrap();
     b.wait_incoming(TransferId(2), in_ms(1_000)).await.unwrap();
-    assert!(read_all(&dst) == read_all(&src));
+    assert!(regions.landed());
     err
 }
 
@@ -419,21 +434,53 @@ pub async fn foreign_incarnation_descriptor_is_refused(
     b: &dyn Transport,
     peer: PeerId,
 ) {
-    let src = random_region(4096, 21);
-    a.register(&src).unwrap();
-    let dst = RegionHandle::new(4096);
-    let mut desc = b.register(&dst).unwrap();
-    desc.incarnation = Incarnation(desc.incarnation.0 ^ 1);
-    let r = a
-        .write(
-            peer,
-            contiguous_batch(1, &src, &desc, 1, 4096),
-            in_ms(2_000),
-        )
-        .await;
+    let mut regions = Regions::register(a, b, 4096, 21);
+    regions.desc.incarnation = Incarnation(regions.desc.incarnation.0 ^ 1);
+    let r = a.write(peer, regions.batch(1, 1, 4096), in_ms(2_000)).await;
     assert!(
         matches!(r, Err(TransferError::IncarnationMismatch { .. })),
         "{r:?}"
     );
-    assert!(read_all(&dst).iter().all(|&x| x == 0));
+    assert!(read_all(&regions.dst).iter().all(|&x| x == 0));
+}
+
+/// A write from `a` to `peer` (transport `b`) into destination extents their owner holds a lease
+/// on is refused, and the destination's waiter learns it at once rather than at its deadline;
+/// nothing lands.
+pub async fn destination_held_by_its_owner_is_refused(
+    a: &dyn Transport,
+    b: &dyn Transport,
+    peer: PeerId,
+) {
+    let regions = Regions::register(a, b, 1 << 20, 4);
+    let held = regions.dst.try_read(0..10).unwrap();
+    let r = a.write(peer, regions.batch(6, 1, 4096), in_ms(2_000)).await;
+    assert!(matches!(r, Err(TransferError::BadRegion(_))), "{r:?}");
+    let started = Instant::now();
+    let w = b.wait_incoming(TransferId(6), in_ms(5_000)).await;
+    assert!(matches!(w, Err(TransferError::BadRegion(_))), "{w:?}");
+    assert!(started.elapsed() < Duration::from_secs(1));
+    drop(held);
+    assert!(read_all(&regions.dst).iter().all(|&x| x == 0));
+}
+
+/// `a` and `b` hold different secrets: each refuses to connect to the other.
+pub async fn wrong_secret_is_refused_both_ways(a: &dyn Transport, b: &dyn Transport) {
+    let r = a.connect(&b.endpoint(), in_ms(2_000)).await;
+    assert!(matches!(r, Err(TransferError::Auth(_))), "{r:?}");
+    let r = b.connect(&a.endpoint(), in_ms(2_000)).await;
+    assert!(matches!(r, Err(TransferError::Auth(_))), "{r:?}");
+}
+
+/// `b`'s endpoint naming another incarnation of `b`: a connect from `a` to it is refused.
+/// Returns that endpoint.
+pub async fn stale_endpoint_is_refused(a: &dyn Transport, b: &dyn Transport) -> Endpoint {
+    let mut ep = Endpoint::parse(&b.endpoint()).unwrap();
+    ep.incarnation = Some(Incarnation(b.incarnation().0 ^ 1));
+    let r = a.connect(&ep.to_string(), in_ms(2_000)).await;
+    assert!(
+        matches!(r, Err(TransferError::IncarnationMismatch { .. })),
+        "{r:?}"
+    );
+    ep
 }
