@@ -252,9 +252,8 @@ impl DecodeWorker for DecodeGrpc {
         &self,
         request: Request<v1::ReserveRequest>,
     ) -> Result<Response<v1::ReserveReply>, Status> {
-        let inflight = self.drain.admit(&self.info.worker_id)?;
         let req = request.into_inner();
-        runtime::check_target(&self.info, req.target_incarnation)?;
+        let inflight = runtime::admit(&self.drain, &self.info, req.target_incarnation)?;
         if req.prompt_token_ids.is_empty() {
             return Err(err(v1::ErrorCode::InvalidArgument, "empty prompt"));
         }
@@ -494,15 +493,8 @@ impl DecodeWorker for DecodeGrpc {
         _request: Request<v1::StatsRequest>,
     ) -> Result<Response<v1::WorkerStats>, Status> {
         let me = self.clone();
-        let (pool, load) = tokio::task::spawn_blocking(move || me.stats_now())
-            .await
-            .map_err(internal)?
-            .map_err(internal)?;
-        Ok(Response::new(v1::WorkerStats {
-            info: Some(self.info.clone()),
-            pool: Some(pool),
-            load: Some(load),
-        }))
+        let stats = runtime::engine_stats(&self.info, move || me.stats_now()).await?;
+        Ok(Response::new(stats))
     }
 
     async fn transfer_handshake(
@@ -512,15 +504,7 @@ impl DecodeWorker for DecodeGrpc {
         let req = request.into_inner();
         runtime::check_target(&self.info, req.target_incarnation)?;
         if let Some(initiator) = &req.initiator {
-            runtime::transports_compatible(&self.info, initiator)
-                .map_err(|m| err(v1::ErrorCode::LayoutMismatch, m))?;
-        }
-        if let (Some(mine), Some(theirs)) = (
-            self.info.layout.as_ref(),
-            req.initiator.as_ref().and_then(|i| i.layout.as_ref()),
-        ) {
-            runtime::pages_compatible(mine, theirs)
-                .map_err(|m| err(v1::ErrorCode::LayoutMismatch, m))?;
+            runtime::check_peer(&self.info, initiator)?;
         }
         let region_id = u32::try_from(self.staging_desc.region_id.0).map_err(internal)?;
         Ok(Response::new(v1::TransferHandshakeReply {

@@ -14,11 +14,6 @@ struct Cli {
     worker: WorkerArgs,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    runtime::init_tracing();
-    let cli = Cli::parse();
-    let running = tessera_decode::start(cli.worker, runtime::shutdown_signal()).await?;
-    running.server.await??;
-    Ok(())
+fn main() -> anyhow::Result<()> {
+    runtime::daemon_main(|cli: Cli| tessera_decode::start(cli.worker, runtime::shutdown_signal()))
 }

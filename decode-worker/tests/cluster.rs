@@ -11,7 +11,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use futures_util::StreamExt;
 use tessera_engine::generate::{generate, GenerateRequest};
 use tessera_engine::{Model, SamplingParams};
@@ -27,12 +26,6 @@ fn fixture() -> PathBuf {
         env!("CARGO_MANIFEST_DIR"),
         "/../tests/fixtures/kl_mixed"
     ))
-}
-
-#[derive(Parser)]
-struct A {
-    #[command(flatten)]
-    w: WorkerArgs,
 }
 
 struct Daemon(Child);
@@ -108,6 +101,19 @@ fn token(secret: &str) -> ClusterToken {
     ClusterToken::new(secret).unwrap()
 }
 
+/// The `grpc.health.v1` status of `service` at `addr`, asked without the cluster secret.
+async fn health(addr: &str, service: &str) -> i32 {
+    use tessera_proto::health::pb::{health_client::HealthClient, HealthCheckRequest};
+    HealthClient::new(channel(addr).await)
+        .check(HealthCheckRequest {
+            service: service.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+}
+
 struct Cluster {
     decode: DecodeWorkerClient<Authed>,
     prefill: PrefillWorkerClient<Authed>,
@@ -133,7 +139,7 @@ impl Cluster {
         decode_addr: &str,
         hooks: Arc<TestHooks>,
     ) -> (Cluster, tessera_prefill::RunningPrefill) {
-        let mut args = A::parse_from([
+        let mut args = WorkerArgs::try_parse_from([
             "t",
             "--model",
             fixture().to_str().unwrap(),
@@ -142,7 +148,7 @@ impl Cluster {
             "--auth-secret",
             SECRET,
         ])
-        .w;
+        .unwrap();
         args.daemon.test_hooks = hooks;
         let prefill = tessera_prefill::start(args, std::future::pending())
             .await
@@ -167,11 +173,24 @@ impl Cluster {
         prompt: &[u32],
         s: &SamplingParams,
     ) -> (String, u32) {
+        self.reserve_and_prefill_ttl(rid, prompt, s, 0).await
+    }
+
+    /// [`Cluster::reserve_and_prefill`] with a reservation that lasts `ttl_ms` (0: the decode
+    /// worker's default).
+    async fn reserve_and_prefill_ttl(
+        &mut self,
+        rid: &str,
+        prompt: &[u32],
+        s: &SamplingParams,
+        ttl_ms: u32,
+    ) -> (String, u32) {
         let r = self
             .decode
             .reserve_pages(v1::ReserveRequest {
                 request_id: rid.into(),
                 prompt_token_ids: prompt.to_vec(),
+                ttl_ms,
                 ..Default::default()
             })
             .await
@@ -382,16 +401,7 @@ async fn prefill_and_decode_daemons_equal_the_single_process_engine() {
     );
 
     // Health, then a graceful drain on SIGTERM: the daemon exits cleanly.
-    use tessera_proto::health::pb::{health_client::HealthClient, HealthCheckRequest};
-    let mut health = HealthClient::new(channel(&decode_addr).await);
-    let st = health
-        .check(HealthCheckRequest {
-            service: "tessera.v1.DecodeWorker".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status;
+    let st = health(&decode_addr, "tessera.v1.DecodeWorker").await;
     assert_eq!(st, 1, "SERVING");
     let pid = decode_proc.0.id().to_string();
     assert!(Command::new("kill")
@@ -410,44 +420,6 @@ async fn prefill_and_decode_daemons_equal_the_single_process_engine() {
             "no exit after SIGTERM"
         );
         std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-impl Cluster {
-    async fn reserve_and_prefill_ttl(
-        &mut self,
-        rid: &str,
-        prompt: &[u32],
-        s: &SamplingParams,
-        ttl_ms: u32,
-    ) -> (String, u32) {
-        let r = self
-            .decode
-            .reserve_pages(v1::ReserveRequest {
-                request_id: rid.into(),
-                prompt_token_ids: prompt.to_vec(),
-                ttl_ms,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let p = self
-            .prefill
-            .prefill(v1::PrefillRequest {
-                request_id: rid.into(),
-                prompt_token_ids: prompt.to_vec(),
-                sampling: Some(wire(s)),
-                destination: Some(v1::KvDestination::for_reservation(
-                    self.decode_addr.clone(),
-                    &r,
-                )),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        (r.reservation_id, p.first_token)
     }
 }
 
@@ -527,7 +499,6 @@ fn bearer(secret: Option<&'static str>) -> impl tessera_proto::tonic::service::I
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_refuse_calls_without_the_cluster_secret() {
-    use tessera_proto::health::pb::{health_client::HealthClient, HealthCheckRequest};
     use tessera_proto::tonic::Code;
 
     let (_decode, decode_addr) = spawn_decode();
@@ -585,14 +556,7 @@ async fn workers_refuse_calls_without_the_cluster_secret() {
         (&decode_addr, "tessera.v1.DecodeWorker"),
         (&prefill_addr, "tessera.v1.PrefillWorker"),
     ] {
-        let st = HealthClient::new(channel(addr).await)
-            .check(HealthCheckRequest {
-                service: service.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .status;
+        let st = health(addr, service).await;
         assert_eq!(st, 1, "{service} is SERVING to an unauthenticated probe");
     }
 

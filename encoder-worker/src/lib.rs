@@ -273,9 +273,8 @@ impl EncoderWorker for EncoderGrpc {
         &self,
         request: Request<v1::EncodeRequest>,
     ) -> Result<Response<v1::EncodeReply>, Status> {
-        let _guard = self.drain.admit(&self.info.worker_id)?;
         let req = request.into_inner();
-        runtime::check_target(&self.info, req.target_incarnation)?;
+        let _guard = runtime::admit(&self.drain, &self.info, req.target_incarnation)?;
         if req.images.is_empty() {
             return Err(invalid("the request carries no image"));
         }

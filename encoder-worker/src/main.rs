@@ -15,15 +15,11 @@ struct Cli {
     encoder: EncoderArgs,
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
-    runtime::init_tracing();
-    let cli = Cli::parse();
-    let served = async {
-        let running = tessera_encoder::start(cli.encoder, runtime::shutdown_signal()).await?;
-        running.server.await?
-    };
-    match served.await {
+fn main() -> std::process::ExitCode {
+    let served = runtime::daemon_main(|cli: Cli| {
+        tessera_encoder::start(cli.encoder, runtime::shutdown_signal())
+    });
+    match served {
         Ok(()) => std::process::ExitCode::SUCCESS,
         // A refusal to start (a text-only model) is an operator's error: one line, no backtrace.
         Err(e) => {

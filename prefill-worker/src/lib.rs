@@ -219,11 +219,7 @@ impl PrefillService {
             .await?
             .into_inner();
         let responder = reply.responder.unwrap_or_default();
-        runtime::transports_compatible(&self.info, &responder)
-            .map_err(|m| err(v1::ErrorCode::LayoutMismatch, m))?;
-        if let (Some(a), Some(b)) = (&self.info.layout, &responder.layout) {
-            runtime::pages_compatible(a, b).map_err(|m| err(v1::ErrorCode::LayoutMismatch, m))?;
-        }
+        runtime::check_peer(&self.info, &responder)?;
         let r = reply
             .regions
             .iter()
@@ -572,9 +568,8 @@ impl PrefillWorker for PrefillGrpc {
         &self,
         request: Request<v1::PrefillRequest>,
     ) -> Result<Response<v1::PrefillReply>, Status> {
-        let _guard = self.drain.admit(&self.info.worker_id)?;
         let req = request.into_inner();
-        runtime::check_target(&self.info, req.target_incarnation)?;
+        let _guard = runtime::admit(&self.drain, &self.info, req.target_incarnation)?;
         // Whatever this call leaves of the request's embedding buffers is freed on return.
         let _free = ReleaseOnDrop {
             store: &self.embeddings,
@@ -719,9 +714,8 @@ impl PrefillWorker for PrefillGrpc {
         &self,
         request: Request<v1::ReserveEmbeddingsRequest>,
     ) -> Result<Response<v1::ReserveEmbeddingsReply>, Status> {
-        let _guard = self.drain.admit(&self.info.worker_id)?;
         let req = request.into_inner();
-        runtime::check_target(&self.info, req.target_incarnation)?;
+        let _guard = runtime::admit(&self.drain, &self.info, req.target_incarnation)?;
         if let Some(encoder) = &req.initiator {
             runtime::transports_compatible(&self.info, encoder)
                 .map_err(|m| err(v1::ErrorCode::LayoutMismatch, m))?;
@@ -736,15 +730,8 @@ impl PrefillWorker for PrefillGrpc {
         _request: Request<v1::StatsRequest>,
     ) -> Result<Response<v1::WorkerStats>, Status> {
         let me = self.clone();
-        let (pool, load) = tokio::task::spawn_blocking(move || me.stats_now())
-            .await
-            .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?
-            .map_err(|e| err(v1::ErrorCode::Internal, e.to_string()))?;
-        Ok(Response::new(v1::WorkerStats {
-            info: Some(self.info.clone()),
-            pool: Some(pool),
-            load: Some(load),
-        }))
+        let stats = runtime::engine_stats(&self.info, move || me.stats_now()).await?;
+        Ok(Response::new(stats))
     }
 }
 

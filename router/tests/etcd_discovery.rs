@@ -8,63 +8,26 @@
 #[path = "../../tests/common/etcd.rs"]
 mod etcd;
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use etcd::start_etcd;
-use serde_json::Value;
 use tessera_prefill::runtime::WorkerArgs;
 use tessera_router::cluster::Role;
 use tessera_router::{ClusterBackend, GenerationBackend, GenerationRequest, TokenEvent};
 use tokio::sync::oneshot;
 
-use crate::common::greedy;
+use crate::common::{greedy, reference, stopper};
 
 const SECRET: &str = "router-etcd-test";
 const CLUSTER: &str = "etcdtest";
 const TTL_S: u64 = 3;
 
-fn fixture() -> PathBuf {
-    PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/kl_mixed"
-    ))
-}
-
-/// (prompt ids, greedy ids) of the fixture's first reference prompt.
-fn reference() -> (Vec<u32>, Vec<u32>) {
-    let text = std::fs::read_to_string(fixture().join("reference.json")).unwrap();
-    let v: Value = serde_json::from_str(&text).unwrap();
-    let ids = |x: &Value| -> Vec<u32> {
-        x.as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect()
-    };
-    let p = &v["prompts"][0];
-    (ids(&p["prompt_ids"]), ids(&p["greedy_ids"]))
-}
-
-#[derive(Parser)]
-struct A {
-    #[command(flatten)]
-    w: WorkerArgs,
-}
-
+/// Worker flags that register the worker as `id` in `etcd`, under a lease of [`TTL_S`].
 fn worker_args(kv: &str, etcd: &str, id: &str) -> WorkerArgs {
     let ttl = TTL_S.to_string();
-    A::parse_from([
-        "t",
-        "--model",
-        fixture().to_str().unwrap(),
-        "--kv-memory",
-        kv,
-        "--auth-secret",
-        SECRET,
+    let registration = [
         "--etcd",
         etcd,
         "--cluster",
@@ -73,8 +36,8 @@ fn worker_args(kv: &str, etcd: &str, id: &str) -> WorkerArgs {
         &ttl,
         "--worker-id",
         id,
-    ])
-    .w
+    ];
+    crate::common::worker_args(SECRET, kv, &registration)
 }
 
 /// An in-process worker with its drain state (to abandon its registration) and a stop handle.
@@ -90,16 +53,6 @@ impl Worker {
         let _ = self.stop.take().unwrap().send(());
         let _ = tokio::time::timeout(Duration::from_secs(20), self.server).await;
     }
-}
-
-fn stopper() -> (
-    oneshot::Sender<()>,
-    impl std::future::Future<Output = ()> + Send + 'static,
-) {
-    let (tx, rx) = oneshot::channel::<()>();
-    (tx, async move {
-        let _ = rx.await;
-    })
 }
 
 async fn start_decode(etcd: &str, id: &str) -> Worker {
@@ -181,7 +134,7 @@ async fn etcd_discovery_adds_and_drains_workers_live() {
     let _workers = crate::workers_alone().await;
     let etcd = start_etcd().await;
     let ep = etcd.endpoint.clone();
-    let (prompt, want) = reference();
+    let (prompt, want) = reference().swap_remove(0);
     let n = want.len().min(4);
     let want = want[..n].to_vec();
 

@@ -225,6 +225,21 @@ fn parse_bytes(s: &str) -> Result<usize, String> {
 }
 
 impl WorkerArgs {
+    /// The flags in `argv` (its first item names the program), parsed as a daemon's command line
+    /// (unset ones from `TESSERA_*` env).
+    pub fn try_parse_from<I, T>(argv: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            worker: WorkerArgs,
+        }
+        <Cli as clap::Parser>::try_parse_from(argv).map(|c| c.worker)
+    }
+
     pub fn scheduler_config(&self) -> SchedulerConfig {
         SchedulerConfig {
             page_tokens: self.page_tokens,
@@ -258,17 +273,10 @@ impl DaemonArgs {
 mod tests {
     use super::*;
 
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        worker: WorkerArgs,
-    }
-
     fn config(args: &[&str]) -> SchedulerConfig {
-        use clap::Parser;
         let mut argv = vec!["worker", "--model", "/m"];
         argv.extend_from_slice(args);
-        Cli::try_parse_from(argv).unwrap().worker.scheduler_config()
+        WorkerArgs::try_parse_from(argv).unwrap().scheduler_config()
     }
 
     #[test]

@@ -398,6 +398,22 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// The `main` of a daemon binary: starts tracing, parses its flags `C` (each also from
+/// `TESSERA_*` env) and runs the daemon `start` starts with them until its server stops
+/// (SIGTERM or Ctrl-C drain it first).
+pub fn daemon_main<C, S, F>(start: impl FnOnce(C) -> F) -> anyhow::Result<()>
+where
+    C: clap::Parser,
+    F: std::future::Future<Output = anyhow::Result<Running<S>>>,
+{
+    init_tracing();
+    let cli = C::parse();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(async move { start(cli).await?.server.await? })
+}
+
 /// The shutdown sequence: on `signal`, health goes NOT_SERVING for `service` (and the server as a
 /// whole), new requests are refused, in-flight ones finish (up to the drain timeout), then the
 /// future resolves and the gRPC server stops.
@@ -490,6 +506,51 @@ pub async fn ready(
 #[allow(clippy::result_large_err)] // tonic's Status is what the handlers return anyway
 pub fn check_target(info: &v1::WorkerInfo, target: u64) -> Result<(), tonic::Status> {
     tessera_proto::check_incarnation(target, info.incarnation_id, &info.worker_id)
+}
+
+/// Admits one request for the worker `info` describes: [`Drain::admit`], then
+/// [`check_target`] of its `target_incarnation`.
+#[allow(clippy::result_large_err)] // tonic's Status is what the handlers return anyway
+pub fn admit(
+    drain: &Arc<Drain>,
+    info: &v1::WorkerInfo,
+    target: u64,
+) -> Result<InflightGuard, tonic::Status> {
+    let guard = drain.admit(&info.worker_id)?;
+    check_target(info, target)?;
+    Ok(guard)
+}
+
+/// Refuses, with LAYOUT_MISMATCH, a peer whose pages cannot move to or from this worker
+/// ([`transports_compatible`], then [`pages_compatible`] when both describe their layout).
+#[allow(clippy::result_large_err)] // tonic's Status is what the handlers return anyway
+pub fn check_peer(here: &v1::WorkerInfo, there: &v1::WorkerInfo) -> Result<(), tonic::Status> {
+    let mismatch = |m: String| v1::ErrorDetail::new(v1::ErrorCode::LayoutMismatch, m).into_status();
+    transports_compatible(here, there).map_err(mismatch)?;
+    if let (Some(a), Some(b)) = (&here.layout, &there.layout) {
+        pages_compatible(a, b).map_err(mismatch)?;
+    }
+    Ok(())
+}
+
+/// The `Stats` reply of the engine worker `info` describes, with the figures `stats` reads
+/// (on a blocking thread: it waits for the engine thread).
+pub async fn engine_stats(
+    info: &v1::WorkerInfo,
+    stats: impl FnOnce() -> anyhow::Result<(v1::PoolStats, v1::LoadStats)> + Send + 'static,
+) -> Result<v1::WorkerStats, tonic::Status> {
+    let internal = |e: &dyn std::fmt::Display| {
+        v1::ErrorDetail::new(v1::ErrorCode::Internal, e.to_string()).into_status()
+    };
+    let (pool, load) = tokio::task::spawn_blocking(stats)
+        .await
+        .map_err(|e| internal(&e))?
+        .map_err(|e| internal(&e))?;
+    Ok(v1::WorkerStats {
+        info: Some(info.clone()),
+        pool: Some(pool),
+        load: Some(load),
+    })
 }
 
 /// Declares `$grpc`, the gRPC face of the service `$service`: a newtype over `Arc<$service>`

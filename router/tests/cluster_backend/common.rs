@@ -1,5 +1,5 @@
-//! What the cluster backend's tests share: in-process workers, backends over them, requests,
-//! the fixture's reference and page counts.
+//! What the cluster backend's tests share: in-process workers, backends over them, requests
+//! and page counts.
 
 use std::io::{Read, Write};
 use std::sync::Arc;
@@ -21,25 +21,6 @@ use tokio::sync::mpsc;
 
 use crate::common::{self, fixture, stopper, Worker};
 pub(super) const SECRET: &str = "router-cluster-test";
-
-/// (prompt ids, greedy ids) of the fixture's reference.
-pub(super) fn reference() -> Vec<(Vec<u32>, Vec<u32>)> {
-    let text = std::fs::read_to_string(fixture().join("reference.json")).unwrap();
-    let v: Value = serde_json::from_str(&text).unwrap();
-    let ids = |x: &Value| -> Vec<u32> {
-        x.as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect()
-    };
-    v["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| (ids(&p["prompt_ids"]), ids(&p["greedy_ids"])))
-        .collect()
-}
 
 pub(super) fn worker_args(kv: &str) -> WorkerArgs {
     worker_args_with(kv, &[])

@@ -12,7 +12,7 @@ use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
 use tessera_router::cluster::Role;
 use tessera_router::{ClusterBackend, GenerationBackend, GenerationRequest, Sampling};
 
-use crate::common::{greedy, stopper, Worker};
+use crate::common::{greedy, reference, stopper, Worker};
 
 use super::common::*;
 

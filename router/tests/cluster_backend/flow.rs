@@ -9,7 +9,7 @@ use tessera_proto::v1;
 use tessera_router::cluster::Role;
 use tessera_router::{BackendError, FinishReason, GenerationBackend, TokenEvent};
 
-use crate::common::{greedy, stopper};
+use crate::common::{greedy, reference, stopper};
 
 use super::common::*;
 

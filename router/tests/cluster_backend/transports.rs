@@ -12,6 +12,8 @@ use tessera_proto::v1::decode_worker_client::DecodeWorkerClient;
 use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
 use tessera_router::cluster::Role;
 
+#[cfg(feature = "ucx")]
+use crate::common::reference;
 use crate::common::{self, Worker};
 
 use super::common::*;

@@ -1,10 +1,10 @@
-//! In-process prefill and decode workers on the `kl_mixed` fixture, for the router's cluster
-//! tests.
+//! In-process prefill and decode workers on the `kl_mixed` fixture, and the fixture's reference,
+//! for the router's cluster tests.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Parser;
+use serde_json::Value;
 use tessera_prefill::runtime::WorkerArgs;
 use tessera_router::cluster::Role;
 use tessera_router::{ClusterConfig, GenerationRequest, PoolOptions, Sampling};
@@ -17,10 +17,23 @@ pub fn fixture() -> PathBuf {
     ))
 }
 
-#[derive(Parser)]
-struct A {
-    #[command(flatten)]
-    w: WorkerArgs,
+/// (prompt ids, greedy ids) of the fixture's reference.
+pub fn reference() -> Vec<(Vec<u32>, Vec<u32>)> {
+    let text = std::fs::read_to_string(fixture().join("reference.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let ids = |x: &Value| -> Vec<u32> {
+        x.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    v["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (ids(&p["prompt_ids"]), ids(&p["greedy_ids"])))
+        .collect()
 }
 
 /// Worker flags for the fixture with `--kv-memory kv`, the cluster `secret`, plus `extra`.
@@ -36,7 +49,7 @@ pub fn worker_args(secret: &str, kv: &str, extra: &[&str]) -> WorkerArgs {
         secret,
     ];
     argv.extend_from_slice(extra);
-    A::parse_from(argv).w
+    WorkerArgs::try_parse_from(argv).unwrap()
 }
 
 /// A worker started in-process, with a handle to stop it.
