@@ -142,10 +142,7 @@ impl GrpcFront {
             Some(state.default_completion_max_tokens),
             arrived,
         )?;
-        let first = generation
-            .next()
-            .await
-            .unwrap_or_else(|| Err(ApiError::internal("generation produced nothing")))?;
+        let first = generation.first().await?;
         let call = Call {
             generation,
             request_id,

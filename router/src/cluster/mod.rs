@@ -45,6 +45,10 @@ pub struct ClusterConfig {
     pub image_token_id: Option<u32>,
 }
 
+/// [`WorkerPool::start`] or [`WorkerPool::start_dynamic`]: the pools of the prefill and decode
+/// workers given.
+type StartPools = fn(&[String], &[String], PoolOptions) -> anyhow::Result<Arc<WorkerPool>>;
+
 /// [`GenerationBackend`] that routes each request to a decode and a prefill worker.
 pub struct ClusterBackend {
     pool: Arc<WorkerPool>,
@@ -58,21 +62,19 @@ impl ClusterBackend {
     /// Builds the pools and starts health probing; call inside a tokio runtime. Workers need
     /// not be up yet (channels connect lazily; unhealthy ones are skipped).
     pub fn new(cfg: ClusterConfig) -> anyhow::Result<Self> {
-        let pool = WorkerPool::start(&cfg.prefill, &cfg.decode, cfg.pool)?;
-        pool.add_encoders(&cfg.encoder)?;
-        Ok(ClusterBackend {
-            pool,
-            model_id: cfg.model_id,
-            max_model_len: cfg.max_model_len,
-            reserve_ttl_ms: cfg.reserve_ttl_ms,
-            image_token_id: cfg.image_token_id,
-        })
+        Self::build(cfg, WorkerPool::start)
     }
 
     /// Like [`ClusterBackend::new`], but either pool may start empty: discovery
     /// ([`crate::discovery`]) adds workers at run time.
     pub fn new_dynamic(cfg: ClusterConfig) -> anyhow::Result<Self> {
-        let pool = WorkerPool::start_dynamic(&cfg.prefill, &cfg.decode, cfg.pool)?;
+        Self::build(cfg, WorkerPool::start_dynamic)
+    }
+
+    /// The backend over the pools `start` builds of `cfg`'s prefill and decode workers, plus its
+    /// encoders.
+    fn build(cfg: ClusterConfig, start: StartPools) -> anyhow::Result<Self> {
+        let pool = start(&cfg.prefill, &cfg.decode, cfg.pool)?;
         pool.add_encoders(&cfg.encoder)?;
         Ok(ClusterBackend {
             pool,

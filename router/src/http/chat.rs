@@ -11,13 +11,13 @@ use serde_json::Value;
 use tessera_tokenizer::{ChatMessage, MessageContent};
 
 use super::error::{parse_value, ApiError, ApiJson};
-use super::generate::{Delta, GenOptions};
+use super::generate::{Delta, GenOptions, ResponseHead};
 use super::stream::{json, sse_response, ChunkFormat};
 use super::types::{
     AssistantMessage, ChatBody, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatFields,
     CommonParams, UsageBody,
 };
-use super::{new_request_id, require_object, unix_now, AppState};
+use super::{require_object, AppState};
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
@@ -155,29 +155,17 @@ pub(crate) async fn handle(
             ));
         }
     }
-    let prompt_echo = opts.return_token_ids.then(|| prompt_ids.clone());
-    let id = new_request_id("chatcmpl");
-    let mut generation = state.start(id.clone(), prompt_ids, images, &opts, None, arrived)?;
-    let mut format = ChatChunks {
-        id,
-        created: unix_now(),
-        model: state.served_model.clone(),
-        return_token_ids: opts.return_token_ids,
-        prompt_token_ids: prompt_echo,
-    };
+    let (mut generation, head) =
+        state.start_response("chatcmpl", prompt_ids, images, &opts, None, arrived)?;
     if opts.stream {
-        let first = generation
-            .next()
-            .await
-            .unwrap_or_else(|| Err(ApiError::internal("generation produced nothing")))?;
-        return Ok(sse_response(generation, first, format, opts.include_usage));
+        return sse_response(generation, ChatChunks { head }, opts.include_usage).await;
     }
     let (text, token_ids, finish) = generation.collect().await?;
     let body = ChatBody {
-        id: format.id.clone(),
+        id: head.id,
         object: "chat.completion",
-        created: format.created,
-        model: format.model.clone(),
+        created: head.created,
+        model: head.model,
         choices: vec![ChatChoice {
             index: 0,
             message: AssistantMessage {
@@ -186,33 +174,30 @@ pub(crate) async fn handle(
             },
             logprobs: None,
             finish_reason: Some(finish),
-            token_ids: format.return_token_ids.then_some(token_ids),
+            token_ids: head.return_token_ids.then_some(token_ids),
         }],
         usage: generation.usage(),
-        prompt_token_ids: format.prompt_token_ids.take(),
+        prompt_token_ids: head.prompt_token_ids,
     };
     Ok(Json(body).into_response())
 }
 
 /// Builds `chat.completion.chunk` objects.
 struct ChatChunks {
-    id: String,
-    created: u64,
-    model: String,
-    return_token_ids: bool,
-    prompt_token_ids: Option<Vec<u32>>,
+    head: ResponseHead,
 }
 
 impl ChatChunks {
     fn chunk(&mut self, choices: Vec<ChatChunkChoice>, usage: Option<UsageBody>) -> String {
+        let head = &mut self.head;
         json(&ChatChunk {
-            id: self.id.clone(),
+            id: head.id.clone(),
             object: "chat.completion.chunk",
-            created: self.created,
-            model: self.model.clone(),
+            created: head.created,
+            model: head.model.clone(),
             choices,
             usage,
-            prompt_token_ids: self.prompt_token_ids.take(),
+            prompt_token_ids: head.prompt_token_ids.take(),
         })
     }
 }
@@ -233,7 +218,7 @@ impl ChunkFormat for ChatChunks {
     }
 
     fn delta(&mut self, d: Delta) -> Option<String> {
-        let has_ids = self.return_token_ids && !d.token_ids.is_empty();
+        let has_ids = self.head.return_token_ids && !d.token_ids.is_empty();
         if d.text.is_empty() && d.finish.is_none() && !has_ids {
             return None;
         }
@@ -245,7 +230,7 @@ impl ChunkFormat for ChatChunks {
             },
             logprobs: None,
             finish_reason: d.finish,
-            token_ids: self.return_token_ids.then_some(d.token_ids),
+            token_ids: self.head.return_token_ids.then_some(d.token_ids),
         };
         Some(self.chunk(vec![choice], None))
     }

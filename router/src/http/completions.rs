@@ -9,10 +9,10 @@ use axum::Json;
 use serde_json::Value;
 
 use super::error::{parse_value, ApiError, ApiJson};
-use super::generate::{check_token_id, Delta, GenOptions};
+use super::generate::{check_token_id, Delta, GenOptions, ResponseHead};
 use super::stream::{json, sse_response, ChunkFormat};
 use super::types::{CommonParams, CompletionBody, CompletionChoice, CompletionFields, UsageBody};
-use super::{new_request_id, require_object, unix_now, AppState};
+use super::{require_object, AppState};
 
 /// A prompt as the client sent it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,29 +89,17 @@ pub(crate) async fn handle(
         // As vLLM/HF do, special-token text in a completion prompt maps to special tokens.
         Prompt::Text(text) => state.encode(text, true).await?,
     };
-    let prompt_echo = opts.return_token_ids.then(|| prompt_ids.clone());
-    let id = new_request_id("cmpl");
-    let mut generation = state.start(
-        id.clone(),
+    let (mut generation, head) = state.start_response(
+        "cmpl",
         prompt_ids,
         Vec::new(),
         &opts,
         Some(state.default_completion_max_tokens),
         arrived,
     )?;
-    let mut format = CompletionChunks {
-        id,
-        created: unix_now(),
-        model: state.served_model.clone(),
-        return_token_ids: opts.return_token_ids,
-        prompt_token_ids: prompt_echo,
-    };
+    let mut format = CompletionChunks { head };
     if opts.stream {
-        let first = generation
-            .next()
-            .await
-            .unwrap_or_else(|| Err(ApiError::internal("generation produced nothing")))?;
-        return Ok(sse_response(generation, first, format, opts.include_usage));
+        return sse_response(generation, format, opts.include_usage).await;
     }
     let (text, token_ids, finish) = generation.collect().await?;
     let mut body = format.body(Delta {
@@ -125,29 +113,24 @@ pub(crate) async fn handle(
 
 /// Builds `text_completion` objects, whole or as stream chunks.
 struct CompletionChunks {
-    id: String,
-    created: u64,
-    model: String,
-    return_token_ids: bool,
-    /// Sent once, with the first chunk.
-    prompt_token_ids: Option<Vec<u32>>,
+    head: ResponseHead,
 }
 
 impl CompletionChunks {
     fn body(&mut self, d: Delta) -> CompletionBody {
-        let rt = self.return_token_ids;
+        let head = &mut self.head;
         CompletionBody {
-            id: self.id.clone(),
+            id: head.id.clone(),
             object: "text_completion",
-            created: self.created,
-            model: self.model.clone(),
+            created: head.created,
+            model: head.model.clone(),
             choices: vec![CompletionChoice {
                 index: 0,
                 text: d.text,
                 logprobs: None,
                 finish_reason: d.finish,
-                token_ids: rt.then_some(d.token_ids),
-                prompt_token_ids: self.prompt_token_ids.take(),
+                token_ids: head.return_token_ids.then_some(d.token_ids),
+                prompt_token_ids: head.prompt_token_ids.take(),
             }],
             usage: None,
         }
@@ -162,7 +145,7 @@ impl ChunkFormat for CompletionChunks {
     fn delta(&mut self, d: Delta) -> Option<String> {
         let worth = !d.text.is_empty()
             || d.finish.is_some()
-            || (self.return_token_ids && !d.token_ids.is_empty());
+            || (self.head.return_token_ids && !d.token_ids.is_empty());
         worth.then(|| json(&self.body(d)))
     }
 

@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::types::{CommonParams, UsageBody};
-use super::AppState;
+use super::{new_request_id, unix_now, AppState};
 use crate::backend::{FinishReason, GenerationRequest, Sampling, TokenEvent};
 use crate::images::ImageInput;
 use crate::metrics::Metrics;
@@ -174,7 +174,48 @@ pub(crate) fn check_token_id(id: i64, vocab_size: usize, param: &str) -> Result<
     Ok(id as u32)
 }
 
+/// What every chunk or body of one response repeats: the request's id, creation time and model,
+/// and whether it returns token ids (the prompt's, when it does, go out once).
+pub(crate) struct ResponseHead {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub return_token_ids: bool,
+    /// Sent once, with the first chunk or in the whole body.
+    pub prompt_token_ids: Option<Vec<u32>>,
+}
+
 impl AppState {
+    /// [`AppState::start`] under a fresh id `<id_prefix>-…`, with the head of its response.
+    pub(crate) fn start_response(
+        &self,
+        id_prefix: &str,
+        prompt_ids: Vec<u32>,
+        images: Vec<ImageInput>,
+        opts: &GenOptions,
+        default_max_tokens: Option<usize>,
+        arrived: Instant,
+    ) -> Result<(Generation, ResponseHead), ApiError> {
+        let prompt_token_ids = opts.return_token_ids.then(|| prompt_ids.clone());
+        let id = new_request_id(id_prefix);
+        let generation = self.start(
+            id.clone(),
+            prompt_ids,
+            images,
+            opts,
+            default_max_tokens,
+            arrived,
+        )?;
+        let head = ResponseHead {
+            id,
+            created: unix_now(),
+            model: self.served_model.clone(),
+            return_token_ids: opts.return_token_ids,
+            prompt_token_ids,
+        };
+        Ok((generation, head))
+    }
+
     /// Admit `prompt_ids` (lengths against the model) and submit them to the backend.
     /// `default_max_tokens` of `None` means "the rest of the context".
     pub(crate) fn start(
@@ -302,6 +343,14 @@ pub(crate) struct Generation {
 }
 
 impl Generation {
+    /// The first delta, awaited before a response is sent so that failures before any output
+    /// still come back as the call's status.
+    pub async fn first(&mut self) -> Result<Delta, ApiError> {
+        self.next()
+            .await
+            .unwrap_or_else(|| Err(ApiError::internal("generation produced nothing")))
+    }
+
     /// The next delta, `None` after the last one.
     pub async fn next(&mut self) -> Option<Result<Delta, ApiError>> {
         if self.done {

@@ -12,6 +12,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
+use super::error::ApiError;
 use super::generate::{Delta, Generation};
 use super::types::UsageBody;
 
@@ -59,14 +60,14 @@ impl<F: ChunkFormat> State<F> {
     }
 }
 
-/// The SSE response for a generation whose first delta has already arrived (so that failures
-/// before any output still get a proper status code).
-pub(crate) fn sse_response<F: ChunkFormat>(
-    generation: Generation,
-    first: Delta,
+/// The SSE response for `generation`, once its first delta has arrived (so that failures before
+/// any output still get a proper status code).
+pub(crate) async fn sse_response<F: ChunkFormat>(
+    mut generation: Generation,
     mut format: F,
     include_usage: bool,
-) -> Response {
+) -> Result<Response, ApiError> {
+    let first = generation.first().await?;
     let queue = format.head().into();
     let mut state = State {
         generation,
@@ -94,5 +95,5 @@ pub(crate) fn sse_response<F: ChunkFormat>(
             }
         }
     });
-    Sse::new(stream).into_response()
+    Ok(Sse::new(stream).into_response())
 }
