@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::Value;
+use tessera_engine::reference::rel_err;
 
 fn tessera() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tessera"));
@@ -26,16 +27,6 @@ fn ids_arg(ids: &[u32]) -> String {
         .map(|i| i.to_string())
         .collect::<Vec<_>>()
         .join(",")
-}
-
-fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
-    assert_eq!(ours.len(), reference.len(), "length mismatch");
-    let max_ref = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let max_diff = ours
-        .iter()
-        .zip(reference)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    max_diff / max_ref.max(f32::MIN_POSITIVE)
 }
 
 fn ok(out: &Output) -> &Output {

@@ -30,14 +30,13 @@ use std::sync::{Arc, Mutex};
 use serde::Deserialize;
 use tessera_engine::generate::{generate, prompt_logits, GenerateRequest};
 use tessera_engine::model::{LogitsWanted, Segment};
+use tessera_engine::reference::{greedy_agreement, rel_err, Reference, NEAR_TIE};
 use tessera_engine::serving::{EngineEvent, EngineRequest, EventSink, Scheduler, SchedulerConfig};
 use tessera_engine::{Model, SamplingParams};
 use tessera_kernels::Device;
 
 /// Exact mode, prompt logits: max |ours − reference| / max |reference| (the CPU engine's bound).
 const EXACT_REL_TOL: f32 = 1e-4;
-/// Exact mode: below this top-1/top-2 margin the reference's greedy choice is a near tie.
-const EXACT_NEAR_TIE: f32 = 1e-3;
 /// bf16 mode: the floor of the logits bound where the reference's own bf16 error is smaller.
 const BF16_REL_FLOOR: f32 = 2e-2;
 /// bf16 mode: slack over the reference's own bf16 error. Where that error is large the prompt is
@@ -46,35 +45,6 @@ const BF16_REL_FLOOR: f32 = 2e-2;
 const BF16_SPREAD_SLACK: f32 = 1.5;
 /// The same computation split differently (decode vs prefill, batched vs alone) on the GPU.
 const SPLIT_REL_TOL: f32 = 5e-3;
-
-#[derive(Deserialize)]
-struct Reference {
-    prompts: Vec<PromptRef>,
-}
-
-#[derive(Deserialize)]
-struct PromptRef {
-    name: String,
-    prompt_ids: Vec<u32>,
-    logits_file: String,
-    greedy_ids: Vec<u32>,
-    greedy_margins: Vec<f32>,
-}
-
-fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
-    if ours.len() != reference.len() {
-        return f32::INFINITY;
-    }
-    let max_ref = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let max_diff = ours.iter().zip(reference).fold(0f32, |m, (a, b)| {
-        if a.is_nan() || b.is_nan() {
-            f32::INFINITY
-        } else {
-            m.max((a - b).abs())
-        }
-    });
-    max_diff / max_ref.max(f32::MIN_POSITIVE)
-}
 
 fn greedy(n: usize, prompt: &[u32]) -> GenerateRequest {
     GenerateRequest {
@@ -88,18 +58,6 @@ fn greedy(n: usize, prompt: &[u32]) -> GenerateRequest {
 
 /// Steps on which `ours` agrees with `want` before the first margin below `near_tie` (or the
 /// first disagreement); and whether it stopped at a disagreement.
-fn agree(ours: &[u32], want: &[u32], margins: &[f32], near_tie: f32) -> (usize, bool) {
-    for (i, (&o, &w)) in ours.iter().zip(want).enumerate() {
-        if margins[i] < near_tie {
-            return (i, false);
-        }
-        if o != w {
-            return (i, true);
-        }
-    }
-    (ours.len().min(want.len()), false)
-}
-
 /// Collects one request's tokens, or its failure.
 struct Collect(Arc<Mutex<Result<Vec<u32>, String>>>);
 
@@ -209,14 +167,8 @@ fn run_fixture(
 ) -> Result<(), String> {
     let name = dir.file_name().unwrap().to_string_lossy().to_string();
     let mode = if exact { "exact" } else { "bf16" };
-    let ref_path = ["reference.json", "k3_reference.json"]
-        .iter()
-        .map(|f| dir.join(f))
-        .find(|p| p.exists())
-        .ok_or("no reference.json or k3_reference.json")?;
-    let reference: Reference =
-        serde_json::from_str(&std::fs::read_to_string(&ref_path).map_err(|e| e.to_string())?)
-            .map_err(|e| e.to_string())?;
+    let ref_path = Reference::file_in(dir).ok_or("no reference.json or k3_reference.json")?;
+    let reference = Reference::load(&ref_path)?;
     let cpu = Model::load(dir).map_err(|e| e.to_string())?;
     let mut gpu = Model::load(dir).map_err(|e| e.to_string())?;
     let placed = if exact {
@@ -241,17 +193,18 @@ fn run_fixture(
                 e_ref <= EXACT_REL_TOL,
                 format!("rel err vs reference {e_ref:.2e}, vs cpu {e_cpu:.2e} (tol {EXACT_REL_TOL:.0e})"),
             );
-            let (n, bad) = agree(&g, &p.greedy_ids, &p.greedy_margins, EXACT_NEAR_TIE);
+            let a = greedy_agreement(&g, &p.greedy_ids, &p.greedy_margins, NEAR_TIE);
+            let n = a.equal;
             c.check(
                 &format!("{what} greedy"),
-                !bad && n > 0,
+                a.first_difference.is_none() && n > 0,
                 format!(
                     "{n}/{} steps equal to the reference before a near tie",
                     p.greedy_ids.len()
                 ),
             );
         } else {
-            let (n, _) = agree(&g, &p.greedy_ids, &p.greedy_margins, 0.0);
+            let n = greedy_agreement(&g, &p.greedy_ids, &p.greedy_margins, 0.0).equal;
             match spread.get(&key) {
                 Some(s) => {
                     let tol = BF16_REL_FLOOR.max(BF16_SPREAD_SLACK * s.rel_err);
@@ -313,9 +266,9 @@ fn run_fixture(
         let what = format!("{mode} {name} serving round {}", round + 1);
         let (mut worst, mut bad) = (usize::MAX, false);
         for (p, got) in reference.prompts.iter().zip(outs) {
-            let (n, b) = agree(got, &p.greedy_ids, &p.greedy_margins, EXACT_NEAR_TIE);
-            worst = worst.min(n);
-            bad |= b;
+            let a = greedy_agreement(got, &p.greedy_ids, &p.greedy_margins, NEAR_TIE);
+            worst = worst.min(a.equal);
+            bad |= a.first_difference.is_some();
         }
         if exact {
             c.check(
@@ -410,7 +363,7 @@ fn main() -> ExitCode {
         let mut v: Vec<PathBuf> = std::fs::read_dir(&root)
             .expect("tests/fixtures")
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.join("reference.json").exists() || p.join("k3_reference.json").exists())
+            .filter(|p| Reference::file_in(p).is_some())
             .collect();
         v.sort();
         v

@@ -10,6 +10,7 @@ pub mod init_model;
 pub mod kv;
 pub mod model;
 pub mod npy;
+pub mod reference;
 pub mod rng;
 pub mod sampler;
 pub mod serving;

@@ -5,30 +5,14 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
 use tessera_engine::config::Activation;
 use tessera_engine::generate::{generate, prefill, prompt_logits, GenerateRequest};
 use tessera_engine::model::LogitsWanted;
+use tessera_engine::reference::{greedy_agreement, rel_err, Reference, NEAR_TIE};
 use tessera_engine::{Model, ModelConfig, SamplingParams};
 
 /// Prompt logits: max |ours − reference| / max |reference| (as for the Kimi Linear fixtures).
 const LOGITS_REL_TOL: f32 = 1e-4;
-/// Below this top-1/top-2 margin the reference's greedy choice is a near tie.
-const NEAR_TIE: f32 = 1e-3;
-
-#[derive(Deserialize)]
-struct Reference {
-    prompts: Vec<PromptRef>,
-}
-
-#[derive(Deserialize)]
-struct PromptRef {
-    name: String,
-    prompt_ids: Vec<u32>,
-    logits_file: String,
-    greedy_ids: Vec<u32>,
-    greedy_margins: Vec<f32>,
-}
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -37,21 +21,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn reference(dir: &Path) -> Reference {
-    let text = std::fs::read_to_string(dir.join("k3_reference.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
-
-fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
-    assert_eq!(ours.len(), reference.len(), "length mismatch");
-    let max_ref = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let max_diff = ours.iter().zip(reference).fold(0f32, |m, (a, b)| {
-        if a.is_nan() || b.is_nan() {
-            f32::INFINITY
-        } else {
-            m.max((a - b).abs())
-        }
-    });
-    max_diff / max_ref.max(f32::MIN_POSITIVE)
+    Reference::load(&dir.join("k3_reference.json")).unwrap()
 }
 
 fn greedy(n: usize, prompt: &[u32], chunk: Option<usize>) -> GenerateRequest {
@@ -111,13 +81,13 @@ fn k3_greedy_tokens_match_the_reference() {
         for p in reference(&dir).prompts {
             let req = greedy(p.greedy_ids.len(), &p.prompt_ids, None);
             let got = generate(&model, &req).unwrap();
-            for (i, (&o, &r)) in got.iter().zip(&p.greedy_ids).enumerate() {
-                if p.greedy_margins[i] < NEAR_TIE {
-                    break;
-                }
-                assert_eq!(o, r, "{name}/{}: greedy token {i} ({got:?})", p.name);
-                compared += 1;
-            }
+            let a = greedy_agreement(&got, &p.greedy_ids, &p.greedy_margins, NEAR_TIE);
+            assert_eq!(
+                a.first_difference, None,
+                "{name}/{}: greedy tokens differ ({got:?})",
+                p.name
+            );
+            compared += a.equal;
         }
         assert!(
             compared >= 24,

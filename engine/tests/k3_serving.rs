@@ -5,8 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
 use tessera_engine::generate::{generate, GenerateRequest};
+use tessera_engine::reference::{PromptRef, Reference};
 use tessera_engine::serving::handoff::{copy_pages, transfer_pairs};
 use tessera_engine::serving::{EngineEvent, EngineRequest, Handoff, Scheduler, SchedulerConfig};
 use tessera_engine::{Model, SamplingParams};
@@ -15,18 +15,6 @@ use crate::serving_support::{drain, sink, tokens, Events};
 
 const FIXTURES: [&str; 2] = ["k3_tiny", "k3_tiny_mxfp4"];
 
-#[derive(Deserialize)]
-struct Reference {
-    prompts: Vec<PromptRef>,
-}
-
-#[derive(Deserialize)]
-struct PromptRef {
-    name: String,
-    prompt_ids: Vec<u32>,
-    greedy_ids: Vec<u32>,
-}
-
 fn dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures")
@@ -34,8 +22,9 @@ fn dir(name: &str) -> PathBuf {
 }
 
 fn prompts(name: &str) -> Vec<PromptRef> {
-    let text = std::fs::read_to_string(dir(name).join("k3_reference.json")).unwrap();
-    serde_json::from_str::<Reference>(&text).unwrap().prompts
+    Reference::load(&dir(name).join("k3_reference.json"))
+        .unwrap()
+        .prompts
 }
 
 fn model(name: &str) -> Model {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 use tessera_engine::generate::{generate_with_images, prompt_logits_with_images, GenerateRequest};
+use tessera_engine::reference::{rel_err, PromptRef};
 use tessera_engine::vision::{
     expand_placeholders, ImageEmbedding, ImageError, ImageLimits, PlacedImage, VisionModel,
 };
@@ -48,15 +49,6 @@ struct ImageRef {
     embeds_file: String,
 }
 
-#[derive(Deserialize)]
-struct PromptRef {
-    name: String,
-    images: Vec<String>,
-    prompt_ids: Vec<u32>,
-    logits_file: String,
-    greedy_ids: Vec<u32>,
-}
-
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/k25_tiny")
 }
@@ -68,16 +60,6 @@ fn reference() -> Reference {
 
 fn npy(name: &str) -> (Vec<usize>, Vec<f32>) {
     tessera_engine::npy::read_f32(&dir().join(name)).unwrap()
-}
-
-fn rel_err(ours: &[f32], reference: &[f32]) -> f32 {
-    assert_eq!(ours.len(), reference.len(), "length mismatch");
-    let max_ref = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let max_diff = ours
-        .iter()
-        .zip(reference)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    max_diff / max_ref.max(f32::MIN_POSITIVE)
 }
 
 /// Normalised pixels back to 0..255 steps (mean 0.5, std 0.5): `x · 127.5`.

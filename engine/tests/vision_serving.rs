@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 use tessera_engine::generate::{generate_with_images, GenerateRequest};
+use tessera_engine::reference::PromptRef;
 use tessera_engine::serving::handoff::{copy_pages, transfer_pairs};
 use tessera_engine::serving::{EngineEvent, EngineRequest, Handoff, Scheduler, SchedulerConfig};
 use tessera_engine::vision::{expand_placeholders, PlacedImage, VisionModel};
@@ -19,14 +20,6 @@ use crate::serving_support::{drain, sink, tokens, Events};
 struct Reference {
     placeholder_token_id: u32,
     prompts: Vec<PromptRef>,
-}
-
-#[derive(Deserialize)]
-struct PromptRef {
-    name: String,
-    images: Vec<String>,
-    prompt_ids: Vec<u32>,
-    greedy_ids: Vec<u32>,
 }
 
 fn dir() -> PathBuf {
