@@ -135,15 +135,19 @@ impl Checkpoint {
             })
     }
 
-    /// The entry of tensor `name`, checked to exist with exactly `shape`.
-    fn entry(&self, name: &str, shape: &[usize]) -> Result<&Entry> {
-        let e = self
-            .entries
+    /// The entry of tensor `name`, or which tensor is missing where.
+    fn lookup(&self, name: &str) -> Result<&Entry> {
+        self.entries
             .get(name)
             .ok_or_else(|| EngineError::MissingTensor {
                 name: name.to_string(),
                 looked_in: self.dir.display().to_string(),
-            })?;
+            })
+    }
+
+    /// The entry of tensor `name`, checked to exist with exactly `shape`.
+    fn entry(&self, name: &str, shape: &[usize]) -> Result<&Entry> {
+        let e = self.lookup(name)?;
         if e.shape != shape {
             return Err(EngineError::ShapeMismatch {
                 name: name.to_string(),
@@ -193,13 +197,7 @@ impl Checkpoint {
     /// Tensor `name` as f32 with any shape of `numel` elements (for tensors whose published shape
     /// varies, such as `A_log`: `[1,1,H,1]` in Kimi Linear, `[H]` elsewhere).
     pub fn f32_numel(&self, name: &str, numel: usize) -> Result<(Vec<f32>, Vec<usize>)> {
-        let e = self
-            .entries
-            .get(name)
-            .ok_or_else(|| EngineError::MissingTensor {
-                name: name.to_string(),
-                looked_in: self.dir.display().to_string(),
-            })?;
+        let e = self.lookup(name)?;
         if e.shape.iter().product::<usize>() != numel {
             return Err(EngineError::ShapeMismatch {
                 name: name.to_string(),
