@@ -209,7 +209,7 @@ fn api_keys_rate_limit_and_request_limits_of_tessera_serve() {
             "at most 64 tokens",
         ),
         (&big_body, 413, Some("request_too_large"), "too large"),
-        (r#"{"prompt": [5], "n": 3}"#, 400, None, "n=3"),
+        (r#"{"prompt": [5], "n": 17}"#, 400, None, "got 17"),
         (
             r#"{"prompt": [5], "model": "gpt-x"}"#,
             404,
@@ -271,4 +271,70 @@ fn api_keys_rate_limit_and_request_limits_of_tessera_serve() {
     ] {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }
+}
+
+#[test]
+fn each_of_several_choices_equals_a_request_alone_with_its_seed() {
+    let dir = fixtures_dir().join("kl_mixed");
+    let p = reference(&dir).prompts.into_iter().next().unwrap();
+    let s = Server::start(&dir, &[]);
+    let body = |n: usize, seed: u64, stream: bool| {
+        let mut b = json!({"prompt": p.prompt_ids, "max_tokens": 8, "temperature": 1.0,
+            "seed": seed, "n": n, "ignore_eos": true, "return_token_ids": true});
+        if stream {
+            b["stream"] = json!(true);
+            b["stream_options"] = json!({"include_usage": true});
+        }
+        b
+    };
+    let alone: Vec<Vec<u32>> = (0..3)
+        .map(|i| {
+            let (st, r) = s.post_json("/v1/completions", &body(1, 40 + i, false));
+            assert_eq!(st, 200, "{r}");
+            ids(&r["choices"][0]["token_ids"])
+        })
+        .collect();
+    assert!(
+        alone[0] != alone[1] || alone[1] != alone[2],
+        "three seeds drew the same tokens: {alone:?}"
+    );
+
+    let (st, r) = s.post_json("/v1/completions", &body(3, 40, false));
+    assert_eq!(st, 200, "{r}");
+    let together: Vec<Vec<u32>> = (0..3)
+        .map(|i| {
+            assert_eq!(r["choices"][i]["index"], i);
+            ids(&r["choices"][i]["token_ids"])
+        })
+        .collect();
+    assert_eq!(together, alone);
+    assert_eq!(r["usage"]["prompt_tokens"], p.prompt_ids.len());
+    assert_eq!(r["usage"]["completion_tokens"], 24);
+
+    let (st, text) = s.request(
+        "POST",
+        "/v1/completions",
+        Some(&body(3, 40, true).to_string()),
+    );
+    assert_eq!(st, 200);
+    let events = sse_events(&text);
+    let streamed: Vec<Vec<u32>> = (0..3)
+        .map(|i| {
+            events
+                .iter()
+                .filter_map(|e| e["choices"].as_array()?.iter().find(|c| c["index"] == i))
+                .filter_map(|c| c.get("token_ids"))
+                .flat_map(ids)
+                .collect()
+        })
+        .collect();
+    assert_eq!(streamed, alone);
+    let usage: Vec<&Value> = events
+        .iter()
+        .map(|e| &e["usage"])
+        .filter(|u| !u.is_null())
+        .collect();
+    assert_eq!(usage.len(), 1);
+    assert_eq!(usage[0]["completion_tokens"], 24);
+    assert!(text.trim_end().ends_with("data: [DONE]"));
 }

@@ -11,7 +11,7 @@ use serde_json::Value;
 use tessera_tokenizer::{ChatMessage, MessageContent};
 
 use super::error::{parse_value, ApiError, ApiJson};
-use super::generate::{Delta, GenOptions, ResponseHead};
+use super::generate::{collect_all, Delta, GenOptions, Generation, ResponseHead};
 use super::stream::{json, sse_response, ChunkFormat};
 use super::types::{
     AssistantMessage, ChatBody, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatFields,
@@ -155,28 +155,32 @@ pub(crate) async fn handle(
             ));
         }
     }
-    let (mut generation, head) =
-        state.start_response("chatcmpl", prompt_ids, images, &opts, None, arrived)?;
+    let (mut choices, head) =
+        state.start_choices("chatcmpl", prompt_ids, images, &opts, None, arrived)?;
     if opts.stream {
-        return sse_response(generation, ChatChunks { head }, opts.include_usage).await;
+        return sse_response(choices, ChatChunks { head }, opts.include_usage).await;
     }
-    let (text, token_ids, finish) = generation.collect().await?;
+    let outputs = collect_all(&mut choices).await?;
     let body = ChatBody {
         id: head.id,
         object: "chat.completion",
         created: head.created,
         model: head.model,
-        choices: vec![ChatChoice {
-            index: 0,
-            message: AssistantMessage {
-                role: "assistant",
-                content: text,
-            },
-            logprobs: None,
-            finish_reason: Some(finish),
-            token_ids: head.return_token_ids.then_some(token_ids),
-        }],
-        usage: generation.usage(),
+        choices: outputs
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| ChatChoice {
+                index: i as u32,
+                message: AssistantMessage {
+                    role: "assistant",
+                    content: d.text,
+                },
+                logprobs: None,
+                finish_reason: d.finish,
+                token_ids: head.return_token_ids.then_some(d.token_ids),
+            })
+            .collect(),
+        usage: Generation::usage_of(&choices),
         prompt_token_ids: head.prompt_token_ids,
     };
     Ok(Json(body).into_response())
@@ -203,27 +207,31 @@ impl ChatChunks {
 }
 
 impl ChunkFormat for ChatChunks {
-    fn head(&mut self) -> Vec<String> {
-        let choice = ChatChunkChoice {
-            index: 0,
-            delta: ChatDelta {
-                role: Some("assistant"),
-                content: Some(String::new()),
-            },
-            logprobs: None,
-            finish_reason: None,
-            token_ids: None,
-        };
-        vec![self.chunk(vec![choice], None)]
+    fn head(&mut self, choices: usize) -> Vec<String> {
+        (0..choices as u32)
+            .map(|index| {
+                let choice = ChatChunkChoice {
+                    index,
+                    delta: ChatDelta {
+                        role: Some("assistant"),
+                        content: Some(String::new()),
+                    },
+                    logprobs: None,
+                    finish_reason: None,
+                    token_ids: None,
+                };
+                self.chunk(vec![choice], None)
+            })
+            .collect()
     }
 
-    fn delta(&mut self, d: Delta) -> Option<String> {
+    fn delta(&mut self, index: u32, d: Delta) -> Option<String> {
         let has_ids = self.head.return_token_ids && !d.token_ids.is_empty();
         if d.text.is_empty() && d.finish.is_none() && !has_ids {
             return None;
         }
         let choice = ChatChunkChoice {
-            index: 0,
+            index,
             delta: ChatDelta {
                 role: None,
                 content: (!d.text.is_empty() || d.finish.is_none()).then_some(d.text),

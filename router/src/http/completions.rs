@@ -9,7 +9,7 @@ use axum::Json;
 use serde_json::Value;
 
 use super::error::{parse_value, ApiError, ApiJson};
-use super::generate::{check_token_id, Delta, GenOptions, ResponseHead};
+use super::generate::{check_token_id, collect_all, Delta, GenOptions, Generation, ResponseHead};
 use super::stream::{json, sse_response, ChunkFormat};
 use super::types::{CommonParams, CompletionBody, CompletionChoice, CompletionFields, UsageBody};
 use super::{require_object, AppState};
@@ -89,7 +89,7 @@ pub(crate) async fn handle(
         // As vLLM/HF do, special-token text in a completion prompt maps to special tokens.
         Prompt::Text(text) => state.encode(text, true).await?,
     };
-    let (mut generation, head) = state.start_response(
+    let (mut choices, head) = state.start_choices(
         "cmpl",
         prompt_ids,
         Vec::new(),
@@ -99,15 +99,16 @@ pub(crate) async fn handle(
     )?;
     let mut format = CompletionChunks { head };
     if opts.stream {
-        return sse_response(generation, format, opts.include_usage).await;
+        return sse_response(choices, format, opts.include_usage).await;
     }
-    let (text, token_ids, finish) = generation.collect().await?;
-    let mut body = format.body(Delta {
-        text,
-        token_ids,
-        finish: Some(finish),
-    });
-    body.usage = Some(generation.usage());
+    let outputs = collect_all(&mut choices).await?;
+    let mut body = format.body(Vec::new());
+    body.choices = outputs
+        .into_iter()
+        .enumerate()
+        .map(|(i, d)| format.choice(i as u32, d))
+        .collect();
+    body.usage = Some(Generation::usage_of(&choices));
     Ok(Json(body).into_response())
 }
 
@@ -117,41 +118,50 @@ struct CompletionChunks {
 }
 
 impl CompletionChunks {
-    fn body(&mut self, d: Delta) -> CompletionBody {
-        let head = &mut self.head;
+    fn body(&mut self, choices: Vec<CompletionChoice>) -> CompletionBody {
+        let head = &self.head;
         CompletionBody {
             id: head.id.clone(),
             object: "text_completion",
             created: head.created,
             model: head.model.clone(),
-            choices: vec![CompletionChoice {
-                index: 0,
-                text: d.text,
-                logprobs: None,
-                finish_reason: d.finish,
-                token_ids: head.return_token_ids.then_some(d.token_ids),
-                prompt_token_ids: head.prompt_token_ids.take(),
-            }],
+            choices,
             usage: None,
+        }
+    }
+
+    /// Choice `index` with the text and ids of `d` (the prompt's ids go with the first choice
+    /// sent).
+    fn choice(&mut self, index: u32, d: Delta) -> CompletionChoice {
+        let head = &mut self.head;
+        CompletionChoice {
+            index,
+            text: d.text,
+            logprobs: None,
+            finish_reason: d.finish,
+            token_ids: head.return_token_ids.then_some(d.token_ids),
+            prompt_token_ids: head.prompt_token_ids.take(),
         }
     }
 }
 
 impl ChunkFormat for CompletionChunks {
-    fn head(&mut self) -> Vec<String> {
+    fn head(&mut self, _choices: usize) -> Vec<String> {
         Vec::new()
     }
 
-    fn delta(&mut self, d: Delta) -> Option<String> {
+    fn delta(&mut self, index: u32, d: Delta) -> Option<String> {
         let worth = !d.text.is_empty()
             || d.finish.is_some()
             || (self.head.return_token_ids && !d.token_ids.is_empty());
-        worth.then(|| json(&self.body(d)))
+        worth.then(|| {
+            let choice = self.choice(index, d);
+            json(&self.body(vec![choice]))
+        })
     }
 
     fn usage(&mut self, u: UsageBody) -> String {
-        let mut body = self.body(Delta::default());
-        body.choices.clear();
+        let mut body = self.body(Vec::new());
         body.usage = Some(u);
         json(&body)
     }

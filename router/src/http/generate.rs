@@ -22,6 +22,8 @@ pub(crate) const MAX_STOP_SEQUENCES: usize = 16;
 pub(crate) const MAX_STOP_CHARS: usize = 256;
 /// Stop token ids a request may give at most.
 pub(crate) const MAX_STOP_TOKEN_IDS: usize = 256;
+/// Choices (`n`) a request may ask for at most.
+pub(crate) const MAX_CHOICES: usize = 16;
 
 /// Validated generation parameters, before the prompt is known.
 #[derive(Debug, Clone)]
@@ -35,6 +37,8 @@ pub(crate) struct GenOptions {
     pub stream: bool,
     pub include_usage: bool,
     pub return_token_ids: bool,
+    /// Choices to generate from the one prompt (`n`), each its own request to the backend.
+    pub n: usize,
 }
 
 impl GenOptions {
@@ -44,16 +48,21 @@ impl GenOptions {
         max_tokens: Option<i64>,
         vocab_size: usize,
     ) -> Result<Self, ApiError> {
-        if let Some(n) = p.n.filter(|&n| n != 1) {
-            return Err(ApiError::invalid_param(
-                "n",
-                format!("n={n} is not supported: only n=1 is"),
-            ));
-        }
-        if let Some(b) = p.best_of.filter(|&b| b != 1) {
+        let n = match p.n {
+            None => 1,
+            Some(n) if n >= 1 && n <= MAX_CHOICES as i64 => n as usize,
+            Some(n) => {
+                return Err(ApiError::invalid_param(
+                    "n",
+                    format!("n must be between 1 and {MAX_CHOICES}, got {n}"),
+                ))
+            }
+        };
+        // best_of > n would rank choices by their log-probabilities, which are not computed.
+        if let Some(b) = p.best_of.filter(|&b| b != n as i64) {
             return Err(ApiError::invalid_param(
                 "best_of",
-                format!("best_of={b} is not supported: only best_of=1 is"),
+                format!("best_of={b} is not supported: only best_of equal to n ({n}) is"),
             ));
         }
         for (name, v) in [
@@ -148,6 +157,7 @@ impl GenOptions {
             stream: p.stream,
             include_usage: p.stream_options.is_some_and(|o| o.include_usage),
             return_token_ids: p.return_token_ids,
+            n,
         })
     }
 }
@@ -186,8 +196,12 @@ pub(crate) struct ResponseHead {
 }
 
 impl AppState {
-    /// [`AppState::start`] under a fresh id `<id_prefix>-…`, with the head of its response.
-    pub(crate) fn start_response(
+    /// The request's choices ([`GenOptions::n`] of them), each an [`AppState::start`] under one
+    /// fresh id `<id_prefix>-…` (choice `i` of several as `…-i`, with the seed, if any, plus
+    /// `i`, so that each draws its own tokens and choice `i` equals a request for one choice
+    /// with that seed), with the head of their response. One that cannot start drops those
+    /// already started, which cancels them.
+    pub(crate) fn start_choices(
         &self,
         id_prefix: &str,
         prompt_ids: Vec<u32>,
@@ -195,17 +209,27 @@ impl AppState {
         opts: &GenOptions,
         default_max_tokens: Option<usize>,
         arrived: Instant,
-    ) -> Result<(Generation, ResponseHead), ApiError> {
+    ) -> Result<(Vec<Generation>, ResponseHead), ApiError> {
         let prompt_token_ids = opts.return_token_ids.then(|| prompt_ids.clone());
         let id = new_request_id(id_prefix);
-        let generation = self.start(
-            id.clone(),
-            prompt_ids,
-            images,
-            opts,
-            default_max_tokens,
-            arrived,
-        )?;
+        let mut choices = Vec::with_capacity(opts.n);
+        for i in 0..opts.n {
+            let (request_id, choice_opts) = if opts.n == 1 {
+                (id.clone(), opts.clone())
+            } else {
+                let mut o = opts.clone();
+                o.sampling.seed = o.sampling.seed.map(|s| s.wrapping_add(i as u64));
+                (format!("{id}-{i}"), o)
+            };
+            choices.push(self.start(
+                request_id,
+                prompt_ids.clone(),
+                images.clone(),
+                &choice_opts,
+                default_max_tokens,
+                arrived,
+            )?);
+        }
         let head = ResponseHead {
             id,
             created: unix_now(),
@@ -213,7 +237,7 @@ impl AppState {
             return_token_ids: opts.return_token_ids,
             prompt_token_ids,
         };
-        Ok((generation, head))
+        Ok((choices, head))
     }
 
     /// Admit `prompt_ids` (lengths against the model) and submit them to the backend.
@@ -430,10 +454,17 @@ impl Generation {
     }
 
     pub fn usage(&self) -> UsageBody {
+        Self::usage_of(std::slice::from_ref(self))
+    }
+
+    /// The usage of one request's choices: the prompt counted once (with the first choice's
+    /// cached tokens), the completions of all.
+    pub fn usage_of(choices: &[Generation]) -> UsageBody {
+        let first = choices.first();
         UsageBody::new(
-            self.prompt_tokens,
-            self.completion_tokens,
-            self.cached_tokens,
+            first.map_or(0, |g| g.prompt_tokens),
+            choices.iter().map(|g| g.completion_tokens).sum(),
+            first.map_or(0, |g| g.cached_tokens),
         )
     }
 
@@ -452,6 +483,20 @@ impl Generation {
             "generation ended without a finish reason",
         ))
     }
+}
+
+/// Every choice run to its end, concurrently: each one's whole text and ids, with its finish
+/// reason, in the order of the choices.
+pub(crate) async fn collect_all(choices: &mut [Generation]) -> Result<Vec<Delta>, ApiError> {
+    futures_util::future::try_join_all(choices.iter_mut().map(|g| async move {
+        let (text, token_ids, finish) = g.collect().await?;
+        Ok::<_, ApiError>(Delta {
+            text,
+            token_ids,
+            finish: Some(finish),
+        })
+    }))
+    .await
 }
 
 impl Drop for Generation {

@@ -129,7 +129,13 @@ fn bad_requests() -> Vec<(
             "invalid type",
         ),
         (C, hi("top_p", json!(-0.5)), 400, Some("top_p"), "(0, 1]"),
-        (C, hi("n", json!(0)), 400, Some("n"), "n=0 is not supported"),
+        (
+            C,
+            hi("n", json!(0)),
+            400,
+            Some("n"),
+            "n must be between 1 and 16, got 0",
+        ),
         (
             C,
             hi("frequency_penalty", json!(1)),
@@ -236,7 +242,13 @@ fn bad_requests() -> Vec<(
             Some("stop"),
             "Invalid value for `stop`",
         ),
-        (C, j(json!({"prompt": "hi", "n": 2})), 400, Some("n"), "n=2"),
+        (
+            C,
+            j(json!({"prompt": "hi", "n": 17})),
+            400,
+            Some("n"),
+            "got 17",
+        ),
         (
             C,
             j(json!({"prompt": "hi", "best_of": 3})),
@@ -522,10 +534,10 @@ fn bad_requests() -> Vec<(
         ),
         (
             CHAT,
-            say("n", json!(4)),
+            say("best_of", json!(4)),
             400,
-            Some("n"),
-            "n=4 is not supported: only n=1 is",
+            Some("best_of"),
+            "best_of=4 is not supported: only best_of equal to n (1) is",
         ),
         (
             CHAT,

@@ -361,3 +361,69 @@ async fn prompts_reach_the_logs_only_with_log_requests() {
         );
     }
 }
+
+#[tokio::test]
+async fn several_choices_are_separate_requests_with_consecutive_seeds() {
+    let h = harness();
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 4, "n": 3, "best_of": 3, "seed": 41,
+        "return_token_ids": true});
+    let (status, v) = h.post("/v1/completions", &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(ids_of(&c["token_ids"]), fake_ids(3, 4));
+        assert_eq!(c["finish_reason"], "length");
+    }
+    // The prompt's ids go out once; the prompt counts once, the completions of all three.
+    assert_eq!(ids_of(&choices[0]["prompt_token_ids"]), vec![1, 2, 3]);
+    assert!(choices[1..]
+        .iter()
+        .all(|c| c.get("prompt_token_ids").is_none()));
+    assert_eq!(v["usage"]["prompt_tokens"], 3);
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    let sent = h.fake.submitted();
+    let seeds: Vec<Option<u64>> = sent.iter().map(|r| r.sampling.seed).collect();
+    assert_eq!(seeds, vec![Some(41), Some(42), Some(43)]);
+    let id = v["id"].as_str().unwrap();
+    for (i, r) in sent.iter().enumerate() {
+        assert_eq!(r.request_id, format!("{id}-{i}"));
+    }
+
+    // Streamed chat: a role chunk per choice, each choice's content and finish, one usage.
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "n": 2,
+        "stream": true, "stream_options": {"include_usage": true}});
+    let (status, events, done) = h.post_sse("/v1/chat/completions", &body).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(done);
+    let prompt_len = h.fake.submitted().last().unwrap().prompt_ids.len();
+    let want = h.tok.decode(&fake_ids(prompt_len, 5), true).unwrap();
+    for i in 0..2 {
+        let of_choice: Vec<&Value> = events
+            .iter()
+            .filter_map(|e| e["choices"].as_array()?.iter().find(|c| c["index"] == i))
+            .collect();
+        assert_eq!(of_choice[0]["delta"]["role"], "assistant", "choice {i}");
+        let content: String = of_choice
+            .iter()
+            .filter_map(|c| c["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(content, want, "choice {i}");
+        let finishes: Vec<&Value> = of_choice
+            .iter()
+            .map(|c| &c["finish_reason"])
+            .filter(|f| !f.is_null())
+            .collect();
+        assert_eq!(finishes, vec!["length"], "choice {i}");
+    }
+    let usage: Vec<&Value> = events
+        .iter()
+        .map(|e| &e["usage"])
+        .filter(|u| !u.is_null())
+        .collect();
+    assert_eq!(usage.len(), 1);
+    assert_eq!(usage[0]["completion_tokens"], 10);
+    assert_eq!(usage[0]["prompt_tokens"], prompt_len);
+    assert!(events.last().unwrap()["usage"].is_object());
+}
