@@ -188,6 +188,8 @@ fn prefill_to_decode_equals_single_process_and_the_reference() {
                 top_p: 0.95,
                 top_k: 0,
                 seed: 7,
+                frequency_penalty: 0.5,
+                ..Default::default()
             };
             let got = disaggregated(
                 &m,
@@ -303,8 +305,16 @@ fn migrated_request_continues_the_same_tokens() {
         top_p: 0.95,
         top_k: 0,
         seed: 11,
+        ..Default::default()
     };
-    for sampling in [SamplingParams::default(), sampled] {
+    // Penalties count the tokens of the earlier attempt as completion tokens.
+    let penalized = SamplingParams {
+        presence_penalty: 1.5,
+        frequency_penalty: 1.0,
+        logit_bias: vec![(prompt[3], 2.0)],
+        ..sampled.clone()
+    };
+    for sampling in [SamplingParams::default(), sampled, penalized] {
         let want = solo(&m, &prompt, n, sampling.clone());
         for k in [1, 5, n - 1] {
             let mut p = Scheduler::new(&m, cfg(8 << 20)).unwrap();

@@ -338,3 +338,31 @@ fn each_of_several_choices_equals_a_request_alone_with_its_seed() {
     assert_eq!(usage[0]["completion_tokens"], 24);
     assert!(text.trim_end().ends_with("data: [DONE]"));
 }
+
+#[test]
+fn logit_bias_and_penalties_steer_the_engine() {
+    let dir = fixtures_dir().join("kl_mixed");
+    let p = reference(&dir).prompts.into_iter().next().unwrap();
+    let s = Server::start(&dir, &[]);
+    let greedy = |extra: Value| {
+        let mut b = json!({"prompt": p.prompt_ids, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": true, "return_token_ids": true});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let (st, r) = s.post_json("/v1/completions", &b);
+        assert_eq!(st, 200, "{r}");
+        ids(&r["choices"][0]["token_ids"])
+    };
+    // A bias of 100 makes its token the greedy choice every time, and a presence penalty of 2
+    // cannot undo it; -100 on the unbiased run's first token keeps it out of the output.
+    assert_eq!(greedy(json!({"logit_bias": {"42": 100}})), vec![42; 6]);
+    let plain = greedy(json!({}));
+    let banned = greedy(json!({"logit_bias": {plain[0].to_string(): -100}}));
+    assert_ne!(banned[0], plain[0]);
+    assert!(!banned.contains(&plain[0]));
+    assert_eq!(
+        greedy(json!({"logit_bias": {"42": 100}, "presence_penalty": 2})),
+        vec![42; 6]
+    );
+}

@@ -282,11 +282,16 @@ fn job_prompt(j: &Job) -> Vec<u32> {
 
 fn job_sampling(j: &Job) -> SamplingParams {
     if j.sampled {
+        // Penalties and a bias too: they read the completion so far, which preemption and
+        // recomputation must leave as it was.
         SamplingParams {
             temperature: 0.9,
             top_p: 0.9,
             top_k: 20,
             seed: j.tail_seed as u64,
+            presence_penalty: 0.4,
+            frequency_penalty: 0.3,
+            logit_bias: vec![(j.tail_seed % 300 + 3, 1.5)],
         }
     } else {
         SamplingParams::default()

@@ -129,6 +129,13 @@ fn wire(s: &SamplingParams) -> v1::SamplingParams {
         top_p: Some(s.top_p),
         top_k: s.top_k as u32,
         seed: Some(s.seed),
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        logit_bias: s
+            .logit_bias
+            .iter()
+            .map(|&(token_id, bias)| v1::LogitBias { token_id, bias })
+            .collect(),
     }
 }
 
@@ -306,6 +313,14 @@ async fn prefill_and_decode_daemons_equal_the_single_process_engine() {
         top_p: 0.95,
         top_k: 0,
         seed: 7,
+        ..Default::default()
+    };
+    // Penalties and a bias, applied by prefill to the first token and by decode to the rest.
+    let penalized = SamplingParams {
+        presence_penalty: 1.0,
+        frequency_penalty: 0.5,
+        logit_bias: vec![(prompt[5], 3.0)],
+        ..sampled.clone()
     };
     for (i, (p, s)) in [
         (prompt.clone(), greedy.clone()),
@@ -313,6 +328,7 @@ async fn prefill_and_decode_daemons_equal_the_single_process_engine() {
         (prompt.clone(), sampled.clone()),
         // Same prompt again: a prefix-cache hit on prefill, still the same tokens.
         (prompt.clone(), greedy.clone()),
+        (prompt[..50].to_vec(), penalized.clone()),
     ]
     .into_iter()
     .enumerate()

@@ -297,29 +297,43 @@ fn run_fixture(
     // Sampling on the device (the serving path) against the CPU engine's sampler on the CPU
     // engine's logits, the same seeds: in the exact mode the logits agree to ~1e-5, so the
     // tokens must agree too.
-    let sampling = SamplingParams {
+    // Then with penalties and a bias, which the serving path samples on the host from the
+    // device's logits.
+    let plain = SamplingParams {
         temperature: 0.8,
         top_p: 0.9,
         top_k: 20,
         seed: 11,
+        ..SamplingParams::default()
     };
-    let sampled = serve(&gpu, &jobs, 1, &sampling)?;
-    let mut same = 0;
-    for (p, got) in reference.prompts.iter().zip(&sampled[0]) {
-        let mut req = greedy(p.greedy_ids.len(), &p.prompt_ids);
-        req.sampling = sampling.clone();
-        let want = generate(&cpu, &req).map_err(|e| e.to_string())?;
-        same += usize::from(*got == want);
-    }
-    let what = format!("{mode} {name} sampled serving = cpu sampler");
-    let detail = format!(
-        "{same}/{} prompts sample the same tokens (t 0.8, top-p 0.9, top-k 20)",
-        reference.prompts.len()
-    );
-    if exact {
-        c.check(&what, same == reference.prompts.len(), detail);
-    } else {
-        println!("info {what}: {detail}");
+    let penalized = SamplingParams {
+        presence_penalty: 0.7,
+        frequency_penalty: 0.4,
+        logit_bias: vec![(7, 2.0)],
+        ..plain.clone()
+    };
+    for (sampling, rule) in [
+        (plain, "t 0.8, top-p 0.9, top-k 20"),
+        (penalized, "the same with penalties and a bias"),
+    ] {
+        let sampled = serve(&gpu, &jobs, 1, &sampling)?;
+        let mut same = 0;
+        for (p, got) in reference.prompts.iter().zip(&sampled[0]) {
+            let mut req = greedy(p.greedy_ids.len(), &p.prompt_ids);
+            req.sampling = sampling.clone();
+            let want = generate(&cpu, &req).map_err(|e| e.to_string())?;
+            same += usize::from(*got == want);
+        }
+        let what = format!("{mode} {name} sampled serving = cpu sampler ({rule})");
+        let detail = format!(
+            "{same}/{} prompts sample the same tokens",
+            reference.prompts.len()
+        );
+        if exact {
+            c.check(&what, same == reference.prompts.len(), detail);
+        } else {
+            println!("info {what}: {detail}");
+        }
     }
 
     // Every prompt in one batch against each alone.

@@ -132,7 +132,7 @@ pub fn generate_with_images(
     )?;
     let mut out = Vec::with_capacity(req.max_new_tokens);
     loop {
-        let next = sampler.sample(&logits);
+        let next = sampler.sample_after(&logits, &out);
         out.push(next);
         if out.len() >= req.max_new_tokens || req.stop_ids.contains(&next) {
             return Ok(out);

@@ -1,7 +1,20 @@
-//! Turning logits into the next token: greedy, or temperature with top-k and top-p, seeded.
+//! Turning logits into the next token: greedy, or temperature with top-k and top-p, seeded;
+//! optionally after penalties for tokens already in the completion and a bias per token.
+
+use std::collections::HashMap;
 
 use crate::error::{EngineError, Result};
 use crate::rng::Rng;
+
+/// The largest presence or frequency penalty, either sign (OpenAI's range).
+pub const MAX_PENALTY: f32 = 2.0;
+/// The largest logit bias, either sign (OpenAI's range).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
+
+/// Whether `v` is a number in [-max, max].
+fn within(v: f32, max: f32) -> bool {
+    v.is_finite() && v.abs() <= max
+}
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -12,6 +25,12 @@ pub struct SamplingParams {
     /// 0 disables top-k filtering.
     pub top_k: usize,
     pub seed: u64,
+    /// Subtracted from the logit of every token the completion already holds.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time the completion already holds it.
+    pub frequency_penalty: f32,
+    /// Added to the logits of these token ids (ids past the vocabulary are ignored).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -21,12 +40,62 @@ impl Default for SamplingParams {
             top_p: 1.0,
             top_k: 0,
             seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
 
 impl SamplingParams {
+    /// Whether the logits are changed before sampling (penalties or a bias): such rows are
+    /// sampled on the host, which knows the completion so far.
+    pub fn adjusts_logits(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || !self.logit_bias.is_empty()
+    }
+
+    /// Applies the penalties for the tokens of `completion` and then the biases to `logits`:
+    /// a token held `c` times loses `presence_penalty` (when `c > 0`) and `c ·
+    /// frequency_penalty`.
+    pub fn adjust(&self, logits: &mut [f32], completion: &[u32]) {
+        if self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 {
+            let mut counts: HashMap<u32, u32> = HashMap::new();
+            for &t in completion {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (t, c) in counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= self.presence_penalty + c as f32 * self.frequency_penalty;
+                }
+            }
+        }
+        for &(t, b) in &self.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !within(v, MAX_PENALTY) {
+                return Err(EngineError::InvalidInput(format!(
+                    "{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {v}"
+                )));
+            }
+        }
+        if let Some(&(t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !within(*b, MAX_LOGIT_BIAS))
+        {
+            return Err(EngineError::InvalidInput(format!(
+                "the logit bias of token {t} must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {b}"
+            )));
+        }
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return Err(EngineError::InvalidInput(format!(
                 "temperature must be a finite number ≥ 0, got {}",
@@ -66,10 +135,26 @@ impl Sampler {
     }
 
     /// The next token for `logits`: [`tessera_kernels::cpu::sample_row`] with this sampler's
-    /// parameters and its next draw.
+    /// parameters and its next draw (the logits as they are: see [`Self::sample_after`]).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let d = self.draw();
         tessera_kernels::cpu::sample_row(logits, d.temperature, d.top_k, d.top_p, d.uniform)
+    }
+
+    /// The next token of a completion that holds `completion` so far: [`Self::sample`] of the
+    /// logits after [`SamplingParams::adjust`].
+    pub fn sample_after(&mut self, logits: &[f32], completion: &[u32]) -> u32 {
+        if !self.params.adjusts_logits() {
+            return self.sample(logits);
+        }
+        let mut adjusted = logits.to_vec();
+        self.params.adjust(&mut adjusted, completion);
+        self.sample(&adjusted)
+    }
+
+    /// Whether this sampler changes the logits before sampling ([`SamplingParams::adjusts_logits`]).
+    pub fn adjusts_logits(&self) -> bool {
+        self.params.adjusts_logits()
     }
 
     /// What [`Self::sample`] would apply to the next logits, advancing the random stream the same
@@ -114,6 +199,7 @@ mod tests {
                 top_k: 40,
                 top_p: 0.9,
                 seed: 5,
+                ..Default::default()
             },
             SamplingParams {
                 temperature: 1.3,
@@ -214,7 +300,53 @@ mod tests {
     }
 
     #[test]
+    fn penalties_and_biases_move_the_logits_of_the_tokens_they_name() {
+        let p = SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            logit_bias: vec![(3, 10.0), (9, -1.0), (99, 5.0)],
+            ..Default::default()
+        };
+        assert!(p.adjusts_logits() && !SamplingParams::default().adjusts_logits());
+        let mut logits = vec![0.0f32; 10];
+        p.adjust(&mut logits, &[1, 1, 1, 2, 42]);
+        // Token 1 three times: 0.5 + 3 · 0.25; token 2 once: 0.5 + 0.25; 42 and 99 are past the
+        // vocabulary.
+        assert_eq!(
+            logits,
+            vec![0.0, -1.25, -0.75, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0]
+        );
+        // Greedy: the bias makes token 3 the choice; without it, the repeated token 1 stays.
+        let raw = [0.0, 5.0, 4.0, 1.0];
+        let mut s = Sampler::new(p).unwrap();
+        assert_eq!(s.sample_after(&raw, &[1, 1]), 3);
+        let no_bias = SamplingParams {
+            frequency_penalty: 2.0,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(no_bias).unwrap();
+        assert_eq!(s.sample_after(&raw, &[]), 1);
+        assert_eq!(s.sample_after(&raw, &[1]), 2, "5 − 2 < 4");
+    }
+
+    #[test]
     fn rejects_bad_parameters() {
+        for bad in [
+            SamplingParams {
+                presence_penalty: 2.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                frequency_penalty: f32::NAN,
+                ..Default::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(1, 101.0)],
+                ..Default::default()
+            },
+        ] {
+            assert!(Sampler::new(bad).is_err());
+        }
         assert!(Sampler::new(SamplingParams {
             temperature: -1.0,
             ..Default::default()

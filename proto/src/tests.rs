@@ -78,6 +78,12 @@ fn messages_roundtrip() {
             top_p: Some(0.9),
             top_k: 40,
             seed: Some(1),
+            presence_penalty: 0.5,
+            frequency_penalty: -0.25,
+            logit_bias: vec![LogitBias {
+                token_id: 7,
+                bias: -100.0,
+            }],
         }),
         max_tokens: 16,
         stop_token_ids: vec![2],

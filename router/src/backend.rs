@@ -8,7 +8,7 @@
 use tokio::sync::mpsc;
 
 /// How to pick the next token. `temperature == 0` means greedy.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sampling {
     pub temperature: f32,
     /// Nucleus mass in `(0, 1]`; 1 disables.
@@ -17,6 +17,12 @@ pub struct Sampling {
     pub top_k: u32,
     /// Seed for a reproducible sample stream; `None` means nondeterministic.
     pub seed: Option<u64>,
+    /// Subtracted from the logit of every token the completion already holds.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time the completion already holds it.
+    pub frequency_penalty: f32,
+    /// Added to the logits of these token ids (checked against the vocabulary).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for Sampling {
@@ -26,6 +32,9 @@ impl Default for Sampling {
             top_p: 1.0,
             top_k: 0,
             seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }

@@ -166,6 +166,14 @@ fn common_params(req: &GenerateRequest) -> CommonParams {
         top_k: sampling.map(|s| i64::from(s.top_k)),
         // Round-trips through the HTTP front's `i64` seed unchanged.
         seed: sampling.and_then(|s| s.seed).map(|s| s as i64),
+        presence_penalty: sampling.map(|s| f64::from(s.presence_penalty)),
+        frequency_penalty: sampling.map(|s| f64::from(s.frequency_penalty)),
+        logit_bias: sampling.map(|s| {
+            s.logit_bias
+                .iter()
+                .map(|b| (b.token_id.to_string(), serde_json::json!(b.bias)))
+                .collect()
+        }),
         stop: Some(StopField::Many(req.stop.clone())),
         stop_token_ids: Some(req.stop_token_ids.iter().map(|&id| i64::from(id)).collect()),
         ignore_eos: req.ignore_eos,

@@ -19,7 +19,8 @@ use tessera_proto::tonic::Code;
 use tessera_proto::v1::generate_client::GenerateClient;
 use tessera_proto::v1::generate_request::Prompt;
 use tessera_proto::v1::{
-    FinishReason, GenerateRequest, GenerateResponse, ListModelsRequest, SamplingParams, TokenIds,
+    FinishReason, GenerateRequest, GenerateResponse, ListModelsRequest, LogitBias, SamplingParams,
+    TokenIds,
 };
 use tessera_router::fake::{FakeBackend, FakeConfig};
 use tessera_router::{ApiKeys, BackendError, FrontOptions, HttpFront, RateLimit};
@@ -243,6 +244,12 @@ async fn token_prompts_sampling_and_request_fields_reach_the_backend() {
             top_p: Some(0.9),
             top_k: 40,
             seed: Some(u64::MAX - 1),
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            logit_bias: vec![LogitBias {
+                token_id: 3,
+                bias: 2.5,
+            }],
         }),
         max_tokens: 5,
         stop_token_ids: vec![7],
@@ -277,6 +284,9 @@ async fn token_prompts_sampling_and_request_fields_reach_the_backend() {
     assert_eq!(sub.sampling.top_p, 0.9);
     assert_eq!(sub.sampling.top_k, 40);
     assert_eq!(sub.sampling.seed, Some(u64::MAX - 1));
+    assert_eq!(sub.sampling.presence_penalty, 0.5);
+    assert_eq!(sub.sampling.frequency_penalty, 0.25);
+    assert_eq!(sub.sampling.logit_bias, vec![(3, 2.5)]);
     // Default max_tokens (0) is the router's completion default, text prompts are tokenized as
     // /v1/completions does.
     let out = generate(&mut client, text_request("hello", 0, false))
@@ -346,6 +356,29 @@ async fn bad_requests_map_to_grpc_codes() {
             GenerateRequest {
                 sampling: Some(SamplingParams {
                     top_p: Some(0.0),
+                    ..SamplingParams::default()
+                }),
+                ..base.clone()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            GenerateRequest {
+                sampling: Some(SamplingParams {
+                    frequency_penalty: 2.5,
+                    ..SamplingParams::default()
+                }),
+                ..base.clone()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            GenerateRequest {
+                sampling: Some(SamplingParams {
+                    logit_bias: vec![LogitBias {
+                        token_id: 1 << 20,
+                        bias: 1.0,
+                    }],
                     ..SamplingParams::default()
                 }),
                 ..base.clone()

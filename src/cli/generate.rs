@@ -72,6 +72,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
             top_p: a.top_p,
             top_k: a.top_k,
             seed: a.seed,
+            ..SamplingParams::default()
         },
         stop_ids: if a.ignore_eos {
             vec![]

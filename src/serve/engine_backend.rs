@@ -12,7 +12,8 @@ use tessera_engine::serving::{
 use tessera_engine::vision::{expand_placeholders, PlacedImage, VisionModel};
 use tessera_engine::SamplingParams;
 use tessera_router::{
-    BackendError, FinishReason, GenerationBackend, GenerationRequest, ImageInput, TokenEvent, Usage,
+    BackendError, FinishReason, GenerationBackend, GenerationRequest, ImageInput, Sampling,
+    TokenEvent, Usage,
 };
 use tokio::sync::mpsc;
 
@@ -87,6 +88,19 @@ fn place_images(
         })
         .collect();
     Ok((prompt, placed, max_tokens.min(room)))
+}
+
+/// The engine's sampling parameters for the front's, with the seed chosen for this request.
+fn engine_sampling(s: &Sampling, seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k as usize,
+        seed,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        logit_bias: s.logit_bias.clone(),
+    }
 }
 
 /// Forwards engine events to the HTTP request's channel; a closed channel is a cancellation.
@@ -186,12 +200,7 @@ impl GenerationBackend for EngineBackend {
                 let engine_req = EngineRequest {
                     prompt,
                     max_new_tokens,
-                    sampling: SamplingParams {
-                        temperature: req.sampling.temperature,
-                        top_p: req.sampling.top_p,
-                        top_k: req.sampling.top_k as usize,
-                        seed,
-                    },
+                    sampling: engine_sampling(&req.sampling, seed),
                     stop_ids: req.stop_token_ids,
                     cache_salt: None,
                     prefill_only: false,
@@ -209,12 +218,7 @@ impl GenerationBackend for EngineBackend {
         let engine_req = EngineRequest {
             prompt: req.prompt_ids,
             max_new_tokens: req.max_tokens,
-            sampling: SamplingParams {
-                temperature: req.sampling.temperature,
-                top_p: req.sampling.top_p,
-                top_k: req.sampling.top_k as usize,
-                seed,
-            },
+            sampling: engine_sampling(&req.sampling, seed),
             stop_ids: req.stop_token_ids,
             cache_salt: None,
             prefill_only: false,

@@ -282,6 +282,9 @@ pub fn sampling_from_wire(p: Option<&v1::SamplingParams>) -> SamplingParams {
             top_p: p.top_p.unwrap_or(d.top_p),
             top_k: p.top_k as usize,
             seed: p.seed.unwrap_or(d.seed),
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            logit_bias: p.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
         },
     }
 }

@@ -324,7 +324,7 @@ impl Flow {
         let msg = v1::PrefillRequest {
             request_id: run.wire_id.clone(),
             prompt_token_ids: run.prompt.clone(),
-            sampling: Some(self.sampling),
+            sampling: Some(self.sampling.clone()),
             destination: Some(v1::KvDestination::for_reservation(
                 placed.decode.addr.clone(),
                 r,
@@ -428,7 +428,7 @@ impl Flow {
             reservation_id: placed.reply.reservation_id.clone(),
             prompt_token_ids: run.prompt.clone(),
             first_token: first.first_token,
-            sampling: Some(self.sampling),
+            sampling: Some(self.sampling.clone()),
             max_tokens: run.max_tokens as u32,
             stop_token_ids: self.req.stop_token_ids.clone(),
             ignore_eos: self.req.ignore_eos,

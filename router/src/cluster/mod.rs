@@ -97,6 +97,13 @@ impl ClusterBackend {
             top_k: s.top_k,
             // Fixed here so prefill (first token) and decode (the rest) share one stream.
             seed: Some(s.seed.unwrap_or_else(policy::random_seed)),
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            logit_bias: s
+                .logit_bias
+                .iter()
+                .map(|&(token_id, bias)| v1::LogitBias { token_id, bias })
+                .collect(),
         }
     }
 }

@@ -24,6 +24,12 @@ pub(crate) const MAX_STOP_CHARS: usize = 256;
 pub(crate) const MAX_STOP_TOKEN_IDS: usize = 256;
 /// Choices (`n`) a request may ask for at most.
 pub(crate) const MAX_CHOICES: usize = 16;
+/// Tokens `logit_bias` may name at most (OpenAI's bound).
+pub(crate) const MAX_LOGIT_BIASES: usize = 300;
+/// The largest presence or frequency penalty, either sign.
+const MAX_PENALTY: f32 = 2.0;
+/// The largest logit bias, either sign.
+const MAX_LOGIT_BIAS: f32 = 100.0;
 
 /// Validated generation parameters, before the prompt is known.
 #[derive(Debug, Clone)]
@@ -65,23 +71,24 @@ impl GenOptions {
                 format!("best_of={b} is not supported: only best_of equal to n ({n}) is"),
             ));
         }
-        for (name, v) in [
+        let mut penalties = [0.0f32; 2];
+        for (k, (name, v)) in [
             ("presence_penalty", p.presence_penalty),
             ("frequency_penalty", p.frequency_penalty),
-        ] {
-            if v.is_some_and(|v| v != 0.0) {
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let v = v.unwrap_or(0.0);
+            if !(v.is_finite() && v.abs() <= MAX_PENALTY as f64) {
                 return Err(ApiError::invalid_param(
                     name,
-                    format!("{name} is not supported"),
+                    format!("{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {v}"),
                 ));
             }
+            penalties[k] = v as f32;
         }
-        if p.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-            return Err(ApiError::invalid_param(
-                "logit_bias",
-                "logit_bias is not supported",
-            ));
-        }
+        let logit_bias = parse_logit_bias(p.logit_bias, vocab_size)?;
         let max_tokens = match max_tokens {
             Some(m) if m < 1 => {
                 return Err(ApiError::invalid_param(
@@ -149,6 +156,9 @@ impl GenOptions {
                 top_p: top_p as f32,
                 top_k,
                 seed: p.seed.map(|s| s as u64),
+                presence_penalty: penalties[0],
+                frequency_penalty: penalties[1],
+                logit_bias,
             },
             stops,
             stop_token_ids,
@@ -160,6 +170,47 @@ impl GenOptions {
             n,
         })
     }
+}
+
+/// `logit_bias` as (token id, bias) pairs, sorted by id: keys are token ids in the vocabulary
+/// (as strings, OpenAI's form), values numbers in [-100, 100].
+fn parse_logit_bias(
+    map: Option<serde_json::Map<String, serde_json::Value>>,
+    vocab_size: usize,
+) -> Result<Vec<(u32, f32)>, ApiError> {
+    let map = map.unwrap_or_default();
+    at_most("logit_bias", "biased tokens", map.len(), MAX_LOGIT_BIASES)?;
+    let mut out = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let id: i64 = key.trim().parse().map_err(|_| {
+            ApiError::invalid_param(
+                "logit_bias",
+                format!("logit_bias keys are token ids, got {key:?}"),
+            )
+        })?;
+        let id = check_token_id(id, vocab_size, "logit_bias")?;
+        let bias = value
+            .as_f64()
+            .filter(|b| b.abs() <= MAX_LOGIT_BIAS as f64)
+            .ok_or_else(|| {
+                ApiError::invalid_param(
+                    "logit_bias",
+                    format!(
+                        "the bias of token {id} must be a number in [-{MAX_LOGIT_BIAS}, \
+                         {MAX_LOGIT_BIAS}], got {value}"
+                    ),
+                )
+            })?;
+        out.push((id, bias as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::invalid_param(
+            "logit_bias",
+            format!("token {} is named twice", w[0].0),
+        ));
+    }
+    Ok(out)
 }
 
 /// 400 naming `param` when a list of `what` has more than `max` entries.
@@ -297,7 +348,7 @@ impl AppState {
             request_id,
             prompt_ids,
             max_tokens,
-            sampling: opts.sampling,
+            sampling: opts.sampling.clone(),
             stop_token_ids: stop_token_ids.clone(),
             ignore_eos: opts.ignore_eos,
             images,

@@ -136,11 +136,16 @@ async fn a_decode_worker_failing_mid_stream_migrates_the_request_without_a_seam(
         (&sound, Role::Decode),
     ];
     let refs = reference();
+    // Penalties and a bias too: the new decode worker counts the streamed tokens it resumes
+    // from as completion tokens, as the first worker did.
     let sampled = |id: &str, prompt: &[u32], n: usize| GenerationRequest {
         sampling: Sampling {
             temperature: 0.9,
             top_p: 0.95,
             seed: Some(1234),
+            presence_penalty: 0.8,
+            frequency_penalty: 0.6,
+            logit_bias: vec![(prompt[2], 2.0)],
             ..Sampling::default()
         },
         ..greedy(id, prompt, n)

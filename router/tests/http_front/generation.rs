@@ -427,3 +427,16 @@ async fn several_choices_are_separate_requests_with_consecutive_seeds() {
     assert_eq!(usage[0]["prompt_tokens"], prompt_len);
     assert!(events.last().unwrap()["usage"].is_object());
 }
+
+#[tokio::test]
+async fn penalties_and_logit_bias_reach_the_backend() {
+    let h = harness();
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 2, "presence_penalty": 0.5,
+        "frequency_penalty": -0.25, "logit_bias": {"7": 5, "3": -100}});
+    let (status, v) = h.post("/v1/completions", &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let s = &h.fake.submitted()[0].sampling;
+    assert_eq!(s.presence_penalty, 0.5);
+    assert_eq!(s.frequency_penalty, -0.25);
+    assert_eq!(s.logit_bias, vec![(3, -100.0), (7, 5.0)]);
+}

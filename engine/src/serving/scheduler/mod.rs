@@ -149,6 +149,12 @@ impl Scheduler {
             ))
         } else if req.max_new_tokens == 0 {
             Some("max_new_tokens must be at least 1".to_string())
+        } else if req.resumed_tokens >= req.prompt.len() {
+            Some(format!(
+                "{} resumed tokens leave no prompt of {} tokens",
+                req.resumed_tokens,
+                req.prompt.len()
+            ))
         } else {
             self.check_images(&req).err()
         };
@@ -315,13 +321,18 @@ impl Scheduler {
         }
         // A device forward samples there too: each sequence whose last token runs this step
         // takes its draw now (only token ids come back); the host forward returns logits,
-        // sampled below.
+        // sampled below. So does a device forward whose step holds a sequence with penalties or
+        // biases: those need its completion so far, which the host has.
         let on_device = self.pool.arena().device().is_some();
+        let sample_on_device = on_device
+            && plan
+                .iter()
+                .all(|&(i, _)| !self.running[i].sampler.adjusts_logits());
         let draws: Vec<_> = plan
             .iter()
             .map(|&(i, end)| {
                 let s = &mut self.running[i];
-                (on_device && end == s.tokens.len()).then(|| s.sampler.draw())
+                (sample_on_device && end == s.tokens.len()).then(|| s.sampler.draw())
             })
             .collect();
         // Image rows of each prefill chunk (an image may straddle chunks).
@@ -363,18 +374,32 @@ impl Scheduler {
                     &s.tokens[s.paged.len..end]
                 })
                 .collect();
-            model
-                .forward_paged_sampled(
-                    &tokens,
-                    &wanted,
-                    &splices,
-                    pages.state(),
-                    &**self.pool.arena(),
-                    &draws,
-                )?
-                .into_iter()
-                .map(StepTokens::Sampled)
-                .collect()
+            if sample_on_device {
+                model
+                    .forward_paged_sampled(
+                        &tokens,
+                        &wanted,
+                        &splices,
+                        pages.state(),
+                        &**self.pool.arena(),
+                        &draws,
+                    )?
+                    .into_iter()
+                    .map(StepTokens::Sampled)
+                    .collect()
+            } else {
+                model
+                    .forward_paged(
+                        &tokens,
+                        &wanted,
+                        &splices,
+                        pages.state(),
+                        &**self.pool.arena(),
+                    )?
+                    .into_iter()
+                    .map(StepTokens::Logits)
+                    .collect()
+            }
         } else {
             for &(i, _) in &plan {
                 states.push(self.running[i].paged.gather(
@@ -427,7 +452,10 @@ impl Scheduler {
             }
             let next = match got {
                 StepTokens::Sampled(t) => t,
-                StepTokens::Logits(lg) if !lg.is_empty() => Some(s.sampler.sample(&lg)),
+                StepTokens::Logits(lg) if !lg.is_empty() => {
+                    let completion = s.req.prompt.len() - s.req.resumed_tokens;
+                    Some(s.sampler.sample_after(&lg, &s.tokens[completion..]))
+                }
                 StepTokens::Logits(_) => None,
             };
             if let Some(next) = next {
