@@ -44,6 +44,7 @@ fn req(
         prefill_only,
         resumed_tokens: 0,
         images: Vec::new(),
+        logprobs: None,
     }
 }
 

@@ -366,3 +366,56 @@ fn logit_bias_and_penalties_steer_the_engine() {
         vec![42; 6]
     );
 }
+
+#[test]
+fn logprobs_equal_the_reference_log_softmax() {
+    let dir = fixtures_dir().join("kl_mixed");
+    let s = Server::start(&dir, &[]);
+    for p in reference(&dir).prompts {
+        // The first generated token's distribution is the softmax of the reference's logits at
+        // the prompt's last position.
+        let (shape, logits) = tessera_engine::npy::read_f32(&dir.join(&p.logits_file)).unwrap();
+        let vocab = shape[1];
+        let last = &logits[(shape[0] - 1) * vocab..];
+        let max = last.iter().fold(f64::NEG_INFINITY, |m, &l| m.max(l as f64));
+        let lse = max
+            + last
+                .iter()
+                .map(|&l| (l as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        let mut want: Vec<f64> = last.iter().map(|&l| l as f64 - lse).collect();
+
+        let (st, r) = s.post_json(
+            "/v1/completions",
+            &json!({"prompt": p.prompt_ids, "max_tokens": 3, "temperature": 1.0, "seed": 5,
+                "logprobs": 5, "return_token_ids": true, "ignore_eos": true}),
+        );
+        assert_eq!(st, 200, "{r}");
+        let c = &r["choices"][0];
+        let first = ids(&c["token_ids"])[0] as usize;
+        let got = c["logprobs"]["token_logprobs"][0].as_f64().unwrap();
+        assert!(
+            (got - want[first]).abs() < 1e-4,
+            "{}: token {first}: {got} against {}",
+            p.name,
+            want[first]
+        );
+        let mut top: Vec<f64> = c["logprobs"]["top_logprobs"][0]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        top.sort_by(|a, b| b.total_cmp(a));
+        want.sort_by(|a, b| b.total_cmp(a));
+        // Alternatives whose texts coincide are listed once, so compare the likeliest.
+        assert!(!top.is_empty());
+        assert!((top[0] - want[0]).abs() < 1e-4, "{}: {top:?}", p.name);
+        assert_eq!(
+            c["logprobs"]["tokens"].as_array().unwrap().len(),
+            3,
+            "one entry per token"
+        );
+    }
+}

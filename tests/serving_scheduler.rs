@@ -35,7 +35,7 @@ impl EventSink for Collector {
         let mut o = self.out.lock().unwrap();
         match e {
             EngineEvent::Token(t) => o.tokens.push(t),
-            EngineEvent::Prefilled { .. } | EngineEvent::Handoff(_) => {}
+            EngineEvent::Prefilled { .. } | EngineEvent::Handoff(_) | EngineEvent::Logprobs(_) => {}
             EngineEvent::Failed(m) => o.failed = Some(m),
             fin @ EngineEvent::Finished { .. } => o.finished = Some(fin),
         }
@@ -64,6 +64,7 @@ fn submit(
         prefill_only: false,
         resumed_tokens: 0,
         images: Vec::new(),
+        logprobs: None,
     };
     s.submit(
         req,

@@ -299,6 +299,7 @@ impl DecodeWorker for DecodeGrpc {
                 "resumed_tokens must be smaller than the prompt and than max_tokens",
             ));
         }
+        let logprobs = runtime::top_logprobs_from_wire(req.logprobs)?;
         let id: u64 = req
             .reservation_id
             .parse()
@@ -368,6 +369,7 @@ impl DecodeWorker for DecodeGrpc {
             prefill_only: false,
             resumed_tokens: resumed as usize,
             images: Vec::new(),
+            logprobs,
         };
         let cancelled = Arc::new(AtomicBool::new(false));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -409,12 +411,20 @@ impl DecodeWorker for DecodeGrpc {
                         let gone = Status::unavailable("test hook: the decode worker went away");
                         return Some((Err(gone), (guard, rx, offset, true)));
                     }
-                    match rx.recv().await {
+                    // A token's log-probabilities come just before it, into its chunk.
+                    let mut logprobs = Vec::new();
+                    let mut event = rx.recv().await;
+                    while let Some(EngineEvent::Logprobs(lp)) = &event {
+                        logprobs = vec![runtime::logprobs_to_wire(lp)];
+                        event = rx.recv().await;
+                    }
+                    match event {
                         Some(EngineEvent::Token(t)) => {
                             me.tokens_out.fetch_add(1, Ordering::Relaxed);
                             let chunk = v1::TokenChunk {
                                 token_ids: vec![t],
                                 offset,
+                                logprobs,
                                 ..Default::default()
                             };
                             Some((Ok(chunk), (guard, rx, offset + 1, false)))
@@ -437,6 +447,7 @@ impl DecodeWorker for DecodeGrpc {
                                     completion_tokens: completion_tokens as u32 + resumed,
                                     cached_tokens: cached_tokens as u32,
                                 }),
+                                logprobs: vec![],
                             };
                             Some((Ok(chunk), (guard, rx, offset, true)))
                         }

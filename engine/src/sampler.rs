@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use crate::error::{EngineError, Result};
 use crate::rng::Rng;
+use crate::serving::TokenLogprobs;
 
 /// The largest presence or frequency penalty, either sign (OpenAI's range).
 pub const MAX_PENALTY: f32 = 2.0;
@@ -174,6 +175,39 @@ impl Sampler {
     }
 }
 
+/// The log-probabilities of `token` and of the `top` most likely tokens under the softmax of
+/// `logits` (in f64; a NaN logit counts as impossible).
+pub fn token_logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+    let value = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l };
+    let max = logits
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &l| m.max(value(l))) as f64;
+    let sum: f64 = logits.iter().map(|&l| (value(l) as f64 - max).exp()).sum();
+    let lse = max + sum.ln();
+    let lp = |t: u32| {
+        logits
+            .get(t as usize)
+            .map_or(f32::NEG_INFINITY, |&l| (value(l) as f64 - lse) as f32)
+    };
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let top = top.min(order.len());
+    let by_rank = |a: &u32, b: &u32| {
+        value(logits[*b as usize])
+            .total_cmp(&value(logits[*a as usize]))
+            .then(a.cmp(b))
+    };
+    if top > 0 && top < order.len() {
+        order.select_nth_unstable_by(top - 1, by_rank);
+    }
+    order.truncate(top);
+    order.sort_unstable_by(by_rank);
+    TokenLogprobs {
+        token,
+        logprob: lp(token),
+        top: order.into_iter().map(|t| (t, lp(t))).collect(),
+    }
+}
+
 /// One row's sampling rule and uniform draw in [0, 1) (0 when greedy).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SampleDraw {
@@ -327,6 +361,28 @@ mod tests {
         let mut s = Sampler::new(no_bias).unwrap();
         assert_eq!(s.sample_after(&raw, &[]), 1);
         assert_eq!(s.sample_after(&raw, &[1]), 2, "5 − 2 < 4");
+    }
+
+    #[test]
+    fn log_probabilities_are_the_log_softmax_and_the_top_tokens_come_in_order() {
+        let logits = [1.0f32, 3.0, f32::NAN, 3.0, -2.0];
+        let lp = token_logprobs(&logits, 4, 3);
+        let lse = [1.0f64, 3.0, 3.0, -2.0]
+            .iter()
+            .map(|x| x.exp())
+            .sum::<f64>()
+            .ln();
+        assert!((lp.logprob as f64 - (-2.0 - lse)).abs() < 1e-6);
+        let ids: Vec<u32> = lp.top.iter().map(|&(t, _)| t).collect();
+        assert_eq!(ids, vec![1, 3, 0], "ties by lower id, the NaN never");
+        assert!((lp.top[2].1 as f64 - (1.0 - lse)).abs() < 1e-6);
+        let total: f64 = [0u32, 1, 3, 4]
+            .iter()
+            .map(|&t| (token_logprobs(&logits, t, 0).logprob as f64).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert_eq!(token_logprobs(&logits, 2, 0).logprob, f32::NEG_INFINITY);
+        assert_eq!(token_logprobs(&logits, 1, 9).top.len(), 5);
     }
 
     #[test]

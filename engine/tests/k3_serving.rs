@@ -54,6 +54,7 @@ fn req(prompt: &[u32], max_new: usize, prefill_only: bool) -> EngineRequest {
         prefill_only,
         resumed_tokens: 0,
         images: Vec::new(),
+        logprobs: None,
     }
 }
 

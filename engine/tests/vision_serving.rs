@@ -119,6 +119,7 @@ fn req(prompt: &[u32], images: &[PlacedImage], n: usize, prefill_only: bool) -> 
         prefill_only,
         resumed_tokens: 0,
         images: images.to_vec(),
+        logprobs: None,
     }
 }
 

@@ -581,6 +581,7 @@ impl PrefillWorker for PrefillGrpc {
                 "resumed_tokens must be smaller than the prompt",
             ));
         }
+        let logprobs = runtime::top_logprobs_from_wire(req.logprobs)?;
         let dest = req
             .destination
             .clone()
@@ -620,6 +621,7 @@ impl PrefillWorker for PrefillGrpc {
             prefill_only: true,
             resumed_tokens: req.resumed_tokens as usize,
             images,
+            logprobs,
         };
         let sink = HandoffSink {
             tx: Some(tx),
@@ -683,6 +685,10 @@ impl PrefillWorker for PrefillGrpc {
                 cached_tokens: h.cached_tokens as u32,
                 transfer: Some(transfer),
                 compute_us,
+                first_token_logprobs: h
+                    .first_token_logprobs
+                    .as_ref()
+                    .map(runtime::logprobs_to_wire),
             })
         }
         .await;

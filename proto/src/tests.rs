@@ -111,6 +111,7 @@ fn messages_roundtrip() {
             completion_tokens: 3,
             cached_tokens: 0,
         }),
+        logprobs: vec![],
     });
     roundtrip(&EncodeReply {
         handles: vec![EmbeddingHandle {

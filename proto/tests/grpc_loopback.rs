@@ -75,6 +75,7 @@ impl DecodeWorker for FakeDecode {
                     completion_tokens: req.max_tokens,
                     cached_tokens: req.cached_tokens,
                 }),
+                logprobs: vec![],
             }));
         }
         Ok(Response::new(Box::pin(futures_util::stream::iter(chunks))))

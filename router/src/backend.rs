@@ -58,6 +58,18 @@ pub struct GenerationRequest {
     /// image's embedding rows are known; the prompt and `max_tokens` limits are checked again
     /// then).
     pub images: Vec<crate::images::ImageInput>,
+    /// Report each generated token's log-probability and this many most likely alternatives
+    /// ([`TokenEvent::Logprobs`]); `None`: none.
+    pub logprobs: Option<u32>,
+}
+
+/// Log-probabilities of one sampled token under the model's distribution (before temperature,
+/// penalties or biases): its own, and the most likely tokens' in descending order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Why a generation ended.
@@ -92,6 +104,9 @@ pub enum TokenEvent {
     },
     /// One sampled token, including the final stop token.
     Token(u32),
+    /// The log-probabilities of the token that comes next, for a request that asked
+    /// ([`GenerationRequest::logprobs`]).
+    Logprobs(TokenLogprobs),
     Finished {
         reason: FinishReason,
         usage: Usage,

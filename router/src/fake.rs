@@ -11,7 +11,8 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 use crate::backend::{
-    BackendError, FinishReason, GenerationBackend, GenerationRequest, TokenEvent, Usage,
+    BackendError, FinishReason, GenerationBackend, GenerationRequest, TokenEvent, TokenLogprobs,
+    Usage,
 };
 
 /// How the fake behaves.
@@ -100,6 +101,20 @@ impl FakeBackend {
         self.finished.load(Ordering::SeqCst)
     }
 
+    /// The log-probabilities the fake reports for token `id` at step `i` with `top`
+    /// alternatives: `-(i + 1) / 8` for the token, and the alternatives `id`, `id + 1`, … (modulo
+    /// the token modulus) a nat apart from it on.
+    pub fn logprobs_at(config: &FakeConfig, id: u32, i: usize, top: u32) -> TokenLogprobs {
+        let logprob = -((i + 1) as f32) / 8.0;
+        TokenLogprobs {
+            token: id,
+            logprob,
+            top: (0..top)
+                .map(|j| ((id + j) % config.token_modulus, logprob - j as f32))
+                .collect(),
+        }
+    }
+
     /// What the fake would generate for `req`, ignoring stops.
     pub fn token_at(config: &FakeConfig, prompt_len: usize, i: usize) -> u32 {
         if config.script.is_empty() {
@@ -147,6 +162,11 @@ impl GenerationBackend for FakeBackend {
                     break;
                 }
                 let id = FakeBackend::token_at(&config, prompt_len, i);
+                if let Some(k) = req.logprobs {
+                    events.push(TokenEvent::Logprobs(FakeBackend::logprobs_at(
+                        &config, id, i, k,
+                    )));
+                }
                 events.push(TokenEvent::Token(id));
                 if req.stop_token_ids.contains(&id) {
                     end = TokenEvent::Finished {

@@ -20,7 +20,8 @@ pub mod metrics;
 pub mod text;
 
 pub use backend::{
-    BackendError, FinishReason, GenerationBackend, GenerationRequest, Sampling, TokenEvent, Usage,
+    BackendError, FinishReason, GenerationBackend, GenerationRequest, Sampling, TokenEvent,
+    TokenLogprobs, Usage,
 };
 pub use cluster::{ClusterBackend, ClusterConfig, PoolOptions, WorkerPool};
 pub use daemon::RouterArgs;

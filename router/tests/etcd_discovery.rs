@@ -94,7 +94,7 @@ async fn generate(b: &ClusterBackend, req: GenerationRequest) -> Result<Vec<u32>
             Some(TokenEvent::Token(t)) => tokens.push(t),
             Some(TokenEvent::Finished { .. }) => return Ok(tokens),
             Some(TokenEvent::Failed(e)) => return Err(format!("{e:?}")),
-            Some(TokenEvent::Prefilled { .. }) => {}
+            Some(TokenEvent::Prefilled { .. } | TokenEvent::Logprobs(_)) => {}
         }
     }
 }

@@ -13,7 +13,7 @@ use tessera_engine::vision::{expand_placeholders, PlacedImage, VisionModel};
 use tessera_engine::SamplingParams;
 use tessera_router::{
     BackendError, FinishReason, GenerationBackend, GenerationRequest, ImageInput, Sampling,
-    TokenEvent, Usage,
+    TokenEvent, TokenLogprobs, Usage,
 };
 use tokio::sync::mpsc;
 
@@ -113,6 +113,11 @@ impl EventSink for ChannelSink {
         let ev = match event {
             EngineEvent::Prefilled { cached_tokens } => TokenEvent::Prefilled { cached_tokens },
             EngineEvent::Token(t) => TokenEvent::Token(t),
+            EngineEvent::Logprobs(lp) => TokenEvent::Logprobs(TokenLogprobs {
+                token: lp.token,
+                logprob: lp.logprob,
+                top: lp.top,
+            }),
             EngineEvent::Finished {
                 reason,
                 prompt_tokens,
@@ -164,7 +169,9 @@ impl GenerationBackend for EngineBackend {
                 stats.waiting
             )));
         }
-        let (tx, rx) = mpsc::channel(req.max_tokens + 4);
+        // Room for every event: a token each (two with log-probabilities), and three more.
+        let per_token = if req.logprobs.is_some() { 2 } else { 1 };
+        let (tx, rx) = mpsc::channel(per_token * req.max_tokens + 4);
         let seed = req
             .sampling
             .seed
@@ -206,6 +213,7 @@ impl GenerationBackend for EngineBackend {
                     prefill_only: false,
                     resumed_tokens: 0,
                     images,
+                    logprobs: req.logprobs.map(|k| k as usize),
                 };
                 let fail = tx.clone();
                 if let Err(e) = engine.submit(engine_req, Box::new(ChannelSink { tx })) {
@@ -224,6 +232,7 @@ impl GenerationBackend for EngineBackend {
             prefill_only: false,
             resumed_tokens: 0,
             images: Vec::new(),
+            logprobs: req.logprobs.map(|k| k as usize),
         };
         self.engine
             .submit(engine_req, Box::new(ChannelSink { tx }))

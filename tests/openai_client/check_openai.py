@@ -228,7 +228,8 @@ def main():
 
     def errors():
         for kwargs, exc in [
-            ({"model": model, "prompt": PROMPT, "n": 2}, openai.BadRequestError),
+            ({"model": model, "prompt": PROMPT, "n": 17}, openai.BadRequestError),
+            ({"model": model, "prompt": PROMPT, "logprobs": 21}, openai.BadRequestError),
             ({"model": model, "prompt": PROMPT, "temperature": 5}, openai.BadRequestError),
             ({"model": model, "prompt": PROMPT, "max_tokens": -1}, openai.BadRequestError),
             ({"model": model + "-nope", "prompt": PROMPT}, openai.NotFoundError),
@@ -251,10 +252,34 @@ def main():
         else:
             raise AssertionError("an image part was accepted by a text-only model")
 
+    def choices_and_logprobs():
+        # Two seeded choices; greedy log-probabilities as the client parses them.
+        r = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, n=2
+        )
+        assert [c.index for c in r.choices] == [0, 1], r
+        assert 2 <= r.usage.completion_tokens <= 12, r.usage
+        r = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3
+        )
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs), lp
+        assert all(x <= 0 for x in lp.token_logprobs), lp
+        assert all(len(t) >= 1 for t in lp.top_logprobs), lp
+        r = client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+            top_logprobs=2,
+        )
+        content = r.choices[0].logprobs.content
+        assert content and all(len(c.top_logprobs) == 2 for c in content), content
+        # Greedy: each token is its step's likeliest.
+        assert all(abs(c.logprob - c.top_logprobs[0].logprob) < 1e-6 for c in content), content
+
     check("completions: plain == streamed (greedy)", completions)
     check("chat: plain == streamed (greedy)", chat)
     check("completions: token-id prompt, stop string", token_prompt_and_stop)
     check("errors map to the client's exceptions", errors)
+    check("n choices and log-probabilities", choices_and_logprobs)
     if args.image:
         check("chat with an image", lambda: chat_image(client, model, args.max_tokens, args.image))
 

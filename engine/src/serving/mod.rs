@@ -10,6 +10,6 @@ pub mod scheduler;
 pub use engine_loop::EngineHandle;
 pub use request::{
     EngineEvent, EngineRequest, EventSink, FinishReason, Handoff, Reservation, SchedulerConfig,
-    SchedulerStats,
+    SchedulerStats, TokenLogprobs, MAX_TOP_LOGPROBS,
 };
 pub use scheduler::Scheduler;

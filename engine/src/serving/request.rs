@@ -57,6 +57,23 @@ pub struct EngineRequest {
     /// pages must be given the same images (or at least their hashes and positions, see
     /// [`vision::page_marks`]) for its cache keys to match.
     pub images: Vec<PlacedImage>,
+    /// Report the log-probability of every generated token and of this many most likely tokens
+    /// at each step ([`EngineEvent::Logprobs`]); `None` reports none. Such a request's steps
+    /// are sampled on the host, where the logits are.
+    pub logprobs: Option<usize>,
+}
+
+/// The most alternatives [`EngineRequest::logprobs`] may ask for.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Log-probabilities of one sampled token under the model's own distribution (the softmax of
+/// its logits, before temperature, penalties or biases): the token's, and the most likely
+/// tokens' in descending order (ties by lower id).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 impl EngineRequest {
@@ -71,6 +88,7 @@ impl EngineRequest {
             prefill_only: false,
             resumed_tokens: 0,
             images: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -88,6 +106,9 @@ pub enum EngineEvent {
         cached_tokens: usize,
     },
     Token(u32),
+    /// The log-probabilities of the token in the [`EngineEvent::Token`] that follows, for a
+    /// request that asks ([`EngineRequest::logprobs`]).
+    Logprobs(TokenLogprobs),
     Finished {
         reason: FinishReason,
         prompt_tokens: usize,
@@ -107,6 +128,8 @@ pub struct Handoff {
     pub id: u64,
     pub prompt_len: usize,
     pub first_token: u32,
+    /// The first token's log-probabilities, for a request that asks for them.
+    pub first_token_logprobs: Option<TokenLogprobs>,
     pub cached_tokens: usize,
     pub mla_pages: Vec<PageId>,
     pub kda_pages: Vec<PageId>,

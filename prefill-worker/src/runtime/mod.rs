@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tessera_engine::kv::GroupKind;
-use tessera_engine::serving::EngineHandle;
+use tessera_engine::serving::{EngineHandle, TokenLogprobs, MAX_TOP_LOGPROBS};
 use tessera_engine::{Model, SamplingParams};
 use tessera_proto::health::server::HealthReporter;
 use tessera_proto::tonic;
@@ -286,6 +286,30 @@ pub fn sampling_from_wire(p: Option<&v1::SamplingParams>) -> SamplingParams {
             frequency_penalty: p.frequency_penalty,
             logit_bias: p.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
         },
+    }
+}
+
+/// A request's count of alternative log-probabilities from the wire, checked against the
+/// engine's bound.
+#[allow(clippy::result_large_err)] // tonic's Status is what the handlers return anyway
+pub fn top_logprobs_from_wire(k: Option<u32>) -> Result<Option<usize>, tonic::Status> {
+    match k {
+        Some(k) if k as usize > MAX_TOP_LOGPROBS => Err(v1::ErrorDetail::new(
+            v1::ErrorCode::InvalidArgument,
+            format!("logprobs must be at most {MAX_TOP_LOGPROBS}, got {k}"),
+        )
+        .into_status()),
+        k => Ok(k.map(|k| k as usize)),
+    }
+}
+
+/// One token's log-probabilities on the wire.
+pub fn logprobs_to_wire(lp: &TokenLogprobs) -> v1::TokenLogprobs {
+    v1::TokenLogprobs {
+        token_id: lp.token,
+        logprob: lp.logprob,
+        top_ids: lp.top.iter().map(|&(t, _)| t).collect(),
+        top_logprobs: lp.top.iter().map(|&(_, l)| l).collect(),
     }
 }
 

@@ -23,7 +23,9 @@ use tokio::sync::mpsc;
 
 use super::error::{retryable, to_backend, worker_down};
 use super::pool::{Lease, PairWith, Role, Worker, WorkerPool};
-use crate::backend::{BackendError, FinishReason, GenerationRequest, TokenEvent, Usage};
+use crate::backend::{
+    BackendError, FinishReason, GenerationRequest, TokenEvent, TokenLogprobs, Usage,
+};
 
 mod encode;
 
@@ -332,6 +334,7 @@ impl Flow {
             resumed_tokens: run.resumed as u32,
             images: run.images.clone(),
             cache_salt: self.cache_salt.clone(),
+            logprobs: self.req.logprobs,
             ..Default::default()
         };
         let mut client = prefill.prefill_client();
@@ -386,6 +389,13 @@ impl Flow {
                 .await;
         }
         if emitted.is_ok() {
+            if let Some(lp) = &first.first_token_logprobs {
+                emitted = self
+                    .emit(TokenEvent::Logprobs(logprobs_from_wire(lp)))
+                    .await;
+            }
+        }
+        if emitted.is_ok() {
             emitted = self.emit(TokenEvent::Token(first.first_token)).await;
             progress.tokens.push(first.first_token);
         }
@@ -435,6 +445,7 @@ impl Flow {
             resumed_tokens: run.resumed as u32,
             cached_tokens: progress.cached as u32,
             cache_salt: self.cache_salt.clone(),
+            logprobs: self.req.logprobs,
         };
         let decode = &placed.decode;
         let mut client = decode.decode_client();
@@ -488,6 +499,10 @@ impl Flow {
                 match index.cmp(&progress.tokens.len()) {
                     std::cmp::Ordering::Less => {}
                     std::cmp::Ordering::Equal => {
+                        if let Some(lp) = chunk.logprobs.get(i) {
+                            self.emit(TokenEvent::Logprobs(logprobs_from_wire(lp)))
+                                .await?;
+                        }
                         self.emit(TokenEvent::Token(t)).await?;
                         progress.tokens.push(t);
                     }
@@ -633,4 +648,19 @@ async fn cancel_within(w: &Worker, request_id: &str, bound: Duration) {
         }
     };
     let _ = tokio::time::timeout(bound, call).await;
+}
+
+/// One token's log-probabilities from the wire (alternatives past the shorter of the two lists
+/// are dropped).
+fn logprobs_from_wire(lp: &v1::TokenLogprobs) -> TokenLogprobs {
+    TokenLogprobs {
+        token: lp.token_id,
+        logprob: lp.logprob,
+        top: lp
+            .top_ids
+            .iter()
+            .copied()
+            .zip(lp.top_logprobs.iter().copied())
+            .collect(),
+    }
 }

@@ -11,7 +11,10 @@ use serde_json::Value;
 use tessera_tokenizer::{ChatMessage, MessageContent};
 
 use super::error::{parse_value, ApiError, ApiJson};
-use super::generate::{collect_all, Delta, GenOptions, Generation, ResponseHead};
+use super::generate::{
+    check_top_logprobs, collect_all, Delta, GenOptions, Generation, ResponseHead,
+};
+use super::logprobs::chat_form;
 use super::stream::{json, sse_response, ChunkFormat};
 use super::types::{
     AssistantMessage, ChatBody, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatFields,
@@ -99,12 +102,16 @@ pub(crate) async fn handle(
     check_content_types(&body)?;
     let own: ChatFields = parse_value(&body)?;
     state.check_model(common.model.as_deref())?;
-    if own.logprobs == Some(true) || own.top_logprobs.is_some_and(|n| n > 0) {
-        return Err(ApiError::invalid_param(
-            "logprobs",
-            "logprobs are not supported yet",
-        ));
-    }
+    let logprobs = match (own.logprobs, own.top_logprobs) {
+        (Some(true), top) => Some(check_top_logprobs(top.unwrap_or(0), "top_logprobs")?),
+        (_, Some(k)) if k != 0 => {
+            return Err(ApiError::invalid_param(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            ))
+        }
+        _ => None,
+    };
     if let Some(rf) = &own.response_format {
         if rf.get("type").and_then(Value::as_str) != Some("text") {
             return Err(ApiError::invalid_param(
@@ -127,7 +134,8 @@ pub(crate) async fn handle(
         super::images::fetch_images(sources, &state.image_rules, state.remote_images.as_deref())
             .await?;
     let max_tokens = own.max_completion_tokens.or(common.max_tokens);
-    let opts = GenOptions::from_params(common, max_tokens, state.vocab_size)?;
+    let mut opts = GenOptions::from_params(common, max_tokens, state.vocab_size)?;
+    opts.logprobs = logprobs;
     let Some(template) = state.chat_template.clone() else {
         return Err(ApiError::invalid(
             "This model has no chat template; use /v1/completions",
@@ -158,7 +166,11 @@ pub(crate) async fn handle(
     let (mut choices, head) =
         state.start_choices("chatcmpl", prompt_ids, images, &opts, None, arrived)?;
     if opts.stream {
-        return sse_response(choices, ChatChunks { head }, opts.include_usage).await;
+        let format = ChatChunks {
+            head,
+            logprobs: logprobs.is_some(),
+        };
+        return sse_response(choices, format, opts.include_usage).await;
     }
     let outputs = collect_all(&mut choices).await?;
     let body = ChatBody {
@@ -175,7 +187,7 @@ pub(crate) async fn handle(
                     role: "assistant",
                     content: d.text,
                 },
-                logprobs: None,
+                logprobs: logprobs.map(|_| chat_form(&d.logprobs)),
                 finish_reason: d.finish,
                 token_ids: head.return_token_ids.then_some(d.token_ids),
             })
@@ -189,6 +201,8 @@ pub(crate) async fn handle(
 /// Builds `chat.completion.chunk` objects.
 struct ChatChunks {
     head: ResponseHead,
+    /// Whether choices carry log-probabilities.
+    logprobs: bool,
 }
 
 impl ChatChunks {
@@ -227,16 +241,18 @@ impl ChunkFormat for ChatChunks {
 
     fn delta(&mut self, index: u32, d: Delta) -> Option<String> {
         let has_ids = self.head.return_token_ids && !d.token_ids.is_empty();
-        if d.text.is_empty() && d.finish.is_none() && !has_ids {
+        let has_logprobs = self.logprobs && !d.logprobs.is_empty();
+        if d.text.is_empty() && d.finish.is_none() && !has_ids && !has_logprobs {
             return None;
         }
+        let logprobs = self.logprobs.then(|| chat_form(&d.logprobs));
         let choice = ChatChunkChoice {
             index,
             delta: ChatDelta {
                 role: None,
                 content: (!d.text.is_empty() || d.finish.is_none()).then_some(d.text),
             },
-            logprobs: None,
+            logprobs,
             finish_reason: d.finish,
             token_ids: self.head.return_token_ids.then_some(d.token_ids),
         };

@@ -9,7 +9,10 @@ use axum::Json;
 use serde_json::Value;
 
 use super::error::{parse_value, ApiError, ApiJson};
-use super::generate::{check_token_id, collect_all, Delta, GenOptions, Generation, ResponseHead};
+use super::generate::{
+    check_token_id, check_top_logprobs, collect_all, Delta, GenOptions, Generation, ResponseHead,
+};
+use super::logprobs::completion_form;
 use super::stream::{json, sse_response, ChunkFormat};
 use super::types::{CommonParams, CompletionBody, CompletionChoice, CompletionFields, UsageBody};
 use super::{require_object, AppState};
@@ -73,17 +76,16 @@ pub(crate) async fn handle(
     if own.echo == Some(true) {
         return Err(ApiError::invalid_param("echo", "echo is not supported"));
     }
-    if own.logprobs.is_some() {
-        return Err(ApiError::invalid_param(
-            "logprobs",
-            "logprobs are not supported yet",
-        ));
-    }
+    let logprobs = own
+        .logprobs
+        .map(|k| check_top_logprobs(k, "logprobs"))
+        .transpose()?;
     if own.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
     let max_tokens = common.max_tokens;
-    let opts = GenOptions::from_params(common, max_tokens, state.vocab_size)?;
+    let mut opts = GenOptions::from_params(common, max_tokens, state.vocab_size)?;
+    opts.logprobs = logprobs;
     let prompt_ids = match parse_prompt(own.prompt, state.vocab_size)? {
         Prompt::Ids(ids) => ids,
         // As vLLM/HF do, special-token text in a completion prompt maps to special tokens.
@@ -97,7 +99,11 @@ pub(crate) async fn handle(
         Some(state.default_completion_max_tokens),
         arrived,
     )?;
-    let mut format = CompletionChunks { head };
+    let mut format = CompletionChunks {
+        head,
+        logprobs: logprobs.is_some(),
+        offsets: vec![0; opts.n],
+    };
     if opts.stream {
         return sse_response(choices, format, opts.include_usage).await;
     }
@@ -115,6 +121,10 @@ pub(crate) async fn handle(
 /// Builds `text_completion` objects, whole or as stream chunks.
 struct CompletionChunks {
     head: ResponseHead,
+    /// Whether choices carry log-probabilities.
+    logprobs: bool,
+    /// Per choice, the characters of its tokens' texts so far (log-probabilities' offsets).
+    offsets: Vec<usize>,
 }
 
 impl CompletionChunks {
@@ -133,11 +143,14 @@ impl CompletionChunks {
     /// Choice `index` with the text and ids of `d` (the prompt's ids go with the first choice
     /// sent).
     fn choice(&mut self, index: u32, d: Delta) -> CompletionChoice {
+        let logprobs = self
+            .logprobs
+            .then(|| completion_form(&d.logprobs, &mut self.offsets[index as usize]));
         let head = &mut self.head;
         CompletionChoice {
             index,
             text: d.text,
-            logprobs: None,
+            logprobs,
             finish_reason: d.finish,
             token_ids: head.return_token_ids.then_some(d.token_ids),
             prompt_token_ids: head.prompt_token_ids.take(),
@@ -153,7 +166,8 @@ impl ChunkFormat for CompletionChunks {
     fn delta(&mut self, index: u32, d: Delta) -> Option<String> {
         let worth = !d.text.is_empty()
             || d.finish.is_some()
-            || (self.head.return_token_ids && !d.token_ids.is_empty());
+            || (self.head.return_token_ids && !d.token_ids.is_empty())
+            || (self.logprobs && !d.logprobs.is_empty());
         worth.then(|| {
             let choice = self.choice(index, d);
             json(&self.body(vec![choice]))

@@ -6,12 +6,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use tessera_tokenizer::Tokenizer;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::types::{CommonParams, UsageBody};
 use super::{new_request_id, unix_now, AppState};
-use crate::backend::{FinishReason, GenerationRequest, Sampling, TokenEvent};
+use crate::backend::{FinishReason, GenerationRequest, Sampling, TokenEvent, TokenLogprobs};
 use crate::images::ImageInput;
 use crate::metrics::Metrics;
 use crate::text::{OutputText, TextDelta};
@@ -22,6 +23,20 @@ pub(crate) const MAX_STOP_SEQUENCES: usize = 16;
 pub(crate) const MAX_STOP_CHARS: usize = 256;
 /// Stop token ids a request may give at most.
 pub(crate) const MAX_STOP_TOKEN_IDS: usize = 256;
+/// Alternatives a token's log-probabilities may list at most.
+pub(crate) const MAX_TOP_LOGPROBS: i64 = 20;
+
+/// `Some(k)` for a request of `k` alternatives in [0, 20], a 400 naming `param` otherwise.
+pub(crate) fn check_top_logprobs(k: i64, param: &str) -> Result<u32, ApiError> {
+    if !(0..=MAX_TOP_LOGPROBS).contains(&k) {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+        ));
+    }
+    Ok(k as u32)
+}
+
 /// Choices (`n`) a request may ask for at most.
 pub(crate) const MAX_CHOICES: usize = 16;
 /// Tokens `logit_bias` may name at most (OpenAI's bound).
@@ -45,6 +60,9 @@ pub(crate) struct GenOptions {
     pub return_token_ids: bool,
     /// Choices to generate from the one prompt (`n`), each its own request to the backend.
     pub n: usize,
+    /// Log-probabilities of each token and this many alternatives (set by the endpoint from
+    /// its own fields).
+    pub logprobs: Option<u32>,
 }
 
 impl GenOptions {
@@ -168,6 +186,7 @@ impl GenOptions {
             include_usage: p.stream_options.is_some_and(|o| o.include_usage),
             return_token_ids: p.return_token_ids,
             n,
+            logprobs: None,
         })
     }
 }
@@ -352,6 +371,7 @@ impl AppState {
             stop_token_ids: stop_token_ids.clone(),
             ignore_eos: opts.ignore_eos,
             images,
+            logprobs: opts.logprobs,
         };
         if self.log_requests {
             let prompt = self
@@ -370,6 +390,8 @@ impl AppState {
         Ok(Generation {
             rx: Some(rx),
             text: OutputText::new(&self.tokenizer, opts.stops.clone()),
+            tokens_text: opts.logprobs.map(|_| self.tokenizer.clone()),
+            pending_logprobs: None,
             stop_token_ids,
             prompt_tokens: prompt_len,
             completion_tokens: 0,
@@ -384,12 +406,22 @@ impl AppState {
 }
 
 /// What one backend event amounts to for the client.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Delta {
     pub text: String,
     pub token_ids: Vec<u32>,
     /// Set on the last delta: `"stop"`, `"length"` or `"abort"`.
     pub finish: Option<&'static str>,
+    /// Per token of `token_ids`, its log-probabilities, when the request asked for them.
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+/// One token's log-probability and its most likely alternatives, by their texts.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
 }
 
 fn finish_name(r: FinishReason) -> &'static str {
@@ -405,6 +437,10 @@ fn finish_name(r: FinishReason) -> &'static str {
 pub(crate) struct Generation {
     rx: Option<mpsc::Receiver<TokenEvent>>,
     text: OutputText,
+    /// The tokenizer that spells tokens for their log-probabilities, when the request asked.
+    tokens_text: Option<Tokenizer>,
+    /// The log-probabilities of the token the backend sends next.
+    pending_logprobs: Option<TokenLogprobs>,
     /// Ids that end generation; their text is never shown.
     stop_token_ids: Vec<u32>,
     prompt_tokens: usize,
@@ -438,6 +474,7 @@ impl Generation {
             };
             match event {
                 Some(TokenEvent::Prefilled { cached_tokens }) => self.cached_tokens = cached_tokens,
+                Some(TokenEvent::Logprobs(lp)) => self.pending_logprobs = Some(lp),
                 Some(TokenEvent::Token(id)) => return Some(self.on_token(id)),
                 Some(TokenEvent::Finished { reason, usage }) => {
                     self.cached_tokens = usage.cached_tokens;
@@ -450,8 +487,8 @@ impl Generation {
                     self.end();
                     return Some(Ok(Delta {
                         text,
-                        token_ids: Vec::new(),
                         finish: Some(finish_name(reason)),
+                        ..Delta::default()
                     }));
                 }
                 Some(TokenEvent::Failed(e)) => {
@@ -476,9 +513,11 @@ impl Generation {
         }
         self.last_token = Some(now);
         self.completion_tokens += 1;
+        let logprobs = self.spelled_logprobs(id);
         if self.stop_token_ids.contains(&id) {
             return Ok(Delta {
                 token_ids: vec![id],
+                logprobs,
                 ..Delta::default()
             });
         }
@@ -495,7 +534,22 @@ impl Generation {
             text: d.text,
             token_ids: vec![id],
             finish,
+            logprobs,
         })
+    }
+
+    /// Token `id`'s log-probabilities with the tokens spelled out, when the request asked (a
+    /// backend that sent none for it gives none).
+    fn spelled_logprobs(&mut self, id: u32) -> Vec<TokenLogprob> {
+        let (Some(tok), Some(lp)) = (&self.tokens_text, self.pending_logprobs.take()) else {
+            return Vec::new();
+        };
+        let spell = |t: u32| tok.decode(&[t], false).unwrap_or_default();
+        vec![TokenLogprob {
+            token: spell(id),
+            logprob: lp.logprob,
+            top: lp.top.iter().map(|&(t, l)| (spell(t), l)).collect(),
+        }]
     }
 
     /// Stop listening; dropping the receiver cancels the backend's work if it is still going.
@@ -519,15 +573,18 @@ impl Generation {
         )
     }
 
-    /// Run to the end: whole text, generated ids and finish reason.
-    pub async fn collect(&mut self) -> Result<(String, Vec<u32>, &'static str), ApiError> {
-        let (mut text, mut ids) = (String::new(), Vec::new());
+    /// Run to the end: the whole text, generated ids (with their log-probabilities) and the
+    /// finish reason, as one delta.
+    pub async fn collect(&mut self) -> Result<Delta, ApiError> {
+        let mut all = Delta::default();
         while let Some(d) = self.next().await {
             let d = d?;
-            text.push_str(&d.text);
-            ids.extend(d.token_ids);
-            if let Some(f) = d.finish {
-                return Ok((text, ids, f));
+            all.text.push_str(&d.text);
+            all.token_ids.extend(d.token_ids);
+            all.logprobs.extend(d.logprobs);
+            if d.finish.is_some() {
+                all.finish = d.finish;
+                return Ok(all);
             }
         }
         Err(ApiError::internal(
@@ -539,15 +596,7 @@ impl Generation {
 /// Every choice run to its end, concurrently: each one's whole text and ids, with its finish
 /// reason, in the order of the choices.
 pub(crate) async fn collect_all(choices: &mut [Generation]) -> Result<Vec<Delta>, ApiError> {
-    futures_util::future::try_join_all(choices.iter_mut().map(|g| async move {
-        let (text, token_ids, finish) = g.collect().await?;
-        Ok::<_, ApiError>(Delta {
-            text,
-            token_ids,
-            finish: Some(finish),
-        })
-    }))
-    .await
+    futures_util::future::try_join_all(choices.iter_mut().map(Generation::collect)).await
 }
 
 impl Drop for Generation {

@@ -11,6 +11,7 @@ pub mod error;
 pub mod fetch;
 pub(crate) mod generate;
 pub mod images;
+mod logprobs;
 mod stream;
 pub mod types;
 

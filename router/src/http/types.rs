@@ -5,6 +5,8 @@
 //! unknown fields are ignored, as OpenAI clients send many. Numbers are read wide (`i64`, `f64`)
 //! so range errors get our messages rather than serde's.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tessera_tokenizer::ChatMessage;
@@ -115,12 +117,23 @@ impl UsageBody {
 pub struct CompletionChoice {
     pub index: u32,
     pub text: String,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
+}
+
+/// A completion choice's log-probabilities (OpenAI's legacy form): per token its text, its
+/// log-probability, the most likely alternatives by text, and where its text starts in the
+/// choice's text (characters, counting the tokens' own texts).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    pub text_offset: Vec<usize>,
 }
 
 /// `object: "text_completion"`, used for both the response and its stream chunks.
@@ -145,10 +158,32 @@ pub struct AssistantMessage {
 pub struct ChatChoice {
     pub index: u32,
     pub message: AssistantMessage,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+}
+
+/// A chat choice's log-probabilities: one entry per generated token.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+/// One token's text, log-probability and UTF-8 bytes, with the most likely alternatives.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatTopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
 }
 
 /// `object: "chat.completion"`.
@@ -176,7 +211,7 @@ pub struct ChatDelta {
 pub struct ChatChunkChoice {
     pub index: u32,
     pub delta: ChatDelta,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,

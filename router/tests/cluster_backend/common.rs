@@ -15,7 +15,7 @@ use tessera_proto::v1::prefill_worker_client::PrefillWorkerClient;
 use tessera_router::cluster::Role;
 use tessera_router::{
     BackendError, ClusterBackend, FinishReason, GenerationBackend, GenerationRequest, TokenEvent,
-    Usage,
+    TokenLogprobs, Usage,
 };
 use tokio::sync::mpsc;
 
@@ -84,6 +84,8 @@ pub(super) fn destination(decode: &Worker, r: &v1::ReserveReply) -> v1::KvDestin
 
 pub(super) struct Outcome {
     pub(super) tokens: Vec<u32>,
+    /// The log-probabilities sent before tokens, in order.
+    pub(super) logprobs: Vec<TokenLogprobs>,
     pub(super) finish: Option<(FinishReason, Usage)>,
     pub(super) error: Option<BackendError>,
     pub(super) prefilled: bool,
@@ -92,6 +94,7 @@ pub(super) struct Outcome {
 pub(super) async fn collect(mut rx: mpsc::Receiver<TokenEvent>) -> Outcome {
     let mut o = Outcome {
         tokens: vec![],
+        logprobs: vec![],
         finish: None,
         error: None,
         prefilled: false,
@@ -103,6 +106,7 @@ pub(super) async fn collect(mut rx: mpsc::Receiver<TokenEvent>) -> Outcome {
         match e {
             TokenEvent::Prefilled { .. } => o.prefilled = true,
             TokenEvent::Token(t) => o.tokens.push(t),
+            TokenEvent::Logprobs(lp) => o.logprobs.push(lp),
             TokenEvent::Finished { reason, usage } => o.finish = Some((reason, usage)),
             TokenEvent::Failed(e) => o.error = Some(e),
         }

@@ -27,6 +27,22 @@ async fn one_prefill_one_decode_matches_the_fixture_over_the_backend_and_http() 
     }
     wait_baseline(&workers, &b, "after completions").await;
 
+    // Log-probabilities: the first token's from prefill, the rest from decode, one per token
+    // and in step with it; greedy tokens are their steps' likeliest.
+    let (prompt, want) = &reference()[0];
+    let mut r = greedy("lp", prompt, want.len());
+    r.logprobs = Some(3);
+    let o = generate(&b, r).await;
+    assert_reference(&o, prompt, want, "with logprobs");
+    assert_eq!(o.logprobs.len(), o.tokens.len());
+    for (lp, &t) in o.logprobs.iter().zip(&o.tokens) {
+        assert_eq!(lp.token, t);
+        assert_eq!(lp.top.len(), 3);
+        assert_eq!(lp.top[0], (t, lp.logprob));
+        assert!(lp.logprob <= 0.0 && lp.top[1].1 <= lp.top[0].1);
+    }
+    wait_baseline(&workers, &b, "after logprobs").await;
+
     // max_tokens 1: the first token finishes it; decode never starts and frees its reservation.
     let (prompt, want) = &reference()[1];
     let o = generate(&b, greedy("one", prompt, 1)).await;

@@ -135,5 +135,6 @@ pub fn greedy(id: &str, prompt: &[u32], max_tokens: usize) -> GenerationRequest 
         stop_token_ids: vec![],
         ignore_eos: true,
         images: vec![],
+        logprobs: None,
     }
 }

@@ -342,10 +342,10 @@ fn bad_requests() -> Vec<(
         ),
         (
             C,
-            j(json!({"prompt": "hi", "logprobs": 2})),
+            j(json!({"prompt": "hi", "logprobs": 21})),
             400,
             Some("logprobs"),
-            "logprobs are not supported",
+            "logprobs must be between 0 and 20, got 21",
         ),
         (C, j(json!({"prompt": ""})), 400, Some("prompt"), "empty"),
         (C, j(json!({"prompt": []})), 400, Some("prompt"), "empty"),
@@ -467,10 +467,12 @@ fn bad_requests() -> Vec<(
         ),
         (
             CHAT,
-            j(json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true})),
+            j(
+                json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": -1}),
+            ),
             400,
-            Some("logprobs"),
-            "logprobs are not supported",
+            Some("top_logprobs"),
+            "top_logprobs must be between 0 and 20, got -1",
         ),
         (
             CHAT,
@@ -529,8 +531,8 @@ fn bad_requests() -> Vec<(
             CHAT,
             say("top_logprobs", json!(3)),
             400,
-            Some("logprobs"),
-            "not supported",
+            Some("top_logprobs"),
+            "top_logprobs needs logprobs: true",
         ),
         (
             CHAT,

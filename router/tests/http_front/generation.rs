@@ -440,3 +440,58 @@ async fn penalties_and_logit_bias_reach_the_backend() {
     assert_eq!(s.frequency_penalty, -0.25);
     assert_eq!(s.logit_bias, vec![(3, -100.0), (7, 5.0)]);
 }
+
+#[tokio::test]
+async fn logprobs_in_both_endpoints_plain_and_streamed() {
+    let h = harness();
+    // The fake reports -(i + 1) / 8 for step i and alternatives a nat apart.
+    let (status, v) = h
+        .post(
+            "/v1/completions",
+            &json!({"prompt": [65, 66], "max_tokens": 3, "logprobs": 2}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let ids = fake_ids(2, 3);
+    let spell = |t: u32| h.tok.decode(&[t], false).unwrap();
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<String> = ids.iter().map(|&t| spell(t)).collect();
+    assert_eq!(lp["tokens"], json!(tokens));
+    assert_eq!(lp["token_logprobs"], json!([-0.125, -0.25, -0.375]));
+    assert_eq!(lp["text_offset"], json!([0, 1, 2]));
+    assert_eq!(lp["top_logprobs"][1][spell(ids[1])], json!(-0.25));
+    assert_eq!(lp["top_logprobs"][1][spell(ids[1] + 1)], json!(-1.25));
+    assert_eq!(h.fake.submitted()[0].logprobs, Some(2));
+    // Without the field: null, and nothing asked of the backend.
+    let (_, v) = h
+        .post("/v1/completions", &json!({"prompt": [65], "max_tokens": 1}))
+        .await;
+    assert!(v["choices"][0]["logprobs"].is_null());
+    assert_eq!(h.fake.submitted()[1].logprobs, None);
+
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+        "logprobs": true, "top_logprobs": 1});
+    let (status, v) = h.post("/v1/chat/completions", &chat).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let prompt_len = h.fake.submitted()[2].prompt_ids.len();
+    let ids = fake_ids(prompt_len, 3);
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 3);
+    for (i, c) in content.iter().enumerate() {
+        assert_eq!(c["token"], spell(ids[i]));
+        assert_eq!(c["logprob"], json!(-((i + 1) as f32) / 8.0));
+        assert_eq!(c["bytes"], json!(spell(ids[i]).as_bytes()));
+        assert_eq!(c["top_logprobs"].as_array().unwrap().len(), 1);
+    }
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let (status, events, done) = h.post_sse("/v1/chat/completions", &streamed).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(done);
+    let per_chunk: Vec<Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(per_chunk, *content);
+}

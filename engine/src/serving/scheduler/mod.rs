@@ -18,7 +18,7 @@ use crate::kv::{
     page_hashes_marked, BlockHash, KvError, KvLayout, PageMark, PagePool, PrefixIndex, StateDtypes,
 };
 use crate::model::{LogitsWanted, Model, Segment};
-use crate::sampler::Sampler;
+use crate::sampler::{token_logprobs, Sampler};
 use crate::vision;
 
 mod inspect;
@@ -26,7 +26,8 @@ mod transfers;
 
 use super::paged::{LayerSlots, PagedSeq, Reserved, StepPages};
 use super::request::{
-    EngineEvent, EngineRequest, EventSink, FinishReason, Handoff, SchedulerConfig,
+    EngineEvent, EngineRequest, EventSink, FinishReason, Handoff, SchedulerConfig, TokenLogprobs,
+    MAX_TOP_LOGPROBS,
 };
 
 struct Seq {
@@ -44,6 +45,9 @@ struct Seq {
     /// False for a handed-off prompt with image placeholders but without the images: its state
     /// came as pages and cannot be computed again here.
     recomputable: bool,
+    /// The log-probabilities of the token last sampled, for a request that asks, until they are
+    /// sent (and, for a prefill-only request, handed off with it).
+    logprobs: Option<TokenLogprobs>,
     sink: Box<dyn EventSink>,
 }
 
@@ -149,6 +153,11 @@ impl Scheduler {
             ))
         } else if req.max_new_tokens == 0 {
             Some("max_new_tokens must be at least 1".to_string())
+        } else if req.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            Some(format!(
+                "at most {MAX_TOP_LOGPROBS} top log-probabilities a token, asked for {}",
+                req.logprobs.unwrap_or(0)
+            ))
         } else if req.resumed_tokens >= req.prompt.len() {
             Some(format!(
                 "{} resumed tokens leave no prompt of {} tokens",
@@ -179,6 +188,7 @@ impl Scheduler {
                 sampler,
                 cached_tokens: 0,
                 indexed_pages: 0,
+                logprobs: None,
                 sink,
             }),
         }
@@ -325,9 +335,10 @@ impl Scheduler {
         // biases: those need its completion so far, which the host has.
         let on_device = self.pool.arena().device().is_some();
         let sample_on_device = on_device
-            && plan
-                .iter()
-                .all(|&(i, _)| !self.running[i].sampler.adjusts_logits());
+            && plan.iter().all(|&(i, _)| {
+                let s = &self.running[i];
+                !s.sampler.adjusts_logits() && s.req.logprobs.is_none()
+            });
         let draws: Vec<_> = plan
             .iter()
             .map(|&(i, end)| {
@@ -454,7 +465,9 @@ impl Scheduler {
                 StepTokens::Sampled(t) => t,
                 StepTokens::Logits(lg) if !lg.is_empty() => {
                     let completion = s.req.prompt.len() - s.req.resumed_tokens;
-                    Some(s.sampler.sample_after(&lg, &s.tokens[completion..]))
+                    let next = s.sampler.sample_after(&lg, &s.tokens[completion..]);
+                    s.logprobs = s.req.logprobs.map(|k| token_logprobs(&lg, next, k));
+                    Some(next)
                 }
                 StepTokens::Logits(_) => None,
             };
@@ -605,6 +618,12 @@ impl Scheduler {
                 done.push(i);
                 continue;
             }
+            if let Some(lp) = &s.logprobs {
+                if !s.sink.send(EngineEvent::Logprobs(lp.clone())) {
+                    done.push(i);
+                    continue;
+                }
+            }
             if !s.sink.send(EngineEvent::Token(tok)) {
                 done.push(i);
                 continue;
@@ -643,6 +662,7 @@ impl Scheduler {
                     id: s.id,
                     prompt_len: s.req.prompt.len(),
                     first_token: *s.tokens.last().expect("sampled"),
+                    first_token_logprobs: s.logprobs.take(),
                     cached_tokens: s.cached_tokens,
                     mla_pages: s.paged.mla_pages.clone(),
                     kda_pages: s.paged.kda_pages.clone(),

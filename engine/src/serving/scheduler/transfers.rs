@@ -104,6 +104,7 @@ impl Scheduler {
             sampler,
             cached_tokens,
             indexed_pages: 0,
+            logprobs: None,
             sink: Box::new(|_: EngineEvent| true),
         };
         if done {
