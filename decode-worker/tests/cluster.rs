@@ -131,11 +131,7 @@ fn wire(s: &SamplingParams) -> v1::SamplingParams {
         seed: Some(s.seed),
         presence_penalty: s.presence_penalty,
         frequency_penalty: s.frequency_penalty,
-        logit_bias: s
-            .logit_bias
-            .iter()
-            .map(|&(token_id, bias)| v1::LogitBias { token_id, bias })
-            .collect(),
+        logit_bias: v1::LogitBias::from_pairs(&s.logit_bias),
     }
 }
 

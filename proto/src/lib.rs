@@ -61,6 +61,21 @@ impl v1::KvDestination {
     }
 }
 
+impl v1::LogitBias {
+    /// The wire form of (token id, bias) pairs.
+    pub fn from_pairs(pairs: &[(u32, f32)]) -> Vec<Self> {
+        pairs
+            .iter()
+            .map(|&(token_id, bias)| v1::LogitBias { token_id, bias })
+            .collect()
+    }
+
+    /// (token id, bias) pairs of the wire form.
+    pub fn pairs(list: &[Self]) -> Vec<(u32, f32)> {
+        list.iter().map(|b| (b.token_id, b.bias)).collect()
+    }
+}
+
 /// The standard gRPC health service (`grpc.health.v1`), from `tonic-health`.
 ///
 /// Serve it with [`health::server::health_reporter`]; query it with

@@ -284,7 +284,7 @@ pub fn sampling_from_wire(p: Option<&v1::SamplingParams>) -> SamplingParams {
             seed: p.seed.unwrap_or(d.seed),
             presence_penalty: p.presence_penalty,
             frequency_penalty: p.frequency_penalty,
-            logit_bias: p.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
+            logit_bias: v1::LogitBias::pairs(&p.logit_bias),
         },
     }
 }

@@ -99,11 +99,7 @@ impl ClusterBackend {
             seed: Some(s.seed.unwrap_or_else(policy::random_seed)),
             presence_penalty: s.presence_penalty,
             frequency_penalty: s.frequency_penalty,
-            logit_bias: s
-                .logit_bias
-                .iter()
-                .map(|&(token_id, bias)| v1::LogitBias { token_id, bias })
-                .collect(),
+            logit_bias: v1::LogitBias::from_pairs(&s.logit_bias),
         }
     }
 }
