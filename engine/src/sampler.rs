@@ -189,12 +189,16 @@ pub fn token_logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
             .get(t as usize)
             .map_or(f32::NEG_INFINITY, |&l| (value(l) as f64 - lse) as f32)
     };
-    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-    let top = top.min(order.len());
+    let top = top.min(logits.len());
     let by_rank = |a: &u32, b: &u32| {
         value(logits[*b as usize])
             .total_cmp(&value(logits[*a as usize]))
             .then(a.cmp(b))
+    };
+    let mut order: Vec<u32> = if top == 0 {
+        Vec::new()
+    } else {
+        (0..logits.len() as u32).collect()
     };
     if top > 0 && top < order.len() {
         order.select_nth_unstable_by(top - 1, by_rank);
