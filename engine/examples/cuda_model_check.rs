@@ -95,15 +95,7 @@ fn serve(
     rounds: usize,
     sampling: &SamplingParams,
 ) -> Result<Vec<Vec<Vec<u32>>>, String> {
-    let cfg = SchedulerConfig {
-        page_tokens: 16,
-        snapshot_interval: 16,
-        kv_memory_bytes: 256 << 20,
-        max_batch_tokens: 64,
-        max_running: 8,
-        prefix_cache: true,
-    };
-    let mut sched = Scheduler::new(model, cfg).map_err(|e| e.to_string())?;
+    let mut sched = Scheduler::new(model, serve_config()).map_err(|e| e.to_string())?;
     let mut all = Vec::new();
     for _ in 0..rounds {
         let outs: Vec<_> = prompts
@@ -126,6 +118,46 @@ fn serve(
         );
     }
     Ok(all)
+}
+
+/// The scheduler of the serving checks: small pages and chunks, so that prompts cross both.
+fn serve_config() -> SchedulerConfig {
+    SchedulerConfig {
+        page_tokens: 16,
+        snapshot_interval: 16,
+        kv_memory_bytes: 256 << 20,
+        max_batch_tokens: 64,
+        max_running: 8,
+        prefix_cache: true,
+    }
+}
+
+/// Every prompt served greedily together, asking for log-probabilities: each token's.
+fn serve_logprobs(model: &Model, prompts: &[(&[u32], usize)]) -> Result<Vec<Vec<f32>>, String> {
+    let mut sched = Scheduler::new(model, serve_config()).map_err(|e| e.to_string())?;
+    let outs: Vec<Arc<Mutex<Vec<f32>>>> = prompts
+        .iter()
+        .map(|&(p, n)| {
+            let out = Arc::new(Mutex::new(Vec::new()));
+            let mut req = EngineRequest::new(p.to_vec(), n);
+            req.logprobs = Some(5);
+            let sink = out.clone();
+            sched.submit(
+                req,
+                Box::new(move |e: EngineEvent| {
+                    if let EngineEvent::Logprobs(lp) = e {
+                        sink.lock().unwrap().push(lp.logprob);
+                    }
+                    true
+                }),
+            );
+            out
+        })
+        .collect();
+    while sched.has_work() {
+        sched.step(model).map_err(|e| e.to_string())?;
+    }
+    Ok(outs.iter().map(|o| o.lock().unwrap().clone()).collect())
 }
 
 struct Checks {
@@ -334,6 +366,32 @@ fn run_fixture(
         } else {
             println!("info {what}: {detail}");
         }
+    }
+
+    // Log-probabilities on the serving path, which the device forward then leaves to the host
+    // sampler: the same as the CPU engine's, greedy.
+    let (on_gpu, on_cpu) = (serve_logprobs(&gpu, &jobs)?, serve_logprobs(&cpu, &jobs)?);
+    let worst = on_gpu
+        .iter()
+        .zip(&on_cpu)
+        .flat_map(|(g, c)| {
+            let len = if g.len() == c.len() {
+                0.0
+            } else {
+                f32::INFINITY
+            };
+            g.iter().zip(c).map(|(a, b)| (a - b).abs()).chain([len])
+        })
+        .fold(
+            0f32,
+            |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
+        );
+    let what = format!("{mode} {name} serving logprobs = cpu");
+    let detail = format!("largest difference {worst:.2e} (tol 1e-3)");
+    if exact {
+        c.check(&what, worst <= 1e-3, detail);
+    } else {
+        println!("info {what}: {detail}");
     }
 
     // Every prompt in one batch against each alone.
