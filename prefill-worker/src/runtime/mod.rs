@@ -25,8 +25,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tessera_engine::kv::GroupKind;
-use tessera_engine::serving::{EngineHandle, TokenLogprobs, MAX_TOP_LOGPROBS};
-use tessera_engine::{Model, SamplingParams};
+use tessera_engine::serving::EngineHandle;
+use tessera_engine::Model;
 use tessera_proto::health::server::HealthReporter;
 use tessera_proto::tonic;
 use tessera_proto::tonic::service::interceptor::InterceptedService;
@@ -37,6 +37,7 @@ use tokio::sync::Notify;
 mod args;
 mod auth;
 mod metrics;
+mod wire;
 
 pub use args::{
     check_model_device, default_max_batch_tokens, DaemonArgs, TestHooks, TransportKind, Withhold,
@@ -47,6 +48,7 @@ pub use metrics::{
     counter, engine_metrics, gauge, render_metrics, write_family, write_role_families, Family,
     DRAINING_HELP,
 };
+pub use wire::{logprobs_to_wire, sampling_from_wire, top_logprobs_from_wire};
 
 pub(crate) const NO_UCX: &str =
     "--transport ucx: built without UCX support: rebuild with --features ucx";
@@ -270,47 +272,6 @@ pub fn worker_stats(
             },
         )
     })?)
-}
-
-/// Engine sampling parameters from the wire's (absent fields take the engine's defaults).
-pub fn sampling_from_wire(p: Option<&v1::SamplingParams>) -> SamplingParams {
-    let d = SamplingParams::default();
-    match p {
-        None => d,
-        Some(p) => SamplingParams {
-            temperature: p.temperature,
-            top_p: p.top_p.unwrap_or(d.top_p),
-            top_k: p.top_k as usize,
-            seed: p.seed.unwrap_or(d.seed),
-            presence_penalty: p.presence_penalty,
-            frequency_penalty: p.frequency_penalty,
-            logit_bias: v1::LogitBias::pairs(&p.logit_bias),
-        },
-    }
-}
-
-/// A request's count of alternative log-probabilities from the wire, checked against the
-/// engine's bound.
-#[allow(clippy::result_large_err)] // tonic's Status is what the handlers return anyway
-pub fn top_logprobs_from_wire(k: Option<u32>) -> Result<Option<usize>, tonic::Status> {
-    match k {
-        Some(k) if k as usize > MAX_TOP_LOGPROBS => Err(v1::ErrorDetail::new(
-            v1::ErrorCode::InvalidArgument,
-            format!("logprobs must be at most {MAX_TOP_LOGPROBS}, got {k}"),
-        )
-        .into_status()),
-        k => Ok(k.map(|k| k as usize)),
-    }
-}
-
-/// One token's log-probabilities on the wire.
-pub fn logprobs_to_wire(lp: &TokenLogprobs) -> v1::TokenLogprobs {
-    v1::TokenLogprobs {
-        token_id: lp.token,
-        logprob: lp.logprob,
-        top_ids: lp.top.iter().map(|&(t, _)| t).collect(),
-        top_logprobs: lp.top.iter().map(|&(_, l)| l).collect(),
-    }
 }
 
 /// Drain state: new work is refused once draining; shutdown waits for in-flight work.
