@@ -24,7 +24,8 @@ use tessera_proto::v1::{
 };
 
 use crate::http::error::ApiError;
-use crate::http::generate::{check_token_id, Delta, GenOptions, Generation};
+use crate::http::generate::{check_token_id, check_top_logprobs, Delta, GenOptions, Generation};
+use crate::http::logprobs::wire_form;
 use crate::http::types::{CommonParams, StopField};
 use crate::http::{new_request_id, AppState};
 
@@ -106,7 +107,11 @@ impl GrpcFront {
         state.check_model(model)?;
         let common = common_params(&req);
         let max_tokens = common.max_tokens;
-        let opts = GenOptions::from_params(common, max_tokens, state.vocab_size)?;
+        let mut opts = GenOptions::from_params(common, max_tokens, state.vocab_size)?;
+        opts.logprobs = req
+            .logprobs
+            .map(|k| check_top_logprobs(i64::from(k), "logprobs"))
+            .transpose()?;
         let prompt_ids = match req.prompt {
             None => return Err(ApiError::invalid_param("prompt", "missing field `prompt`")),
             Some(Prompt::Text(t)) if t.is_empty() => {
@@ -229,6 +234,7 @@ impl Call {
                 d.text
             },
             model: self.model.clone(),
+            logprobs: wire_form(&d.logprobs),
             ..GenerateResponse::default()
         };
         if let Some(f) = d.finish {
@@ -253,6 +259,7 @@ impl Call {
                     let d = d?;
                     all.text.push_str(&d.text);
                     all.token_ids.extend(d.token_ids);
+                    all.logprobs.extend(d.logprobs);
                     all.finish = d.finish;
                 }
                 None => {

@@ -296,6 +296,25 @@ async fn token_prompts_sampling_and_request_fields_reach_the_backend() {
     assert_eq!(sub.max_tokens, 16);
     assert_eq!(sub.prompt_ids, h.tok.encode("hello", true).unwrap());
     assert_eq!(out[0].usage.unwrap().completion_tokens, 16);
+    // Log-probabilities, one per token, streamed and whole alike: the fake's -(i + 1) / 8 and
+    // alternatives a nat apart.
+    for stream in [true, false] {
+        let req = GenerateRequest {
+            logprobs: Some(2),
+            ..text_request("hello", 3, stream)
+        };
+        let out = generate(&mut client, req).await.unwrap();
+        let ids: Vec<u32> = out.iter().flat_map(|r| r.token_ids.clone()).collect();
+        let lps: Vec<_> = out.iter().flat_map(|r| r.logprobs.clone()).collect();
+        assert_eq!(lps.len(), 3, "stream {stream}");
+        for (i, (lp, &id)) in lps.iter().zip(&ids).enumerate() {
+            assert_eq!(lp.token_id, id);
+            assert_eq!(lp.logprob, -((i + 1) as f32) / 8.0);
+            assert_eq!(lp.top_ids, vec![id, (id + 1) % 128]);
+            assert_eq!(lp.top_logprobs, vec![lp.logprob, lp.logprob - 1.0]);
+        }
+        assert_eq!(h.fake.submitted().pop().unwrap().logprobs, Some(2));
+    }
     h.stop().await;
 }
 
@@ -368,6 +387,13 @@ async fn bad_requests_map_to_grpc_codes() {
                     frequency_penalty: 2.5,
                     ..SamplingParams::default()
                 }),
+                ..base.clone()
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            GenerateRequest {
+                logprobs: Some(21),
                 ..base.clone()
             },
             Code::InvalidArgument,

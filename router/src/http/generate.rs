@@ -416,12 +416,13 @@ pub(crate) struct Delta {
     pub logprobs: Vec<TokenLogprob>,
 }
 
-/// One token's log-probability and its most likely alternatives, by their texts.
+/// One token's log-probability and its most likely alternatives, with their ids and texts.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct TokenLogprob {
+    pub id: u32,
     pub token: String,
     pub logprob: f32,
-    pub top: Vec<(String, f32)>,
+    pub top: Vec<(u32, String, f32)>,
 }
 
 fn finish_name(r: FinishReason) -> &'static str {
@@ -546,9 +547,10 @@ impl Generation {
         };
         let spell = |t: u32| tok.decode(&[t], false).unwrap_or_default();
         vec![TokenLogprob {
+            id,
             token: spell(id),
             logprob: lp.logprob,
-            top: lp.top.iter().map(|&(t, l)| (spell(t), l)).collect(),
+            top: lp.top.iter().map(|&(t, l)| (t, spell(t), l)).collect(),
         }]
     }
 

@@ -16,7 +16,7 @@ pub(crate) fn completion_form(tokens: &[TokenLogprob], offset: &mut usize) -> Co
         out.token_logprobs.push(t.logprob);
         // Alternatives whose texts coincide keep the likeliest (they come in descending order).
         let mut top = BTreeMap::new();
-        for (text, lp) in &t.top {
+        for (_, text, lp) in &t.top {
             top.entry(text.clone()).or_insert(*lp);
         }
         out.top_logprobs.push(top);
@@ -38,7 +38,7 @@ pub(crate) fn chat_form(tokens: &[TokenLogprob]) -> ChatLogprobs {
                 top_logprobs: t
                     .top
                     .iter()
-                    .map(|(text, lp)| ChatTopLogprob {
+                    .map(|(_, text, lp)| ChatTopLogprob {
                         token: text.clone(),
                         logprob: *lp,
                         bytes: text.as_bytes().to_vec(),
@@ -49,15 +49,33 @@ pub(crate) fn chat_form(tokens: &[TokenLogprob]) -> ChatLogprobs {
     }
 }
 
+/// The gRPC form of `tokens`: ids and log-probabilities, no texts.
+pub(crate) fn wire_form(tokens: &[TokenLogprob]) -> Vec<tessera_proto::v1::TokenLogprobs> {
+    tokens
+        .iter()
+        .map(|t| tessera_proto::v1::TokenLogprobs {
+            token_id: t.id,
+            logprob: t.logprob,
+            top_ids: t.top.iter().map(|(id, _, _)| *id).collect(),
+            top_logprobs: t.top.iter().map(|(_, _, lp)| *lp).collect(),
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn tok(text: &str, lp: f32, top: &[(&str, f32)]) -> TokenLogprob {
         TokenLogprob {
+            id: 0,
             token: text.into(),
             logprob: lp,
-            top: top.iter().map(|&(t, l)| (t.to_string(), l)).collect(),
+            top: top
+                .iter()
+                .enumerate()
+                .map(|(i, &(t, l))| (i as u32, t.to_string(), l))
+                .collect(),
         }
     }
 

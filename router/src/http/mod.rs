@@ -11,7 +11,7 @@ pub mod error;
 pub mod fetch;
 pub(crate) mod generate;
 pub mod images;
-mod logprobs;
+pub(crate) mod logprobs;
 mod stream;
 pub mod types;
 
