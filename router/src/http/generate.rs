@@ -26,7 +26,7 @@ pub(crate) const MAX_STOP_TOKEN_IDS: usize = 256;
 /// Alternatives a token's log-probabilities may list at most.
 pub(crate) const MAX_TOP_LOGPROBS: i64 = 20;
 
-/// `Some(k)` for a request of `k` alternatives in [0, 20], a 400 naming `param` otherwise.
+/// `k` alternatives of log-probabilities when it is in [0, 20], a 400 naming `param` otherwise.
 pub(crate) fn check_top_logprobs(k: i64, param: &str) -> Result<u32, ApiError> {
     if !(0..=MAX_TOP_LOGPROBS).contains(&k) {
         return Err(ApiError::invalid_param(
@@ -82,7 +82,7 @@ impl GenOptions {
                 ))
             }
         };
-        // best_of > n would rank choices by their log-probabilities, which are not computed.
+        // best_of > n would generate more choices and return the n likeliest: not offered.
         if let Some(b) = p.best_of.filter(|&b| b != n as i64) {
             return Err(ApiError::invalid_param(
                 "best_of",

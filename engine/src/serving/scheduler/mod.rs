@@ -331,8 +331,9 @@ impl Scheduler {
         }
         // A device forward samples there too: each sequence whose last token runs this step
         // takes its draw now (only token ids come back); the host forward returns logits,
-        // sampled below. So does a device forward whose step holds a sequence with penalties or
-        // biases: those need its completion so far, which the host has.
+        // sampled below. So does a device forward whose step holds a sequence with penalties,
+        // biases or log-probabilities: those need its completion so far or the logits
+        // themselves, which the host has.
         let on_device = self.pool.arena().device().is_some();
         let sample_on_device = on_device
             && plan.iter().all(|&(i, _)| {
