@@ -108,12 +108,12 @@ pub(crate) async fn handle(
         return sse_response(choices, format, opts.include_usage).await;
     }
     let outputs = collect_all(&mut choices).await?;
-    let mut body = format.body(Vec::new());
-    body.choices = outputs
+    let outputs = outputs
         .into_iter()
         .enumerate()
         .map(|(i, d)| format.choice(i as u32, d))
         .collect();
+    let mut body = format.body(outputs);
     body.usage = Some(Generation::usage_of(&choices));
     Ok(Json(body).into_response())
 }
